@@ -1,0 +1,27 @@
+"""ckptkit: PyTorch checkpoints that move between single-device, DataParallel, DDP and safetensors.
+
+Importing the package is cheap: torch is imported only when a tensor is actually needed.
+"""
+
+from __future__ import annotations
+
+from ckptkit.convert import ConvertReport, convert
+from ckptkit.errors import CkptkitError
+from ckptkit.formats import open_source
+from ckptkit.keys import detect_wrappers
+from ckptkit.load import LoadReport, load_into, load_state_dict
+from ckptkit.meta import ckptkit_version
+
+__version__ = ckptkit_version()
+
+__all__ = [
+    "__version__",
+    "CkptkitError",
+    "convert",
+    "ConvertReport",
+    "load_state_dict",
+    "load_into",
+    "LoadReport",
+    "open_source",
+    "detect_wrappers",
+]

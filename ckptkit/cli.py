@@ -1,0 +1,230 @@
+"""The ``ckptkit`` command: each command checks its flags, makes one library call, prints.
+
+Errors the library expects become one ``Error: <what>; <fix>`` line on stderr with the error's
+exit code; ``CKPTKIT_DEBUG=1`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+import click
+
+from ckptkit.errors import CkptkitError, UsageError
+from ckptkit.meta import ckptkit_version
+
+__all__ = ["cli", "main"]
+
+
+def _size(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "kB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def _progress(quiet: bool) -> bool:
+    return not quiet and sys.stderr.isatty()
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(ckptkit_version(), "--version", prog_name="ckptkit")
+def cli() -> None:
+    """Move PyTorch checkpoints between single-device, DataParallel, DDP and safetensors."""
+
+
+@cli.command()
+@click.argument("src", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
+@click.option(
+    "--select",
+    metavar="DOTTED.PATH",
+    help="Where the state dict is in a training checkpoint (default: found).",
+)
+@click.option(
+    "--strip-module", is_flag=True, help="Strip one leading 'module.' (DataParallel / DDP)."
+)
+@click.option(
+    "--strip-wrappers",
+    is_flag=True,
+    help="Strip the whole detected wrapper chain (module., _orig_mod., ...).",
+)
+@click.option(
+    "--strip-prefix",
+    multiple=True,
+    metavar="P",
+    help="Strip prefix P, e.g. Lightning's 'model.' (repeatable).",
+)
+@click.option(
+    "--add-module", is_flag=True, help="Add 'module.' so the result loads into a DP / DDP model."
+)
+@click.option(
+    "--add-prefix", multiple=True, metavar="P", help="Add prefix P to every key (repeatable)."
+)
+@click.option(
+    "--rename",
+    multiple=True,
+    metavar="REGEX=REPL",
+    help="Rewrite keys with re.sub (repeatable, in order).",
+)
+@click.option(
+    "--match-to", metavar="REF", help="Map keys onto the layout of reference checkpoint REF."
+)
+@click.option("--dry-run", is_flag=True, help="Print the key plan; write nothing.")
+@click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
+@click.option(
+    "--no-verify", is_flag=True, help="Skip reading the output back for a bit-exact comparison."
+)
+@click.option(
+    "--allow-global",
+    multiple=True,
+    metavar="NAME",
+    help="Admit pickle global NAME (module.Class); it is never imported.",
+)
+@click.option(
+    "--trust",
+    is_flag=True,
+    help="Load SRC with torch's full unpickler. It can run code: only for files you trust.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar, no report.")
+def convert(
+    src: str,
+    dst: str,
+    select: str | None,
+    strip_module: bool,
+    strip_wrappers: bool,
+    strip_prefix: tuple[str, ...],
+    add_module: bool,
+    add_prefix: tuple[str, ...],
+    rename: tuple[str, ...],
+    match_to: str | None,
+    dry_run: bool,
+    force: bool,
+    no_verify: bool,
+    allow_global: tuple[str, ...],
+    trust: bool,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Convert SRC's state dict to DST (.safetensors or .pt), rewriting key prefixes.
+
+    \b
+    ckptkit convert ddp.pt model.safetensors --strip-module
+    ckptkit convert lightning.ckpt model.safetensors --strip-prefix model.
+    ckptkit convert single.pt ddp-ready.pt --add-module
+    """
+    from ckptkit.convert import convert as run
+
+    if strip_module and strip_wrappers:
+        raise UsageError("--strip-module and --strip-wrappers overlap", "use one of them")
+    report = run(
+        src,
+        dst,
+        select=select,
+        strip_module=strip_module,
+        strip_wrappers=strip_wrappers,
+        strip_prefixes=strip_prefix,
+        add_module=add_module,
+        add_prefixes=add_prefix,
+        renames=rename,
+        match_to=match_to,
+        dry_run=dry_run,
+        force=force,
+        verify=not no_verify,
+        trust=trust,
+        allow_globals=allow_global,
+        progress=_progress(quiet or as_json),
+    )
+    if as_json:
+        _emit_json(report.to_dict())
+    elif not quiet:
+        _print_convert(report)
+
+
+def _print_convert(report: Any) -> None:
+    where = (
+        f"state dict at '{report.selected}'" if report.selected else "state dict at the top level"
+    )
+    click.echo(
+        f"Read     {report.source} ({report.source_format}); {where} ({report.selected_reason})"
+    )
+    plan = report.plan
+    steps = "; ".join(plan.steps) if plan.steps else "keys unchanged"
+    click.echo(f"Keys     {report.tensors} tensors, {_size(report.nbytes)}: {steps}")
+    if report.dry_run:
+        for old, new in plan.mapping.items():
+            click.echo(f"  {old} -> {new if new is not None else '(dropped)'}")
+    for part in report.dropped:
+        click.echo(
+            f"Dropped  {part.path} ({part.tensors} tensors, {_size(part.nbytes)}): not model weights"
+        )
+    for key in plan.dropped:
+        click.echo(f"Dropped  {key} (wrapper bookkeeping)")
+    for alias, target in report.aliases.items():
+        click.echo(f"Tied     {alias} = {target} (written twice, recorded in metadata)")
+    if report.made_contiguous:
+        click.echo(
+            f"Packed   {len(report.made_contiguous)} non-contiguous tensor(s) made contiguous"
+        )
+    if report.extras and report.output_format == "safetensors":
+        click.echo(f"Kept     {', '.join(report.extras)} in the metadata")
+    elif report.extras:
+        click.echo(f"Left     {', '.join(report.extras)} (a .pt output holds only the state dict)")
+    if report.dry_run:
+        click.echo("Dry run: nothing written")
+    else:
+        checked = "verified bit-exact" if report.verified else "not verified (--no-verify)"
+        click.echo(f"Wrote    {report.destination} ({report.output_format}), {checked}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI, turning expected errors into one line and an exit code."""
+    debug = os.environ.get("CKPTKIT_DEBUG") == "1"
+    try:
+        cli.main(args=argv, prog_name="ckptkit", standalone_mode=False)
+    except CkptkitError as exc:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        if debug:
+            traceback.print_exc()
+        ctx = getattr(exc, "ctx", None)
+        hint = f"; see '{ctx.command_path} --help'" if ctx else ""
+        click.echo(f"Error: {exc.format_message().rstrip('.')}{hint}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("Interrupted.", err=True)
+        sys.exit(130)
+    except OSError as exc:
+        if debug:
+            traceback.print_exc()
+        where = f": {exc.filename}" if exc.filename else ""
+        click.echo(f"Error: {exc.strerror or exc}{where}", err=True)
+        sys.exit(1)
+    except Exception as exc:  # a bug: say so in one line, traceback on request
+        if debug:
+            raise
+        click.echo(
+            f"Error: internal error ({type(exc).__name__}: {exc}); "
+            "rerun with CKPTKIT_DEBUG=1 and report the traceback",
+            err=True,
+        )
+        sys.exit(1)

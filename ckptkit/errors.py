@@ -1,0 +1,76 @@
+"""Typed errors: every failure ckptkit expects says what went wrong and how to fix it.
+
+The library raises these; ``cli.main`` turns them into one ``Error: <what>; <fix>`` line with the
+error's exit code. Stdlib only, importable from anywhere.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CkptkitError",
+    "UsageError",
+    "FormatError",
+    "UnsafeCheckpointError",
+    "SelectError",
+    "KeyTransformError",
+    "KeyMatchError",
+    "OutputError",
+    "VerificationError",
+]
+
+
+class CkptkitError(Exception):
+    """Base class of the errors ckptkit expects.
+
+    Args:
+        message: what went wrong, naming the file or key concerned.
+        hint: how to fix it, or None when the message says it all.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message}; {self.hint}" if self.hint else self.message
+
+
+class UsageError(CkptkitError):
+    """Options that cannot go together, or a value of the wrong form."""
+
+    exit_code = 2
+
+
+class FormatError(CkptkitError):
+    """A file that is not a checkpoint ckptkit reads, or one that is damaged."""
+
+
+class UnsafeCheckpointError(CkptkitError):
+    """A pickle that names globals outside the safe set."""
+
+    def __init__(self, message: str, hint: str | None = None, *, globals_: tuple[str, ...] = ()):
+        super().__init__(message, hint)
+        self.globals = globals_
+
+
+class SelectError(CkptkitError):
+    """The state dict cannot be found, or ``--select`` names nothing usable."""
+
+
+class KeyTransformError(CkptkitError):
+    """A key rewrite that does nothing, or that maps two keys onto one."""
+
+
+class KeyMatchError(CkptkitError):
+    """Checkpoint keys that do not fit a model or a reference checkpoint."""
+
+
+class OutputError(CkptkitError):
+    """An output that exists, equals the input, or cannot be written."""
+
+
+class VerificationError(CkptkitError):
+    """What was written does not read back identical to the source."""

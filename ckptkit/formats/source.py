@@ -1,0 +1,92 @@
+"""The ``Source`` every reader returns: a checkpoint's tensors by key, headers first, data lazily."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.formats.dtypes import DTYPES
+from ckptkit.formats.tree import DroppedPart
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TensorInfo", "Source"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a header says about one tensor: enough to plan a conversion without its data.
+
+    ``storage`` identifies the buffer the tensor lives in (None when it owns its bytes, as in
+    safetensors) and ``byte_range`` is the part of that buffer it covers, so aliasing can be seen.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    storage: str | None = None
+    byte_range: tuple[int, int] = (0, 0)
+    contiguous: bool = True
+    kind: str = "dense"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype].itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "bytes": self.nbytes}
+
+
+@dataclass
+class Source(ABC):
+    """An opened checkpoint. Use as a context manager, or call :meth:`close`."""
+
+    path: Path
+    format: str
+    metadata: dict[str, str] = field(default_factory=dict)
+    selected: str = ""
+    selected_reason: str = ""
+    extras: dict[str, Any] = field(default_factory=dict)
+    dropped: list[DroppedPart] = field(default_factory=list)
+    globals: list[str] = field(default_factory=list)
+
+    @abstractmethod
+    def entries(self) -> list[tuple[str, TensorInfo]]:
+        """Every tensor of the selected state dict, in file order, from headers alone."""
+
+    @abstractmethod
+    def load(self, key: str) -> torch.Tensor:
+        """One tensor, on the CPU, memory-mapped where the format allows."""
+
+    def keys(self) -> list[str]:
+        return [key for key, _ in self.entries()]
+
+    def aliases(self) -> dict[str, str]:
+        """Keys that are the very same tensor as an earlier key (tied weights): alias -> first."""
+        first: dict[tuple[Any, ...], str] = {}
+        aliases: dict[str, str] = {}
+        for key, info in self.entries():
+            if info.storage is None or info.numel == 0:
+                continue
+            ident = (info.storage, info.byte_range, info.dtype, info.shape, info.contiguous)
+            if ident in first:
+                aliases[key] = first[ident]
+            else:
+                first[ident] = key
+        return aliases
+
+    def close(self) -> None:
+        """Release file handles and mappings (tensors already loaded stay valid)."""
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

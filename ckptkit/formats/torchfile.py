@@ -1,0 +1,305 @@
+"""PyTorch checkpoints: the zip format (torch >= 1.6) and the legacy format, read without executing.
+
+Both are read statically (see ``pickle_scan``): the pickle gives each tensor's storage, dtype,
+shape, stride and offset, and the storage bytes are located in the file (a stored zip member, or
+a record after the legacy pickles), so each tensor is a view of a memory map, read when used.
+``--trust`` is the one path that runs torch's full unpickler, and only after a static scan.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import struct
+import zipfile
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import FormatError, UnsafeCheckpointError
+from ckptkit.formats.pickle_scan import (
+    PickleScan,
+    StorageRef,
+    TensorStub,
+    UnsupportedTensor,
+    read_pickle,
+)
+from ckptkit.formats.source import Source, TensorInfo
+from ckptkit.formats.tensors import dtype_name, from_buffer, torch_dtype
+from ckptkit.formats.tree import select_state_dict
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "TorchFileSource",
+    "TrustedTorchSource",
+    "scan_torch_file",
+    "write_torch",
+    "LEGACY_MAGIC",
+]
+
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LOCAL_HEADER = struct.Struct("<4s22sHH")  # signature, fixed fields, name length, extra length
+
+
+class _ZipLayout:
+    """Where each storage's bytes sit inside a torch zip file."""
+
+    def __init__(self, path: Path, zf: zipfile.ZipFile, raw: Any) -> None:
+        names = zf.namelist()
+        pkl = next((n for n in names if n == "data.pkl" or n.endswith("/data.pkl")), None)
+        if pkl is None:
+            raise FormatError(f"{path} is a zip archive but not a PyTorch checkpoint (no data.pkl)")
+        self.prefix = pkl[: -len("data.pkl")]
+        byteorder = self.prefix + "byteorder"
+        if byteorder in names and zf.read(byteorder).strip() not in (b"little", b""):
+            raise FormatError(f"{path} was saved on a big-endian machine", "convert it there")
+        self.path, self.zf, self.raw = path, zf, raw
+        self.pickle = zf.read(pkl)
+
+    def storage(self, ref: StorageRef) -> torch.Tensor:
+        name = f"{self.prefix}data/{ref.key}"
+        try:
+            info = self.zf.getinfo(name)
+        except KeyError:
+            raise FormatError(f"{self.path} is damaged: storage '{ref.key}' is missing") from None
+        if info.file_size < ref.nbytes:
+            raise FormatError(f"{self.path} is damaged: storage '{ref.key}' is short")
+        if info.compress_type != zipfile.ZIP_STORED:  # torch never compresses; other tools might
+            return from_buffer(bytearray(self.zf.read(info)), 0, ref.nbytes, ref.dtype)
+        self.raw.seek(info.header_offset)
+        sig, _, name_len, extra_len = _LOCAL_HEADER.unpack(self.raw.read(_LOCAL_HEADER.size))
+        if sig != b"PK\x03\x04":
+            raise FormatError(f"{self.path} is damaged: bad zip entry for storage '{ref.key}'")
+        return self.map(info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, ref)
+
+    def map(self, offset: int, ref: StorageRef) -> torch.Tensor:
+        if offset + ref.nbytes > len(self.mm):
+            raise FormatError(f"{self.path} is truncated", "copy or download it again")
+        return from_buffer(self.mm, offset, ref.nbytes, ref.dtype)
+
+    @property
+    def mm(self) -> mmap.mmap:
+        if not hasattr(self, "_mm"):
+            # Copy-on-write: writable for torch.frombuffer, never written back to the file.
+            self._mm = mmap.mmap(self.raw.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._mm
+
+
+class _LegacyLayout(_ZipLayout):
+    """The legacy format: magic, protocol and system-info pickles, the main pickle, the list of
+    storage keys, then each storage as an int64 element count followed by its bytes."""
+
+    def __init__(self, path: Path, raw: Any) -> None:
+        self.path, self.raw = path, raw
+        raw.seek(0)
+        try:
+            magic = read_pickle(raw).root
+            read_pickle(raw)  # protocol version
+            sys_info = read_pickle(raw).root
+        except FormatError:
+            magic, sys_info = None, {}
+        if magic != LEGACY_MAGIC:
+            raise FormatError(
+                f"{path} is a plain pickle, not a PyTorch checkpoint",
+                "ckptkit reads files written by torch.save or safetensors",
+            )
+        if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
+            raise FormatError(f"{path} was saved on a big-endian machine", "convert it there")
+        self.main_offset = raw.tell()
+
+    def read(self) -> PickleScan:
+        self.raw.seek(self.main_offset)
+        scan = read_pickle(self.raw, legacy=True)
+        keys = read_pickle(self.raw).root
+        if not isinstance(keys, list):
+            raise FormatError(f"{self.path} is damaged: no storage list after the pickle")
+        self.offsets: dict[str, int] = {}
+        pos = self.raw.tell()
+        size = self.raw.seek(0, io.SEEK_END)
+        for key in keys:
+            ref = scan.storages.get(str(key))
+            self.raw.seek(pos)
+            head = self.raw.read(8)
+            if ref is None or len(head) < 8:
+                raise FormatError(f"{self.path} is truncated", "copy or download it again")
+            (numel,) = struct.unpack("<q", head)
+            if numel != ref.numel:
+                raise FormatError(f"{self.path} is damaged: storage '{key}' has the wrong size")
+            self.offsets[ref.key] = pos + 8
+            pos += 8 + ref.nbytes
+        if pos > size:
+            raise FormatError(f"{self.path} is truncated", "copy or download it again")
+        return scan
+
+    def storage(self, ref: StorageRef) -> torch.Tensor:
+        return self.map(self.offsets[ref.key], ref)
+
+
+def _is_stub(value: Any) -> bool:
+    return isinstance(value, (TensorStub, UnsupportedTensor))
+
+
+def _stub_nbytes(value: Any) -> int:
+    return value.nbytes if isinstance(value, TensorStub) else 0
+
+
+def scan_torch_file(path: Path) -> tuple[PickleScan, _ZipLayout, Any]:
+    """Open a torch file and read its pickle statically. Returns (scan, layout, open file)."""
+    raw = open(path, "rb")  # noqa: SIM115 - owned by the Source, closed in close()
+    try:
+        if zipfile.is_zipfile(raw):
+            raw.seek(0)
+            layout: _ZipLayout = _ZipLayout(path, zipfile.ZipFile(raw), raw)
+            scan = read_pickle(layout.pickle)
+        else:
+            layout = _LegacyLayout(path, raw)
+            scan = layout.read()
+    except zipfile.BadZipFile as exc:
+        raw.close()
+        raise FormatError(
+            f"{path} is a damaged zip file ({exc})", "copy or download it again"
+        ) from None
+    except BaseException:
+        raw.close()
+        raise
+    return scan, layout, raw
+
+
+class TorchFileSource(Source):
+    """A torch zip or legacy file read statically; tensors are views of a memory map."""
+
+    def __init__(
+        self, path: Path, *, select: str | None = None, allow_globals: Iterable[str] = ()
+    ) -> None:
+        scan, self._layout, self._raw = scan_torch_file(path)
+        allowed = set(allow_globals)
+        unsafe = [g for g in scan.unsafe_globals if g not in allowed]
+        if unsafe:
+            self._raw.close()
+            raise UnsafeCheckpointError(
+                f"{path} names globals outside torch's safe set: {', '.join(unsafe)}",
+                "if you trust the file, admit each with --allow-global NAME "
+                "(or load it fully with --trust)",
+                globals_=tuple(unsafe),
+            )
+        fmt = "torch-legacy" if isinstance(self._layout, _LegacyLayout) else "torch-zip"
+        super().__init__(path=path, format=fmt, globals=list(scan.globals))
+        self.scan = scan
+        try:
+            sel = select_state_dict(
+                scan.root, _is_stub, _stub_nbytes, select=select, source=str(path)
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.selected, self.selected_reason = sel.path, sel.reason
+        self.extras, self.dropped = sel.extras, sel.dropped
+        self._stubs: dict[str, Any] = dict(sel.state_dict)
+        self._bases: dict[str, torch.Tensor] = {}
+
+    def entries(self) -> list[tuple[str, TensorInfo]]:
+        out = []
+        for key, stub in self._stubs.items():
+            if isinstance(stub, UnsupportedTensor):
+                out.append((key, TensorInfo("uint8", (0,), kind=stub.kind)))
+                continue
+            out.append(
+                (
+                    key,
+                    TensorInfo(
+                        dtype=stub.dtype,
+                        shape=stub.shape,
+                        storage=stub.storage.key,
+                        byte_range=stub.byte_range(),
+                        contiguous=stub.is_contiguous,
+                    ),
+                )
+            )
+        return out
+
+    def load(self, key: str) -> torch.Tensor:
+        stub = self._stubs[key]
+        if isinstance(stub, UnsupportedTensor):
+            raise FormatError(
+                f"tensor '{key}' in {self.path} is {stub.kind}, which ckptkit cannot read",
+                "convert it to a dense tensor in PyTorch first",
+            )
+        ref = stub.storage
+        if ref.key not in self._bases:
+            self._bases[ref.key] = self._layout.storage(ref)
+        base = self._bases[ref.key]
+        if stub.dtype != ref.dtype:  # an UntypedStorage's bytes seen as the tensor's dtype
+            base = base.view(torch_dtype(stub.dtype))
+        start, end = stub.byte_range()
+        if stub.numel and end > ref.nbytes:
+            raise FormatError(f"{self.path} is damaged: tensor '{key}' runs past its storage")
+        return base.as_strided(stub.shape, stub.stride, stub.offset)
+
+    def close(self) -> None:
+        self._bases = {}
+        self._raw.close()
+
+
+class TrustedTorchSource(Source):
+    """A torch file loaded with the full unpickler (``weights_only=False``): for trusted files only.
+
+    ckptkit scans the pickle statically first, so the globals it imports are known and reported.
+    """
+
+    def __init__(self, path: Path, *, select: str | None = None) -> None:
+        import torch
+
+        scan, layout, raw = scan_torch_file(path)
+        raw.close()
+        is_zip = not isinstance(layout, _LegacyLayout)
+        try:
+            root = torch.load(path, map_location="cpu", weights_only=False, mmap=is_zip)
+        except Exception as exc:  # arbitrary code ran: report whatever it raised
+            raise FormatError(f"torch.load failed on {path}: {type(exc).__name__}: {exc}") from None
+        fmt = "torch-zip" if is_zip else "torch-legacy"
+        super().__init__(path=path, format=fmt, globals=list(scan.globals))
+        sel = select_state_dict(
+            root,
+            torch.is_tensor,
+            lambda t: t.numel() * t.element_size(),
+            select=select,
+            source=str(path),
+        )
+        self.selected, self.selected_reason = sel.path, sel.reason
+        self.extras, self.dropped = sel.extras, sel.dropped
+        self._tensors: dict[str, torch.Tensor] = dict(sel.state_dict)
+
+    def entries(self) -> list[tuple[str, TensorInfo]]:
+        out = []
+        for key, t in self._tensors.items():
+            start = t.storage_offset() * t.element_size()
+            out.append(
+                (
+                    key,
+                    TensorInfo(
+                        dtype=dtype_name(t.dtype),
+                        shape=tuple(t.shape),
+                        storage=str(t.untyped_storage().data_ptr()),
+                        byte_range=(start, start + t.numel() * t.element_size()),
+                        contiguous=t.is_contiguous(),
+                    ),
+                )
+            )
+        return out
+
+    def load(self, key: str) -> torch.Tensor:
+        return self._tensors[key].detach()
+
+
+def write_torch(dst: Path, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Write a plain state dict with ``torch.save`` (loads with ``weights_only=True``).
+
+    Tensors passed as the same object stay one storage in the file (tied weights).
+    """
+    import torch
+
+    state = OrderedDict((key, tensor.detach()) for key, tensor in pairs)
+    torch.save(state, dst)

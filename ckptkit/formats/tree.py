@@ -1,0 +1,199 @@
+"""Find the state dict inside a training checkpoint's object tree, and what else is there.
+
+Works on any tree of dicts, lists and tuples whose leaves are tensors or plain values, given a
+predicate that says what a tensor is (a ``TensorStub`` from the static reader, or a real tensor),
+so it needs no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptkit.errors import SelectError
+from ckptkit.meta import jsonable
+
+__all__ = ["Selection", "DroppedPart", "select_state_dict", "is_state_dict"]
+
+# Where training code keeps the weights, most specific first. Each name is tried at the top
+# level and one level further down (`{"model": {"state_dict": ...}}`).
+STATE_DICT_NAMES = (
+    "state_dict",  # Lightning, many scripts
+    "model_state_dict",  # the PyTorch tutorials
+    "model",  # timm, torchvision references, most hand-written loops
+    "module",
+    "net",
+    "network",
+    "model_state",
+    "weights",
+    "params",
+)
+# EMA / SWA copies: used only when no main state dict is found, and reported either way.
+EMA_NAMES = ("ema", "model_ema", "ema_model", "ema_state_dict", "state_dict_ema", "shadow")
+
+IsTensor = Callable[[Any], bool]
+
+
+@dataclass
+class DroppedPart:
+    """A part of the checkpoint holding tensors that is not the selected state dict."""
+
+    path: str
+    tensors: int
+    nbytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "tensors": self.tensors, "bytes": self.nbytes}
+
+
+@dataclass
+class Selection:
+    """The chosen state dict, where it was and why, and the rest of the checkpoint."""
+
+    state_dict: Mapping[str, Any]
+    path: str
+    reason: str
+    extras: dict[str, Any] = field(default_factory=dict)
+    dropped: list[DroppedPart] = field(default_factory=list)
+
+
+def is_state_dict(node: Any, is_tensor: IsTensor) -> bool:
+    """A non-empty mapping of string keys to tensors only."""
+    return (
+        isinstance(node, Mapping)
+        and len(node) > 0
+        and all(isinstance(k, str) and is_tensor(v) for k, v in node.items())
+    )
+
+
+def _children(node: Any) -> list[tuple[str, Any]]:
+    if isinstance(node, Mapping):
+        return [(str(k), v) for k, v in node.items()]
+    if isinstance(node, (list, tuple)):
+        return [(str(i), v) for i, v in enumerate(node)]
+    return []
+
+
+def _tensors_in(node: Any, is_tensor: IsTensor, nbytes: Callable[[Any], int]) -> tuple[int, int]:
+    if is_tensor(node):
+        return 1, nbytes(node)
+    count = size = 0
+    for _, child in _children(node):
+        c, s = _tensors_in(child, is_tensor, nbytes)
+        count, size = count + c, size + s
+    return count, size
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _find(root: Any, is_tensor: IsTensor) -> tuple[str, str] | None:
+    if is_state_dict(root, is_tensor):
+        return "", "the file is a flat state dict"
+    if not isinstance(root, Mapping):
+        return None
+    for names, why in (
+        (STATE_DICT_NAMES, "found by its name"),
+        (EMA_NAMES, "an EMA copy: no main weights found"),
+    ):
+        for name in names:
+            child = root.get(name)
+            if is_state_dict(child, is_tensor):
+                return name, why
+            if isinstance(child, Mapping):
+                for inner in STATE_DICT_NAMES:
+                    if is_state_dict(child.get(inner), is_tensor):
+                        return f"{name}.{inner}", why
+    # Last resort: the largest tensor map anywhere.
+    best: tuple[int, str] | None = None
+    stack = [("", root)]
+    while stack:
+        path, node = stack.pop()
+        if is_state_dict(node, is_tensor):
+            if best is None or len(node) > best[0]:
+                best = (len(node), path)
+            continue
+        stack.extend((_join(path, name), child) for name, child in _children(node))
+    if best is not None:
+        return best[1], "the largest tensor map; --select picks another"
+    return None
+
+
+def _resolve(root: Any, dotted: str) -> tuple[list[tuple[Any, str]], Any]:
+    """Walk a dotted path; names may themselves contain dots. Returns the parents and the node."""
+    node, rest, parents = root, dotted, []
+    while rest:
+        names = [name for name, _ in _children(node)]
+        # Prefer the longest name that matches, so a key like "model.ema" still resolves.
+        match = max(
+            (n for n in names if rest == n or rest.startswith(n + ".")), key=len, default=None
+        )
+        if match is None:
+            raise SelectError(
+                f"no '{rest.split('.')[0]}' in the checkpoint",
+                f"available here: {', '.join(names[:12]) or 'nothing'}",
+            )
+        parents.append((node, match))
+        node = dict(_children(node))[match]
+        rest = rest[len(match) + 1 :]
+    return parents, node
+
+
+def select_state_dict(
+    root: Any,
+    is_tensor: IsTensor,
+    nbytes: Callable[[Any], int],
+    *,
+    select: str | None = None,
+    source: str = "the checkpoint",
+) -> Selection:
+    """Find the state dict in a checkpoint tree (or take the one ``select`` names).
+
+    Args:
+        root: the unpickled object tree.
+        is_tensor: tells tensors from other values.
+        nbytes: a tensor's size in bytes.
+        select: dotted path of the state dict, overriding the search.
+        source: the file name, for messages.
+
+    Returns:
+        The selection, with the non-tensor values beside it as extras and every other part
+        holding tensors (optimizer state, EMA copies) listed as dropped.
+
+    Raises:
+        SelectError: nothing that looks like a state dict, or ``select`` names no tensor map.
+    """
+    if select is not None:
+        path, reason = select, "chosen with --select"
+    else:
+        found = _find(root, is_tensor)
+        if found is None:
+            top = ", ".join(name for name, _ in _children(root)[:12]) or type(root).__name__
+            raise SelectError(
+                f"{source} holds no state dict (a mapping of names to tensors); top level: {top}",
+                "pick one with --select DOTTED.PATH",
+            )
+        path, reason = found
+    parents, node = _resolve(root, path)
+    if not is_state_dict(node, is_tensor):
+        inside = ", ".join(name for name, _ in _children(node)[:8]) or type(node).__name__
+        raise SelectError(
+            f"'{path}' in {source} is not a state dict (holds: {inside})",
+            "--select must name a mapping of names to tensors",
+        )
+    selection = Selection(state_dict=node, path=path, reason=reason)
+    # Everything beside the path: plain values become extras, parts with tensors are dropped.
+    prefix = ""
+    for parent, chosen in parents:
+        for name, child in _children(parent):
+            if name == chosen:
+                continue
+            count, size = _tensors_in(child, is_tensor, nbytes)
+            if count:
+                selection.dropped.append(DroppedPart(_join(prefix, name), count, size))
+            else:
+                selection.extras[_join(prefix, name)] = jsonable(child)
+        prefix = _join(prefix, chosen)
+    return selection

@@ -1,0 +1,125 @@
+"""Load a checkpoint's state dict, or load it straight into a model whatever wrappers either has."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import KeyMatchError
+from ckptkit.formats import open_source
+from ckptkit.keys import KeyMatch, build_plan, match_keys, mismatch_message
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["load_state_dict", "load_into", "LoadReport"]
+
+
+def load_state_dict(
+    path: str | Path,
+    *,
+    select: str | None = None,
+    strip_wrappers: bool = False,
+    trust: bool = False,
+    allow_globals: Iterable[str] = (),
+) -> dict[str, torch.Tensor]:
+    """Read the state dict of any checkpoint ckptkit reads, safely.
+
+    Args:
+        path: a torch file (zip or legacy, any training checkpoint) or safetensors.
+        select: dotted path of the state dict inside a training checkpoint (default: found).
+        strip_wrappers: remove the detected wrapper chain (``module.``, ``_orig_mod.``, ...).
+        trust: use torch's full unpickler (only for files you trust).
+        allow_globals: pickle globals to admit beside torch's safe set.
+
+    Returns:
+        Key -> CPU tensor; tensors of torch files are memory-mapped views (copy-on-write).
+    """
+    with open_source(path, select=select, trust=trust, allow_globals=allow_globals) as source:
+        keys = source.keys()
+        plan = build_plan(keys, strip_wrappers=strip_wrappers)
+        return {new: source.load(old) for old, new in plan.mapping.items() if new is not None}
+
+
+@dataclass
+class LoadReport:
+    """How a checkpoint was mapped onto a model, and what did not fit."""
+
+    match: KeyMatch
+    loaded: int
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+
+    @property
+    def missing(self) -> list[str]:
+        return self.match.missing
+
+    @property
+    def unexpected(self) -> list[str]:
+        return self.match.unexpected
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "transform": self.match.describe(),
+            "loaded": self.loaded,
+            "missing": self.missing,
+            "unexpected": self.unexpected,
+            "mismatched": [
+                {"key": k, "checkpoint": list(a), "model": list(b)} for k, a, b in self.mismatched
+            ],
+        }
+
+
+def load_into(
+    model: torch.nn.Module,
+    path: str | Path,
+    *,
+    strict: bool = True,
+    select: str | None = None,
+    trust: bool = False,
+    allow_globals: Iterable[str] = (),
+) -> LoadReport:
+    """Load a checkpoint into ``model``, mapping wrapper prefixes on either side automatically.
+
+    A DDP checkpoint loads into a plain model, a plain one into a DDP- or compile-wrapped model,
+    any wrapper chain into any other: the prefix change that covers the most of the model's keys
+    is found from the key names alone.
+
+    Args:
+        model: the module to fill (wrapped or not).
+        path: the checkpoint.
+        strict: refuse (loading nothing) unless keys and shapes match exactly.
+        select: dotted path of the state dict inside a training checkpoint.
+        trust: use torch's full unpickler (only for files you trust).
+        allow_globals: pickle globals to admit beside torch's safe set.
+
+    Returns:
+        The prefix change used, the number of tensors loaded, and what did not fit.
+
+    Raises:
+        KeyMatchError: with ``strict``, listing missing, unexpected and mismatched keys.
+    """
+    target = model.state_dict()
+    with open_source(path, select=select, trust=trust, allow_globals=allow_globals) as source:
+        entries = dict(source.entries())
+        match = match_keys(entries, target)
+        mismatched = [
+            (new, entries[old].shape, tuple(target[new].shape))
+            for old, new in match.mapping.items()
+            if new in target and entries[old].shape != tuple(target[new].shape)
+        ]
+        if strict and (not match.exact or mismatched):
+            text = [f"{k} {list(a)} vs model {list(b)}" for k, a, b in mismatched]
+            raise KeyMatchError(
+                mismatch_message(f"{path} does not fit the model", match, text),
+                "pass strict=False to load what fits, or check select=",
+            )
+        bad = {k for k, _, _ in mismatched}
+        state = {
+            new: source.load(old)
+            for old, new in match.mapping.items()
+            if new in target and new not in bad
+        }
+        model.load_state_dict(state, strict=False)
+    return LoadReport(match=match, loaded=len(state), mismatched=mismatched)

@@ -1,0 +1,107 @@
+"""Checkpoint metadata: a dataclass that travels as safetensors' str -> str header and as JSON.
+
+safetensors metadata must map strings to strings and always carries ``"format": "pt"``; every
+richer value is JSON-encoded under a ``ckptkit.`` key, so nothing of value is lost. Keys that other
+tools wrote are kept untouched in ``other``. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from importlib import metadata as _importlib_metadata
+from typing import Any
+
+__all__ = ["NAMESPACE", "CheckpointMeta", "jsonable", "ckptkit_version"]
+
+NAMESPACE = "ckptkit."
+
+
+def ckptkit_version() -> str:
+    """The installed ckptkit version (``0+unknown`` when running from a bare source tree)."""
+    try:
+        return _importlib_metadata.version("ckptkit")
+    except _importlib_metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+@dataclass
+class CheckpointMeta:
+    """What ckptkit records about where a checkpoint came from and what was done to it."""
+
+    source: str | None = None
+    source_format: str | None = None
+    selected: str | None = None
+    removed_prefixes: list[str] = field(default_factory=list)
+    added_prefixes: list[str] = field(default_factory=list)
+    key_steps: list[str] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+    dropped: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
+    training: dict[str, Any] = field(default_factory=dict)
+    writer: str = field(default_factory=lambda: f"ckptkit {ckptkit_version()}")
+    # Metadata from other tools (a source safetensors header, say), kept as it was.
+    other: dict[str, str] = field(default_factory=dict)
+
+    def to_header(self) -> dict[str, str]:
+        """Encode as a safetensors header: str -> str, ``format`` first, empty fields left out."""
+        header = {"format": "pt", **{k: v for k, v in self.other.items() if k != "format"}}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "other" and value not in (None, [], {}):
+                header[NAMESPACE + f.name] = json.dumps(jsonable(value), sort_keys=True)
+        return header
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, str]) -> CheckpointMeta:
+        """Decode a safetensors header; unknown or undecodable keys land in ``other``."""
+        known = {f.name for f in fields(cls)} - {"other"}
+        values: dict[str, Any] = {}
+        other: dict[str, str] = {}
+        for key, text in header.items():
+            name = key[len(NAMESPACE) :] if key.startswith(NAMESPACE) else None
+            if name in known:
+                try:
+                    values[name] = json.loads(text)
+                    continue
+                except (TypeError, ValueError):
+                    pass
+            if key != "format":
+                other[key] = text
+        values.setdefault("writer", None)
+        return cls(**values, other=other)
+
+    def is_empty(self) -> bool:
+        """True when the header held no ckptkit metadata at all."""
+        return self.writer is None and not any(
+            getattr(self, f.name) for f in fields(self) if f.name not in ("writer", "other")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field."""
+        return jsonable(asdict(self))
+
+
+def jsonable(value: Any) -> Any:
+    """Turn nested Python values into what ``json.dumps`` accepts, losslessly where it can.
+
+    Tuples and sets become lists, bytes become ``{"bytes": n}``, non-finite floats become strings
+    (strict JSON has no NaN), other objects their ``repr``.
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((jsonable(v) for v in value), key=repr)
+    if isinstance(value, (bytes, bytearray)):
+        return {"bytes": len(value)}
+    if hasattr(value, "to_dict"):
+        return jsonable(value.to_dict())
+    return repr(value)
