@@ -37,7 +37,49 @@ def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _report_error(exc: BaseException) -> int:
+    """Print one ``Error:`` line for an exception and return the exit code it maps to."""
+    if os.environ.get("CKPTKIT_DEBUG") == "1":
+        traceback.print_exception(exc)
+    if isinstance(exc, CkptkitError):
+        click.echo(f"Error: {exc}", err=True)
+        return exc.exit_code
+    if isinstance(exc, click.ClickException):
+        ctx = getattr(exc, "ctx", None)
+        hint = f"; see '{ctx.command_path} --help'" if ctx else ""
+        click.echo(f"Error: {exc.format_message().rstrip('.')}{hint}", err=True)
+        return exc.exit_code
+    if isinstance(exc, (KeyboardInterrupt, click.Abort)):
+        click.echo("Error: interrupted", err=True)
+        return 130
+    if isinstance(exc, OSError):
+        where = f": {exc.filename}" if exc.filename else ""
+        click.echo(f"Error: {exc.strerror or exc}{where}", err=True)
+        return 1
+    click.echo(
+        f"Error: internal error ({type(exc).__name__}: {exc}); "
+        "rerun with CKPTKIT_DEBUG=1 and report the traceback",
+        err=True,
+    )
+    return 1
+
+
+class _Group(click.Group):
+    """A click group whose standalone run turns every error into one line and an exit code."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            code = super().main(args, prog_name or "ckptkit", complete_var, False, **extra)
+        except click.exceptions.Exit as exc:
+            code = exc.exit_code
+        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the one place errors end
+            code = _report_error(exc)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(ckptkit_version(), "--version", prog_name="ckptkit")
 def cli() -> None:
     """Move PyTorch checkpoints between single-device, DataParallel, DDP and safetensors."""
@@ -167,7 +209,7 @@ def _print_convert(report: Any) -> None:
             click.echo(f"  {old} -> {new if new is not None else '(dropped)'}")
     for part in report.dropped:
         click.echo(
-            f"Dropped  {part.path} ({part.tensors} tensors, {_size(part.nbytes)}): not model weights"
+            f"Dropped  {part.path} ({part.tensors} tensors, {_size(part.nbytes)}): not weights"
         )
     for key in plan.dropped:
         click.echo(f"Dropped  {key} (wrapper bookkeeping)")
@@ -189,42 +231,5 @@ def _print_convert(report: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the CLI, turning expected errors into one line and an exit code."""
-    debug = os.environ.get("CKPTKIT_DEBUG") == "1"
-    try:
-        cli.main(args=argv, prog_name="ckptkit", standalone_mode=False)
-    except CkptkitError as exc:
-        if debug:
-            traceback.print_exc()
-        click.echo(f"Error: {exc}", err=True)
-        sys.exit(exc.exit_code)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    except click.Abort:
-        click.echo("Aborted.", err=True)
-        sys.exit(130)
-    except click.ClickException as exc:
-        if debug:
-            traceback.print_exc()
-        ctx = getattr(exc, "ctx", None)
-        hint = f"; see '{ctx.command_path} --help'" if ctx else ""
-        click.echo(f"Error: {exc.format_message().rstrip('.')}{hint}", err=True)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo("Interrupted.", err=True)
-        sys.exit(130)
-    except OSError as exc:
-        if debug:
-            traceback.print_exc()
-        where = f": {exc.filename}" if exc.filename else ""
-        click.echo(f"Error: {exc.strerror or exc}{where}", err=True)
-        sys.exit(1)
-    except Exception as exc:  # a bug: say so in one line, traceback on request
-        if debug:
-            raise
-        click.echo(
-            f"Error: internal error ({type(exc).__name__}: {exc}); "
-            "rerun with CKPTKIT_DEBUG=1 and report the traceback",
-            err=True,
-        )
-        sys.exit(1)
+    """Entry point of the ``ckptkit`` script and ``python -m ckptkit``."""
+    cli.main(argv, prog_name="ckptkit")

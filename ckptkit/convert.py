@@ -129,10 +129,10 @@ def convert(
     """
     src, dst = Path(src), Path(dst)
     fmt = output_format(dst)
-    if not dry_run:
-        check_output(dst, force=force, inputs=[src])
     rules = [parse_rename_rule(r) if isinstance(r, str) else r for r in renames]
     with open_source(src, select=select, trust=trust, allow_globals=allow_globals) as source:
+        if not dry_run:
+            check_output(dst, force=force, inputs=[src])
         entries = dict(source.entries())
         for key, info in entries.items():
             if info.kind != "dense":
@@ -191,7 +191,7 @@ def convert(
             else:
                 from ckptkit.formats.torchfile import write_torch
 
-                write_torch(tmp, pairs)
+                write_torch(tmp, pairs, aliases)
             if verify:
                 _verify(tmp, fmt, source, kept, dst)
                 report.verified = True

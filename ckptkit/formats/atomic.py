@@ -1,7 +1,8 @@
 """Atomic output: write to a temp file in the target folder, fsync, then ``os.replace``.
 
 A failure at any point leaves no partial file, and an existing file is replaced only with
-``force``. The result gets the permissions a plain ``open()`` would give (umask), not mkstemp's 0600.
+``force``. The result gets the permissions a plain ``open()`` would give (umask), not
+mkstemp's 0600.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ Stdlib only: no torch import.
 
 from __future__ import annotations
 
+import _compat_pickle
 import codecs
 import collections
 import io
@@ -305,6 +306,10 @@ class _StaticUnpickler(pickle.Unpickler):
         self._opaque: dict[str, type] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        # Protocol 0-2 pickles may use Python 2 names (__builtin__.exec): use the Python 3 ones.
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         full = f"{module}.{name}"
         if full not in self._scan.globals:
             self._scan.globals.append(full)

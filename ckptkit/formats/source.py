@@ -1,4 +1,4 @@
-"""The ``Source`` every reader returns: a checkpoint's tensors by key, headers first, data lazily."""
+"""The ``Source`` every reader returns: a checkpoint's tensors by key, headers first, data later."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ class Source(ABC):
                 first[ident] = key
         return aliases
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - readers without handles need not override it
         """Release file handles and mappings (tensors already loaded stay valid)."""
 
     def __enter__(self) -> Source:

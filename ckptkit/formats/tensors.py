@@ -28,14 +28,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 def as_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy (and without numpy).
 
-    The view is valid while ``tensor`` is alive.
+    The view keeps the tensor alive, so ``as_bytes(t.contiguous())`` is safe.
     """
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(b"")
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError("as_bytes needs a contiguous CPU tensor")
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    array.owner = tensor  # the memoryview holds the array, the array holds the tensor
+    return memoryview(array).cast("B")
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -294,12 +294,27 @@ class TrustedTorchSource(Source):
         return self._tensors[key].detach()
 
 
-def write_torch(dst: Path, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+def write_torch(
+    dst: Path, pairs: Iterable[tuple[str, torch.Tensor]], aliases: dict[str, str] | None = None
+) -> None:
     """Write a plain state dict with ``torch.save`` (loads with ``weights_only=True``).
 
-    Tensors passed as the same object stay one storage in the file (tied weights).
+    Each tensor gets a storage of its own size (a view of a bigger buffer is copied out, so the
+    file never carries bytes nobody asked for), except that an alias key (tied weights) shares
+    its target's tensor, so the tie survives.
     """
     import torch
 
-    state = OrderedDict((key, tensor.detach()) for key, tensor in pairs)
+    aliases = aliases or {}
+    state: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for key, tensor in pairs:
+        if key in aliases and aliases[key] in state:
+            state[key] = state[aliases[key]]
+            continue
+        tensor = tensor.detach()
+        own = tensor.numel() * tensor.element_size()
+        # An empty tensor is copied too: some readers give it a pointer into another's bytes.
+        if not own or tensor.untyped_storage().nbytes() != own or not tensor.is_contiguous():
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        state[key] = tensor
     torch.save(state, dst)

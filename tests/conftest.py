@@ -1,0 +1,44 @@
+"""Shared test helpers: the checked-in fixtures, their models, and a CLI runner."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE_DIR = ROOT / "fixtures"
+sys.path.insert(0, str(FIXTURE_DIR))
+
+from make_fixtures import FIXTURES, reference_model, sample_input  # noqa: E402
+
+from ckptkit.cli import cli  # noqa: E402
+
+__all__ = ["FIXTURES", "FIXTURE_DIR", "ROOT", "reference_model", "sample_input"]
+
+
+@pytest.fixture
+def fixture_copy(tmp_path):
+    """Copy a checked-in fixture into tmp_path, so tests never write beside the originals."""
+
+    def copy(name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copy(FIXTURE_DIR / name, dst)
+        return dst
+
+    return copy
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    """Run ``ckptkit ARGS`` in-process through CliRunner, in tmp_path; stderr kept apart."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CKPTKIT_DEBUG", raising=False)
+
+    def invoke(*args):
+        return CliRunner().invoke(cli, [str(a) for a in args], prog_name="ckptkit")
+
+    return invoke

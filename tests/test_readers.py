@@ -1,0 +1,192 @@
+"""Static reading: structure and bytes equal torch's own loader, and nothing is executed."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+from conftest import FIXTURE_DIR, FIXTURES, ROOT
+
+from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError
+from ckptkit.formats import open_source
+from ckptkit.formats.pickle_scan import OpaqueObject, TensorStub, read_pickle
+from ckptkit.formats.tensors import bit_equal, dtype_name
+
+TORCH_FIXTURES = [f for f in FIXTURES if not f.name.endswith(".safetensors")]
+
+
+def torch_reference(fx):
+    """The selected state dict as torch.load(weights_only=True) gives it."""
+    safe = [argparse.Namespace] if "argparse.Namespace" in fx.allow else []
+    with torch.serialization.safe_globals(safe):
+        obj = torch.load(FIXTURE_DIR / fx.name, map_location="cpu", weights_only=True)
+    for part in filter(None, fx.selected.split(".")):
+        obj = obj[part]
+    return obj
+
+
+@pytest.mark.parametrize("fx", [f for f in TORCH_FIXTURES if not f.bad], ids=lambda f: f.name)
+def test_static_reader_matches_torch_load(fx):
+    expected = torch_reference(fx)
+    with open_source(FIXTURE_DIR / fx.name, allow_globals=fx.allow) as source:
+        assert source.selected == fx.selected
+        entries = dict(source.entries())
+        assert list(entries) == list(expected)
+        for key, tensor in expected.items():
+            info = entries[key]
+            assert (info.dtype, info.shape) == (dtype_name(tensor.dtype), tuple(tensor.shape))
+            assert info.contiguous == tensor.is_contiguous()
+            loaded = source.load(key)
+            assert loaded.stride() == tensor.stride()
+            assert bit_equal(loaded, tensor), key
+
+
+def test_views_of_one_buffer_keep_their_own_ranges():
+    with open_source(FIXTURE_DIR / "flat_buffer.pt") as source:
+        entries = dict(source.entries())
+    floats = [i for i in entries.values() if i.dtype == "float32"]
+    assert len({i.storage for i in floats}) == 1  # one shared buffer...
+    ranges = sorted(i.byte_range for i in floats)
+    assert all(
+        a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False)
+    )  # ...in disjoint slices
+    assert not open_source(FIXTURE_DIR / "flat_buffer.pt").aliases()
+
+
+def test_tied_weights_are_aliases():
+    with open_source(FIXTURE_DIR / "tied.pt") as source:
+        assert source.aliases() == {"head.weight": "embed.weight"}
+
+
+def test_training_checkpoint_extras_and_dropped_parts():
+    with open_source(FIXTURE_DIR / "training.pt") as source:
+        assert source.selected_reason == "found by its name"
+        assert source.extras["epoch"] == 3
+        assert source.extras["args"] == {"lr": 1e-3, "batch_size": 32, "arch": "tiny"}
+        assert source.extras["scheduler"]["step_size"] == 2
+        (dropped,) = source.dropped
+        assert dropped.path == "optimizer" and dropped.tensors > 0
+
+
+def test_select_overrides_and_explains(tmp_path):
+    with open_source(FIXTURE_DIR / "ema.pt", select="model_ema") as source:
+        assert "n_averaged" in source.keys()
+    with pytest.raises(
+        SelectError, match="no 'nope' in the checkpoint; available here: model, model_ema, epoch"
+    ):
+        open_source(FIXTURE_DIR / "ema.pt", select="nope")
+    with pytest.raises(SelectError, match="'epoch' in .* is not a state dict"):
+        open_source(FIXTURE_DIR / "ema.pt", select="epoch")
+    path = tmp_path / "no_weights.pt"
+    torch.save({"epoch": 1, "note": "x"}, path)
+    with pytest.raises(SelectError, match="holds no state dict .* top level: epoch, note"):
+        open_source(path)
+
+
+def test_state_dict_found_anywhere_as_a_last_resort(tmp_path):
+    path = tmp_path / "odd.pt"
+    torch.save({"stuff": {"deep": {"w": torch.ones(2)}}, "epoch": 1}, path)
+    with open_source(path) as source:
+        assert source.selected == "stuff.deep"
+        assert "--select" in source.selected_reason
+
+
+@pytest.mark.parametrize("name", ["malicious.pt", "malicious_legacy.pt"])
+def test_malicious_pickle_is_refused_and_never_runs(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsafeCheckpointError) as err:
+        open_source(FIXTURE_DIR / name)
+    assert err.value.globals == ("builtins.exec",)
+    # Even admitted, the global is only recorded: reading stays static.
+    with open_source(FIXTURE_DIR / name, allow_globals=["builtins.exec"]) as source:
+        assert source.extras["payload"]["__class__"] == "builtins.exec"
+        assert len(source.keys()) == 9
+    assert not (tmp_path / "ckptkit_pwned").exists()
+
+
+def test_trust_runs_torch_unpickler_only_when_asked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with open_source(FIXTURE_DIR / "unsafe_global.pt", trust=True) as source:
+        assert "argparse.Namespace" in source.globals
+        assert len(source.keys()) == 9
+    open_source(FIXTURE_DIR / "malicious.pt", trust=True).close()
+    assert (tmp_path / "ckptkit_pwned").exists()  # proof that --trust is what it says
+
+
+class _System:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > ckptkit_pwned",))
+
+
+@pytest.mark.parametrize("protocol", [0, 1, 2, 4, 5])
+def test_hand_made_pickles_are_read_not_run(protocol, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = pickle.dumps({"x": _System(), "n": [1, 2.5, "s", b"b"]}, protocol=protocol)
+    scan = read_pickle(data)
+    assert scan.unsafe_globals == [f"{os.system.__module__}.system"]
+    assert isinstance(scan.root["x"], OpaqueObject)
+    assert scan.root["n"] == [1, 2.5, "s", b"b"]
+    assert not (tmp_path / "ckptkit_pwned").exists()
+
+
+def test_stack_global_with_computed_names_is_still_recorded():
+    # Protocol 4 STACK_GLOBAL takes module and name from the stack: build it by hand.
+    data = (
+        b"\x80\x04"
+        + b"\x8c\x02os"
+        + b"\x94"
+        + b"\x8c\x06system"
+        + b"\x94"
+        + b"\x93"
+        + b"\x8c\x04true"
+        + b"\x85"
+        + b"R"
+        + b"."
+    )
+    scan = read_pickle(data)
+    assert scan.globals == ["os.system"]
+    assert isinstance(scan.root, OpaqueObject) and scan.root.args == ("true",)
+
+
+def test_tensor_stub_geometry():
+    data = io.BytesIO()
+    torch.save({"t": torch.arange(12.0).view(3, 4).t()[1:]}, data)
+    with zipfile.ZipFile(data) as zf:
+        pkl = next(n for n in zf.namelist() if n.endswith("data.pkl"))
+        stub = read_pickle(zf.read(pkl)).root["t"]
+    assert isinstance(stub, TensorStub)
+    assert (stub.shape, stub.stride, stub.offset, stub.is_contiguous) == ((3, 3), (1, 4), 1, False)
+    assert stub.byte_range() == (4, 48)  # elements 1 .. 1 + 2*1 + 2*4 = 11
+
+
+def test_reading_headers_does_not_import_torch():
+    code = (
+        "import sys, ckptkit\n"
+        "from ckptkit.formats import open_source\n"
+        f"s = open_source({str(FIXTURE_DIR / 'training.pt')!r}); s.entries(); s.aliases()\n"
+        f"t = open_source({str(FIXTURE_DIR / 'single.safetensors')!r}); t.entries()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_damaged_files(tmp_path):
+    data = (FIXTURE_DIR / "legacy_dp.pt").read_bytes()
+    (tmp_path / "cut_legacy.pt").write_bytes(data[: len(data) - 40])
+    with pytest.raises(FormatError, match="cut_legacy.pt is truncated; copy or download it again"):
+        open_source(tmp_path / "cut_legacy.pt")
+    zdata = (FIXTURE_DIR / "single.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(zdata[: len(zdata) // 2])
+    with pytest.raises(FormatError, match="cut.pt is a truncated or damaged zip file"):
+        open_source(tmp_path / "cut.pt")
+    sdata = (FIXTURE_DIR / "single.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(sdata[:-10])
+    with pytest.raises(FormatError, match="cut.safetensors is truncated"):
+        open_source(tmp_path / "cut.safetensors")
