@@ -315,14 +315,15 @@ def match_keys(source_keys: Iterable[str], target_keys: Iterable[str]) -> KeyMat
     """Find the prefix change (strip and/or add wrapper layers) that best maps source onto target.
 
     Tries every combination of stripping the source's leading layers and adding the target's,
-    and keeps the one covering the most target keys (the fewest changes on a tie).
+    and keeps the one covering the most target keys, then leaving the fewest source keys over
+    (a wrapper's own keys, dropped with it, do not count), then making the fewest changes.
     """
     source = list(source_keys)
     target = list(target_keys)
     target_set = set(target)
     src_layers = _leading_layers(source)
     dst_layers = _leading_layers(target)
-    best: tuple[int, int, KeyMap, list[str], list[str]] | None = None
+    best: tuple[tuple[int, int, int], KeyMap, list[str], list[str]] | None = None
     for i in range(len(src_layers) + 1):
         mapping: KeyMap = {k: k for k in source}
         for prefix in src_layers[:i]:
@@ -332,11 +333,13 @@ def match_keys(source_keys: Iterable[str], target_keys: Iterable[str]) -> KeyMat
             candidate = {
                 old: (None if new is None else outer + new) for old, new in mapping.items()
             }
-            score = sum(1 for new in candidate.values() if new in target_set)
-            if best is None or score > best[0] or (score == best[0] and i + j < best[1]):
-                best = (score, i + j, candidate, src_layers[:i], dst_layers[:j])
+            hits = sum(1 for new in candidate.values() if new in target_set)
+            left = sum(1 for new in candidate.values() if new is not None and new not in target_set)
+            score = (hits, -left, -(i + j))
+            if best is None or score > best[0]:
+                best = (score, candidate, src_layers[:i], dst_layers[:j])
     assert best is not None
-    _, _, mapping, removed, added = best
+    _, mapping, removed, added = best
     produced = {new for new in mapping.values() if new is not None}
     return KeyMatch(
         mapping=mapping,

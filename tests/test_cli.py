@@ -1,0 +1,263 @@
+"""The command line: one-line errors and exit codes, nothing half-written, JSON, help."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import FIXTURE_DIR, ROOT
+from safetensors.torch import load_file
+
+from ckptkit.cli import cli
+
+
+def only_inputs(tmp_path, *names):
+    return sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+
+
+def test_convert_strip_module(run, tmp_path, fixture_copy):
+    fixture_copy("dp.pt")
+    result = run("convert", "dp.pt", "out.safetensors", "--strip-module")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert (
+        lines[0]
+        == "Read     dp.pt (torch-zip); state dict at the top level (the file is a flat state dict)"
+    )
+    assert lines[1].startswith("Keys     9 tensors, 468 B: strip 'module.'")
+    assert lines[-1] == "Wrote    out.safetensors (safetensors), verified bit-exact"
+    assert not any(k.startswith("module.") for k in load_file(tmp_path / "out.safetensors"))
+
+
+def test_convert_json_and_quiet(run, fixture_copy):
+    fixture_copy("training.pt")
+    result = run("convert", "training.pt", "o.safetensors", "--strip-wrappers", "--json")
+    assert result.exit_code == 0
+    report = json.loads(result.stdout)
+    assert report["selected"] == "model" and report["verified"] is True
+    assert report["removed_prefixes"] == ["module."]
+    assert report["dropped"][0]["path"] == "optimizer"
+    assert {"from": "module.head.bias", "to": "head.bias"} in report["keys"]
+    quiet = run("convert", "training.pt", "q.safetensors", "--strip-module", "-q")
+    assert quiet.exit_code == 0 and quiet.stdout == "" and quiet.stderr == ""
+
+
+def test_dry_run_prints_the_plan(run, tmp_path, fixture_copy):
+    fixture_copy("compiled_ddp.pt")
+    result = run("convert", "compiled_ddp.pt", "x.safetensors", "--strip-wrappers", "--dry-run")
+    assert result.exit_code == 0
+    assert "  _orig_mod.module.head.bias -> head.bias" in result.stdout.splitlines()
+    assert result.stdout.splitlines()[-1] == "Dry run: nothing written"
+    assert only_inputs(tmp_path, "compiled_ddp.pt")
+
+
+def _random(path):
+    path.write_bytes(bytes(range(256)) * 4)
+
+
+def _truncated(path):
+    path.write_bytes((FIXTURE_DIR / "single.pt").read_bytes()[:1500])
+
+
+def _plain_pickle(path):
+    import pickle
+
+    path.write_bytes(pickle.dumps({"a": 1}, protocol=2))
+
+
+BAD_INPUTS = [
+    ("missing.pt", None, 1, "Error: missing.pt does not exist; check the path"),
+    (
+        "empty.pt",
+        lambda p: p.write_bytes(b""),
+        1,
+        "Error: empty.pt is empty (0 bytes); the save was interrupted; use an earlier copy",
+    ),
+    (
+        "folder.pt",
+        lambda p: p.mkdir(),
+        1,
+        "Error: folder.pt is a folder; give the checkpoint file inside it",
+    ),
+    (
+        "noise.bin",
+        _random,
+        1,
+        "Error: noise.bin is not a recognised checkpoint; ckptkit reads PyTorch files "
+        "(torch.save: .pt .pth .bin .ckpt) and safetensors",
+    ),
+    ("cut.pt", _truncated, 1, "Error: cut.pt is a truncated or damaged zip file; copy it again"),
+    (
+        "plain.pkl",
+        _plain_pickle,
+        1,
+        "Error: plain.pkl is a plain pickle, not a PyTorch checkpoint; "
+        "ckptkit reads files written by torch.save or safetensors",
+    ),
+    (
+        "model.gguf",
+        lambda p: p.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 64),
+        1,
+        "Error: model.gguf is a GGUF file (llama.cpp), not a checkpoint ckptkit reads; ckptkit reads PyTorch "
+        "files (torch.save: .pt .pth .bin .ckpt) and safetensors",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "code", "line"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
+def test_bad_inputs_get_one_line(run, tmp_path, name, make, code, line):
+    if make:
+        make(tmp_path / name)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = run("convert", name, "out.safetensors")
+    assert result.exit_code == code
+    assert result.stderr.splitlines() == [line]
+    assert result.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+FIXTURE_ERRORS = [
+    (
+        "torchscript.pt",
+        [],
+        "Error: torchscript.pt is a TorchScript archive (torch.jit.save), not a state-dict "
+        "checkpoint; load it with torch.jit.load and save model.state_dict() with torch.save",
+    ),
+    (
+        "unsafe_global.pt",
+        [],
+        "Error: unsafe_global.pt names globals outside torch's safe set: "
+        "argparse.Namespace; if you trust the file, admit each with --allow-global NAME (or load it fully "
+        "with --trust)",
+    ),
+    (
+        "malicious.pt",
+        [],
+        "Error: malicious.pt names globals outside torch's safe set: builtins.exec; if you "
+        "trust the file, admit each with --allow-global NAME (or load it fully with --trust)",
+    ),
+    (
+        "single.pt",
+        ["--strip-module"],
+        "Error: no key starts with 'module.' (first key: 'body.0.weight'); run "
+        "`ckptkit inspect` to see the key prefixes, or drop this option",
+    ),
+    (
+        "training.pt",
+        ["--select", "optimizer.state"],
+        "Error: 'optimizer.state' in training.pt is not a state "
+        "dict (holds: 0, 1, 2, 3, 4, 5); --select must name a mapping of names to tensors",
+    ),
+    (
+        "single.pt",
+        ["--rename", "(=x"],
+        "Error: invalid regular expression '(': missing ), unterminated subpattern at position 0",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "line"), FIXTURE_ERRORS, ids=[f"{n}{a}" for n, a, _ in FIXTURE_ERRORS]
+)
+def test_refused_fixtures_get_one_line(run, tmp_path, fixture_copy, name, args, line):
+    fixture_copy(name)
+    result = run("convert", name, "out.safetensors", *args)
+    assert (result.exit_code, result.stderr.splitlines()) == (
+        1 if "regular" not in line else 2,
+        [line],
+    )
+    assert only_inputs(tmp_path, name)
+    assert not (tmp_path / "ckptkit_pwned").exists()
+
+
+def test_output_errors(run, tmp_path, fixture_copy):
+    fixture_copy("single.pt")
+    (tmp_path / "taken.safetensors").write_bytes(b"old")
+    result = run("convert", "single.pt", "taken.safetensors")
+    assert result.exit_code == 1
+    assert result.stderr == "Error: taken.safetensors exists; pass --force to overwrite it\n"
+    assert (tmp_path / "taken.safetensors").read_bytes() == b"old"
+    assert run("convert", "single.pt", "taken.safetensors", "--force").exit_code == 0
+    result = run("convert", "single.pt", "single.pt", "--force")
+    assert result.stderr == "Error: output single.pt is the input file; write to a new path\n"
+    result = run("convert", "single.pt", "out.onnx")
+    assert (
+        result.stderr
+        == "Error: cannot tell the output format of out.onnx; end the name with .safetensors or .pt\n"
+    )
+    result = run("convert", "single.pt", "o.pt", "--strip-module", "--strip-wrappers")
+    assert result.exit_code == 2
+    assert result.stderr == "Error: --strip-module and --strip-wrappers overlap; use one of them\n"
+
+
+def test_usage_errors_are_one_line_with_exit_2(run):
+    result = run("convert", "only-one-arg.pt")
+    assert result.exit_code == 2
+    assert result.stderr == "Error: Missing argument 'DST'; see 'ckptkit convert --help'\n"
+    result = run("frobnicate")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Error: No such command 'frobnicate'")
+
+
+def test_allow_global_and_trust(run, tmp_path, fixture_copy):
+    fixture_copy("unsafe_global.pt")
+    result = run(
+        "convert", "unsafe_global.pt", "a.safetensors", "--allow-global", "argparse.Namespace"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "Kept     args in the metadata" in result.stdout
+    assert run("convert", "unsafe_global.pt", "b.safetensors", "--trust").exit_code == 0
+
+
+def test_every_command_has_help(run):
+    result = run("--help")
+    assert result.exit_code == 0
+    for name in cli.commands:
+        sub = run(name, "--help")
+        assert sub.exit_code == 0 and "Usage: ckptkit " + name in sub.stdout
+
+
+def test_version(run):
+    result = run("--version")
+    assert result.exit_code == 0 and result.stdout.startswith("ckptkit, version ")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    env = {**os.environ, "CKPTKIT_DEBUG": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "convert", "missing.pt", "o.pt"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert proc.stderr.rstrip().endswith("Error: missing.pt does not exist; check the path")
+
+
+def test_real_process_end_to_end(tmp_path):
+    """The installed console script, in a subprocess, then the result loads into a plain model."""
+    src = FIXTURE_DIR / "ddp.pt"
+    dst = tmp_path / "plain.safetensors"
+    exe = [sys.executable, "-m", "ckptkit"]
+    proc = subprocess.run(
+        [*exe, "convert", str(src), str(dst), "--strip-module"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # no progress bar when stderr is not a terminal
+    sys.path.insert(0, str(FIXTURE_DIR))
+    from make_fixtures import TinyNet
+
+    model = TinyNet()
+    model.load_state_dict(load_file(dst), strict=True)
+    assert torch.equal(model.head.bias, torch.load(src, weights_only=True)["module.head.bias"])

@@ -1,0 +1,31 @@
+"""The checked-in fixtures are what make_fixtures.py writes (so they can be regenerated)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import FIXTURE_DIR, FIXTURES
+
+import ckptkit
+from ckptkit.formats.tensors import bit_equal
+
+
+def test_make_fixtures_reproduces_the_checked_in_files(tmp_path):
+    subprocess.run(
+        [sys.executable, str(FIXTURE_DIR / "make_fixtures.py"), str(tmp_path)],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
+    assert not (tmp_path / "ckptkit_pwned").exists()
+    for fx in FIXTURES:
+        with (
+            ckptkit.open_source(FIXTURE_DIR / fx.name, allow_globals=fx.allow) as old,
+            ckptkit.open_source(tmp_path / fx.name, allow_globals=fx.allow) as new,
+        ):
+            assert old.keys() == new.keys(), fx.name
+            assert old.extras == new.extras, fx.name
+            for key in old.keys():
+                assert bit_equal(old.load(key), new.load(key)), (fx.name, key)
+    assert (tmp_path / "torchscript.pt").exists()

@@ -1,0 +1,67 @@
+"""The architecture's one direction of imports, read from the source with ast."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ckptkit"
+CORE = {"ckptkit.errors", "ckptkit.keys", "ckptkit.meta"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(name: str) -> int:
+    if name in CORE:
+        return 0
+    if name.startswith("ckptkit.formats"):
+        return 1
+    if name in ("ckptkit.cli", "ckptkit.__main__"):
+        return 3
+    return 2  # convert, load, summary, diff, engine
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports(path: Path, *, top_level_only: bool = False) -> list[str]:
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append(node.module)
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_imports_point_down(name):
+    if name == "ckptkit":
+        return  # the package front re-exports the public API
+    for target in imports(MODULES[name]):
+        if target.startswith("ckptkit"):
+            assert target != "ckptkit.cli" or name == "ckptkit.__main__", f"{name} imports the CLI"
+            assert layer(target) <= layer(name), f"{name} (layer {layer(name)}) imports {target}"
+
+
+@pytest.mark.parametrize("name", sorted(CORE))
+def test_core_is_stdlib_only(name):
+    for target in imports(MODULES[name]):
+        root = target.split(".")[0]
+        assert root in ("ckptkit", "__future__") or root in __import__("sys").stdlib_module_names, (
+            f"{name} imports {target}"
+        )
+        assert not target.startswith("ckptkit") or target in CORE
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_imports_torch_at_import_time(name):
+    top = imports(MODULES[name], top_level_only=True)
+    assert not [t for t in top if t.split(".")[0] in ("torch", "safetensors", "tqdm")], name
