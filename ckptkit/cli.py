@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from typing import Any
 
 import click
@@ -232,4 +233,6 @@ def _print_convert(report: Any) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``ckptkit`` script and ``python -m ckptkit``."""
+    # torch warns on import when numpy is absent; ckptkit never uses numpy, so say nothing.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     cli.main(argv, prog_name="ckptkit")

@@ -48,8 +48,15 @@ def main(out: Path) -> None:
         opt.step()
     wrapped.eval()
     src = out / "dp_checkpoint.pt"
-    torch.save({"model": wrapped.state_dict(), "optimizer": opt.state_dict(), "epoch": 20,
-                "loss": loss.item()}, src)
+    torch.save(
+        {
+            "model": wrapped.state_dict(),
+            "optimizer": opt.state_dict(),
+            "epoch": 20,
+            "loss": loss.item(),
+        },
+        src,
+    )
     print(f"Trained 20 steps under DataParallel (loss {loss.item():.3f}); saved {src}\n")
 
     # 2. The wall everyone hits: a plain model refuses the `module.` keys.

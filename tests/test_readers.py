@@ -15,8 +15,9 @@ import torch
 from conftest import FIXTURE_DIR, FIXTURES, ROOT
 
 from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError
-from ckptkit.formats import open_source
+from ckptkit.formats import detect_format, open_source
 from ckptkit.formats.pickle_scan import OpaqueObject, TensorStub, read_pickle
+from ckptkit.formats.safetensors import TensorSpec, header_bytes, write_safetensors
 from ckptkit.formats.tensors import bit_equal, dtype_name
 
 TORCH_FIXTURES = [f for f in FIXTURES if not f.name.endswith(".safetensors")]
@@ -190,3 +191,22 @@ def test_damaged_files(tmp_path):
     (tmp_path / "cut.safetensors").write_bytes(sdata[:-10])
     with pytest.raises(FormatError, match="cut.safetensors is truncated"):
         open_source(tmp_path / "cut.safetensors")
+
+
+@pytest.mark.parametrize("header_length", [0x280, 0x380, 0x480, 0x580])
+def test_safetensors_whose_length_looks_like_a_pickle_opcode(tmp_path, header_length):
+    # Pad the metadata so the 8-byte header length starts with b"\x80\x02" (a pickle's PROTO 2).
+    spec = [TensorSpec("w", "float32", (2,))]
+    pad = next(
+        n
+        for n in range(header_length)
+        if len(header_bytes(spec, {"p": "x" * n})) == 8 + header_length
+    )
+    path = tmp_path / "odd.safetensors"
+    write_safetensors(path, spec, [("w", torch.ones(2))], {"p": "x" * pad})
+    assert (
+        path.read_bytes()[:2]
+        == bytes([header_length & 0xFF, header_length >> 8])
+        == b"\x80" + bytes([header_length >> 8])
+    )
+    assert detect_format(path) == "safetensors"

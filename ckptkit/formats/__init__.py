@@ -67,10 +67,11 @@ def detect_format(path: str | Path) -> str:
         )
     if head.startswith(b"PK\x03\x04"):
         return _zip_kind(path)
-    if head.startswith(b"\x80") and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
-        return "torch-legacy"
+    # Before the pickle test: a header length such as 0x280 also starts with b"\x80\x02".
     if _looks_like_safetensors(head, size):
         return "safetensors"
+    if head.startswith(b"\x80") and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "torch-legacy"
     for magic, what in _FOREIGN_MAGIC:
         if head.startswith(magic):
             raise FormatError(f"{path} is {what}, not a checkpoint ckptkit reads", _READS)

@@ -6,9 +6,10 @@ size in bytes and its safetensors code, so headers can be read and written with 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["DType", "DTYPES", "STORAGE_DTYPES", "dtype", "from_safetensors"]
+__all__ = ["DType", "DTYPES", "STORAGE_DTYPES", "dtype", "nbytes", "from_safetensors"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,11 @@ _BY_SAFETENSORS = {d.safetensors: d for d in DTYPES.values() if d.safetensors}
 def dtype(name: str) -> DType:
     """Look a dtype up by torch name (``float32`` or ``torch.float32``)."""
     return DTYPES[name.removeprefix("torch.")]
+
+
+def nbytes(name: str, shape: tuple[int, ...]) -> int:
+    """Bytes a dense tensor of this dtype and shape takes."""
+    return math.prod(shape) * DTYPES[name].itemsize
 
 
 def from_safetensors(code: str) -> DType:

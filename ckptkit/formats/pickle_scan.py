@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkit.errors import FormatError
+from ckptkit.formats import dtypes
 from ckptkit.formats.dtypes import DTYPES, STORAGE_DTYPES
 
 __all__ = [
@@ -70,7 +71,7 @@ class TensorStub:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * DTYPES[self.dtype].itemsize
+        return dtypes.nbytes(self.dtype, self.shape)
 
     @property
     def is_contiguous(self) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.dtypes import DTYPES, from_safetensors
+from ckptkit.formats.dtypes import DTYPES, from_safetensors, nbytes
 from ckptkit.formats.source import Source, TensorInfo
 from ckptkit.formats.tensors import as_bytes, dtype_name
 from ckptkit.meta import CheckpointMeta
@@ -125,10 +125,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = DTYPES[self.dtype].itemsize
-        for dim in self.shape:
-            n *= dim
-        return n
+        return nbytes(self.dtype, self.shape)
 
 
 def header_bytes(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.formats.dtypes import DTYPES
+from ckptkit.formats import dtypes
 from ckptkit.formats.tree import DroppedPart
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * DTYPES[self.dtype].itemsize
+        return dtypes.nbytes(self.dtype, self.shape)
 
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "shape": list(self.shape), "bytes": self.nbytes}
