@@ -16,6 +16,7 @@ import collections
 import io
 import math
 import pickle
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -280,6 +281,39 @@ def _safe_table() -> dict[str, Any]:
 
 _SAFE = _safe_table()
 
+# NumPy scalars (a `best_acc` saved as np.float64) are outside the safe set and refused unless
+# admitted; once admitted, their value is decoded from the pickled bytes, never by numpy.
+_NUMPY_FORMATS = {
+    "f8": "d",
+    "f4": "f",
+    "f2": "e",
+    "i8": "q",
+    "i4": "i",
+    "i2": "h",
+    "i1": "b",
+    "u8": "Q",
+    "u4": "I",
+    "u2": "H",
+    "u1": "B",
+    "b1": "?",
+}
+
+
+def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
+    code = dtype.args[0] if isinstance(dtype, OpaqueObject) and dtype.args else None
+    state = dtype.state if isinstance(dtype, OpaqueObject) else None
+    order = ">" if isinstance(state, tuple) and len(state) > 1 and state[1] == ">" else "<"
+    fmt = _NUMPY_FORMATS.get(code) if isinstance(code, str) else None
+    if fmt and isinstance(data, bytes) and len(data) == struct.calcsize(order + fmt):
+        return struct.unpack(order + fmt, data)[0]
+    return f"<numpy scalar {code}>"
+
+
+_DECODERS = {
+    "numpy.core.multiarray.scalar": _numpy_scalar,
+    "numpy._core.multiarray.scalar": _numpy_scalar,
+}
+
 #: Globals a checkpoint may name without being refused: the part of torch's ``weights_only``
 #: allow-list that plain checkpoints use.
 SAFE_GLOBALS: frozenset[str] = frozenset(_SAFE)
@@ -316,6 +350,8 @@ class _StaticUnpickler(pickle.Unpickler):
             self._scan.globals.append(full)
         if full in _SAFE:
             return _SAFE[full]
+        if full in _DECODERS:
+            return _DECODERS[full]
         if full not in self._opaque:
             attrs = {"global_name": full, "__module__": "ckptkit.opaque", "__qualname__": name}
             self._opaque[full] = type(name, (OpaqueObject,), attrs)
