@@ -195,6 +195,99 @@ def convert(
         _print_convert(report)
 
 
+@cli.command()
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--select", metavar="DOTTED.PATH", help="Where the state dict is (default: found).")
+@click.option("--flat", is_flag=True, help="One line per tensor instead of the tree.")
+@click.option("--filter", "key_filter", metavar="GLOB", help="Only tensors whose key matches GLOB.")
+@click.option("--depth", type=click.IntRange(min=1), help="Fold the tree below this depth.")
+@click.option("--json", "as_json", is_flag=True, help="Everything as one JSON document.")
+def inspect(
+    path: str,
+    select: str | None,
+    flat: bool,
+    key_filter: str | None,
+    depth: int | None,
+    as_json: bool,
+) -> None:
+    """Show what is in a checkpoint without loading its tensors or running its pickle.
+
+    \b
+    ckptkit inspect model.pt
+    ckptkit inspect model.safetensors --filter 'layers.0.*' --flat
+    ckptkit inspect shards/ --depth 2
+    """
+    from ckptkit.summary import flat_lines, summarize, summary_lines, tree_lines
+
+    if flat and depth:
+        raise UsageError("--flat and --depth do not go together", "use one of them")
+    summary = summarize(path, select=select)
+    if as_json:
+        _emit_json(summary.to_dict(key_filter))
+        return
+    for line in summary_lines(summary):
+        click.echo(line)
+    click.echo()
+    body = (
+        flat_lines(summary, key_filter=key_filter)
+        if flat
+        else tree_lines(summary, depth=depth, key_filter=key_filter)
+    )
+    for line in body or ["(no tensor matches)"]:
+        click.echo(line)
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option("--allow-global", multiple=True, metavar="NAME", help="Count global NAME as safe.")
+@click.option("--json", "as_json", is_flag=True, help="The findings as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing; the exit code tells.")
+def scan(paths: tuple[str, ...], allow_global: tuple[str, ...], as_json: bool, quiet: bool) -> None:
+    """Scan checkpoints' pickles for code they would run, without running it.
+
+    Exit code 0 when every file is safe, 1 when one names a global outside torch's
+    weights_only set or makes a dangerous call, 2 on error: a gate for CI.
+
+    \b
+    ckptkit scan downloads/*.pt
+    ckptkit scan model.pt --allow-global argparse.Namespace
+    """
+    from ckptkit.scan import scan as run
+
+    reports = []
+    for path in paths:
+        try:
+            reports.append(run(path, allow_globals=allow_global))
+        except CkptkitError as exc:
+            exc.exit_code = 2
+            raise
+    if as_json:
+        _emit_json([r.to_dict() for r in reports] if len(reports) > 1 else reports[0].to_dict())
+    elif not quiet:
+        for report in reports:
+            _print_scan(report)
+    if not all(r.safe for r in reports):
+        raise click.exceptions.Exit(1)
+
+
+def _print_scan(report: Any) -> None:
+    click.echo(f"{report.path}: {report.verdict} ({report.format})")
+    classes = report.globals()
+    for name, cls in classes.items():
+        if cls != "safe":
+            click.echo(f"  {cls:<9} {name}")
+    for findings in report.pickles:
+        for name, count in findings.calls.items():
+            if name not in report.allowed:
+                times = f" x{count}" if count > 1 else ""
+                click.echo(f"  call      {name}(...){times} in {findings.label}")
+        for problem in findings.problems:
+            click.echo(f"  problem   {problem} in {findings.label}")
+    safe = sum(1 for cls in classes.values() if cls == "safe")
+    if safe:
+        click.echo(f"  safe      {safe} globals in torch's weights_only set")
+
+
 def _print_convert(report: Any) -> None:
     where = (
         f"state dict at '{report.selected}'" if report.selected else "state dict at the top level"

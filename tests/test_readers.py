@@ -15,8 +15,8 @@ from conftest import FIXTURE_DIR, FIXTURES, ROOT
 
 from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError
 from ckptkit.formats import detect_format, open_source
-from ckptkit.formats.pickle_scan import OpaqueObject, TensorStub, read_pickle
 from ckptkit.formats.safetensors import TensorSpec, header_bytes, write_safetensors
+from ckptkit.formats.static_unpickler import OpaqueObject, TensorStub, read_pickle
 from ckptkit.formats.tensors import bit_equal, dtype_name
 
 TORCH_FIXTURES = [f for f in FIXTURES if not f.name.endswith(".safetensors")]

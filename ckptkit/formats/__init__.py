@@ -5,6 +5,8 @@ Importing this package does not import torch; readers import it only when a tens
 
 from __future__ import annotations
 
+import io
+import re
 import struct
 import zipfile
 from collections.abc import Iterable
@@ -18,6 +20,7 @@ __all__ = [
     "TensorInfo",
     "detect_format",
     "open_source",
+    "pickles_in",
     "OUTPUT_FORMATS",
     "output_format",
 ]
@@ -94,6 +97,90 @@ def _zip_kind(path: Path) -> str:
     return "torch-zip"
 
 
+_PICKLE_START = tuple(b"\x80" + bytes([proto]) for proto in (2, 3, 4, 5))
+_STORAGE_MEMBER = re.compile(r"(.*/)?data/\d+")
+
+
+def pickles_in(path: str | Path) -> tuple[str, list[tuple[str, bytes]]]:
+    """Every pickle in a file, for a safety scan: ``(kind, [(label, bytes)])``.
+
+    ``kind`` is ``torch-zip``, ``torchscript``, ``torch-legacy``, ``pickle`` or ``safetensors``
+    (which holds none). In a zip, every member but the raw storages is checked, so a pickle
+    hidden under another name is found too.
+
+    Raises:
+        FormatError: a missing, empty or foreign file.
+    """
+    path = Path(path)
+    try:
+        kind = detect_format(path)
+    except FormatError as exc:
+        if "TorchScript" not in exc.message:
+            raise
+        kind = "torchscript"
+    if kind == "safetensors":
+        return kind, []
+    if kind in ("torch-zip", "torchscript"):
+        found = []
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if _STORAGE_MEMBER.fullmatch(info.filename) or info.is_dir():
+                    continue
+                with zf.open(info) as member:
+                    head = member.read(2)
+                if info.filename.endswith(".pkl") or head in _PICKLE_START:
+                    found.append((info.filename, zf.read(info)))
+        return kind, found
+    data = path.read_bytes()
+    return _pickle_sequence(data)
+
+
+def _pickle_sequence(data: bytes) -> tuple[str, list[tuple[str, bytes]]]:
+    """A legacy torch file's five pickles, or the pickles one after another in a plain file."""
+    from ckptkit.formats.static_unpickler import read_pickle
+    from ckptkit.formats.torchfile import LEGACY_MAGIC
+
+    stream = io.BytesIO(data)
+    try:
+        legacy = read_pickle(stream).root == LEGACY_MAGIC
+    except FormatError:
+        legacy = False
+    labels = ["magic number", "protocol", "system info", "main pickle", "storage keys"]
+    found: list[tuple[str, bytes]] = []
+    start = 0
+    while start < len(data):
+        if len(found) == 5 if legacy else data[start : start + 2] not in _PICKLE_START:
+            break  # a legacy file's storages follow its five pickles
+        end = _pickle_end(data, start)
+        label = labels[len(found)] if legacy else f"pickle {len(found) + 1}"
+        found.append((label, data[start:end]))
+        start = end
+    return ("torch-legacy" if legacy else "pickle"), found
+
+
+def _pickle_end(data: bytes, start: int) -> int:
+    import pickletools
+
+    stream = io.BytesIO(data)
+    stream.seek(start)
+    try:
+        for op, _, _ in pickletools.genops(stream):
+            if op.name == "STOP":
+                return stream.tell()
+    except Exception:  # a damaged pickle: the scan reports it; take the rest of the file
+        pass
+    return len(data)
+
+
+def checkpoint_index(path: Path) -> Path | None:
+    """The shard index a path stands for (an ``*.index.json``, or a folder holding one)."""
+    from ckptkit.formats.sharded import find_index
+
+    if path.is_dir():
+        return find_index(path)
+    return path if path.name.endswith(".index.json") and path.is_file() else None
+
+
 def open_source(
     path: str | Path,
     *,
@@ -104,7 +191,8 @@ def open_source(
     """Open a checkpoint for reading, without executing any of its code.
 
     Args:
-        path: a torch zip or legacy file, or a safetensors file.
+        path: a torch zip or legacy file, a safetensors file, or a sharded checkpoint (its
+            ``*.index.json``, or the folder holding it).
         select: dotted path of the state dict inside a training checkpoint (default: found).
         trust: load with torch's full unpickler, which can run code from the file.
         allow_globals: globals (``module.Name``) admitted beside torch's safe set; they are
@@ -116,6 +204,13 @@ def open_source(
         SelectError: no state dict found, or ``select`` names none.
     """
     path = Path(path)
+    index = checkpoint_index(path)
+    if index is not None:
+        from ckptkit.formats.sharded import ShardedSource
+
+        if select not in (None, ""):
+            raise FormatError(f"{path} is a sharded state dict", "drop --select")
+        return ShardedSource(index, opener=open_source, allow_globals=allow_globals)
     kind = detect_format(path)
     if kind == "safetensors":
         from ckptkit.formats.safetensors import SafetensorsSource

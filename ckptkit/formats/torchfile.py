@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, UnsafeCheckpointError
-from ckptkit.formats.pickle_scan import (
+from ckptkit.formats.source import Source, TensorInfo
+from ckptkit.formats.static_unpickler import (
     PickleScan,
     StorageRef,
     TensorStub,
     UnsupportedTensor,
     read_pickle,
 )
-from ckptkit.formats.source import Source, TensorInfo
 from ckptkit.formats.tensors import dtype_name, from_buffer, torch_dtype
 from ckptkit.formats.tree import select_state_dict
 

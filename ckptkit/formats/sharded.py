@@ -1,0 +1,104 @@
+"""Sharded checkpoints: an ``*.index.json`` whose ``weight_map`` names the shard of every key.
+
+This is the layout the Hugging Face ecosystem reads (``model.safetensors.index.json`` or
+``pytorch_model.bin.index.json`` beside ``model-00001-of-0000N.*``). Each shard is opened as its
+own Source, headers first; tensors are read from their shard when asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import FormatError
+from ckptkit.formats.source import Source, TensorInfo
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ShardedSource", "find_index", "read_index"]
+
+
+def find_index(folder: Path) -> Path | None:
+    """The index file of a sharded checkpoint folder (safetensors preferred), or None."""
+    indexes = sorted(folder.glob("*.safetensors.index.json")) or sorted(folder.glob("*.index.json"))
+    if len(indexes) > 1:
+        names = ", ".join(p.name for p in indexes)
+        raise FormatError(f"{folder} holds several indexes ({names})", "give the one to read")
+    return indexes[0] if indexes else None
+
+
+def read_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """Read an index: (key -> shard file name, the index's metadata)."""
+    try:
+        data = json.loads(index.read_text())
+        weight_map = data["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise FormatError(f"{index} is not a shard index (no weight_map)") from None
+    if not isinstance(weight_map, dict):
+        raise FormatError(f"{index} is not a shard index (weight_map is not a mapping)")
+    return {str(k): str(v) for k, v in weight_map.items()}, dict(data.get("metadata") or {})
+
+
+class ShardedSource(Source):
+    """Several shard files read as one state dict."""
+
+    def __init__(self, index: Path, *, opener: Any, allow_globals: Iterable[str] = ()) -> None:
+        weight_map, index_meta = read_index(index)
+        super().__init__(
+            path=index,
+            format="sharded",
+            metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in index_meta.items()},
+        )
+        self.selected_reason = "a sharded checkpoint's weight_map"
+        self.shards: dict[str, Source] = {}
+        self._where: dict[str, Source] = {}
+        try:
+            for name in dict.fromkeys(weight_map.values()):
+                shard_path = index.parent / name
+                if not shard_path.exists():
+                    raise FormatError(f"shard {name} named by {index} is missing", "copy it there")
+                self.shards[name] = opener(shard_path, allow_globals=allow_globals)
+            for key, name in weight_map.items():
+                if key not in self.shards[name].keys():
+                    raise FormatError(f"{index} puts '{key}' in {name}, which does not hold it")
+                self._where[key] = self.shards[name]
+        except BaseException:
+            self.close()
+            raise
+        self.shard_format = next(iter(self.shards.values())).format if self.shards else "empty"
+        self.globals = sorted({g for shard in self.shards.values() for g in shard.globals})
+
+    def entries(self) -> list[tuple[str, TensorInfo]]:
+        out = []
+        for name, shard in self.shards.items():
+            for key, info in shard.entries():
+                if key in self._where and self._where[key] is shard:
+                    storage = f"{name}:{info.storage}" if info.storage is not None else None
+                    out.append(
+                        (
+                            key,
+                            TensorInfo(
+                                info.dtype,
+                                info.shape,
+                                storage,
+                                info.byte_range,
+                                info.contiguous,
+                                info.kind,
+                            ),
+                        )
+                    )
+        return out
+
+    def aliases(self) -> dict[str, str]:
+        # Ties are only ever kept within one shard.
+        return {a: b for shard in self.shards.values() for a, b in shard.aliases().items()}
+
+    def load(self, key: str) -> torch.Tensor:
+        return self._where[key].load(key)
+
+    def close(self) -> None:
+        for shard in self.shards.values():
+            shard.close()
