@@ -270,6 +270,85 @@ def scan(paths: tuple[str, ...], allow_global: tuple[str, ...], as_json: bool, q
         raise click.exceptions.Exit(1)
 
 
+@cli.command()
+@click.argument("a", type=click.Path(path_type=str))
+@click.argument("b", type=click.Path(path_type=str))
+@click.option("--atol", type=click.FloatRange(min=0), default=0.0, help="Absolute tolerance.")
+@click.option("--rtol", type=click.FloatRange(min=0), default=0.0, help="Relative tolerance.")
+@click.option("--keys-only", is_flag=True, help="Compare keys, shapes and dtypes; read no data.")
+@click.option("--select-a", metavar="DOTTED.PATH", help="Where A's state dict is.")
+@click.option("--select-b", metavar="DOTTED.PATH", help="Where B's state dict is.")
+@click.option("--allow-global", multiple=True, metavar="NAME", help="Admit pickle global NAME.")
+@click.option("--json", "as_json", is_flag=True, help="The comparison as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing; the exit code tells.")
+def diff(
+    a: str,
+    b: str,
+    atol: float,
+    rtol: float,
+    keys_only: bool,
+    select_a: str | None,
+    select_b: str | None,
+    allow_global: tuple[str, ...],
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Compare two checkpoints of any formats, wrapper prefixes stripped on both sides.
+
+    Exit code 0 when they are equal (bit-exact, or within --atol/--rtol), 1 when they differ,
+    2 on error, like diff(1).
+
+    \b
+    ckptkit diff ddp.pt model.safetensors
+    ckptkit diff run1.pt run2.pt --atol 1e-6
+    """
+    from ckptkit.diff import diff as run
+
+    try:
+        report = run(a, b, atol=atol, rtol=rtol, keys_only=keys_only, select_a=select_a,
+                     select_b=select_b, allow_globals=allow_global)  # fmt: skip
+    except CkptkitError as exc:
+        exc.exit_code = 2
+        raise
+    if as_json:
+        _emit_json(report.to_dict())
+    elif not quiet:
+        _print_diff(report)
+    if not report.equal:
+        raise click.exceptions.Exit(1)
+
+
+def _print_diff(report: Any) -> None:
+    for name, side in (("A", report.a), ("B", report.b)):
+        removed = f", stripped {''.join(side.removed)}" if side.removed else ""
+        click.echo(f"{name}  {side.path} ({side.format}{removed})")
+
+    def some(keys: list[str]) -> str:
+        return ", ".join(keys[:6]) + (f" (+{len(keys) - 6} more)" if len(keys) > 6 else "")
+
+    if report.only_a:
+        click.echo(f"only in A    {len(report.only_a)}: {some(report.only_a)}")
+    if report.only_b:
+        click.echo(f"only in B    {len(report.only_b)}: {some(report.only_b)}")
+    for key, ia, ib in report.mismatched:
+        click.echo(
+            f"mismatch     {key}: {list(ia.shape)} {ia.dtype} vs {list(ib.shape)} {ib.dtype}"
+        )
+    if report.keys_only:
+        click.echo(f"headers      {report.common} common keys compared (no data read)")
+    else:
+        counts = {
+            s: sum(1 for t in report.tensors if t.status == s)
+            for s in ("equal", "close", "different")
+        }
+        click.echo(f"values       {counts['equal']} bit-equal, {counts['close']} within tolerance, "
+                   f"{counts['different']} different")  # fmt: skip
+        for t in report.different[:10]:
+            click.echo(f"  {t.key}: {t.differing} elements differ, max abs {t.max_abs:.3g}, "
+                       f"max rel {t.max_rel:.3g}")  # fmt: skip
+    click.echo("equal" if report.equal else "differ")
+
+
 def _print_scan(report: Any) -> None:
     click.echo(f"{report.path}: {report.verdict} ({report.format})")
     classes = report.globals()

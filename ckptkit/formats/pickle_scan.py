@@ -78,7 +78,9 @@ class PickleFindings:
 
     @property
     def dangerous_problem(self) -> bool:
-        return any(p.startswith(("computed", "nested", "extension")) for p in self.problems)
+        return any(
+            p.startswith(("computed", "nested", "extension", "call of")) for p in self.problems
+        )
 
     def to_dict(self, allowed: frozenset[str] = frozenset()) -> dict[str, Any]:
         return {
@@ -159,7 +161,9 @@ def scan_pickle(data: bytes | io.BufferedIOBase, label: str = "pickle") -> Pickl
                 pop()  # arguments
                 target = pop()
                 note_call(target)
-                stack.append(target if isinstance(target, _Global) else _UNKNOWN)
+                if not isinstance(target, _Global):
+                    found.problems.append("call of a value made at load time (not a named global)")
+                stack.append(_UNKNOWN)
             elif name == "OBJ":
                 items = pop_mark()
                 if items:

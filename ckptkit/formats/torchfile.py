@@ -168,14 +168,36 @@ def scan_torch_file(path: Path) -> tuple[PickleScan, _ZipLayout, Any]:
     return scan, layout, raw
 
 
+def _refuse_if_unsafe(path: Path, allowed: set[str]) -> None:
+    from ckptkit.formats import pickles_in
+    from ckptkit.formats.pickle_scan import SAFE, classify, scan_pickle
+
+    names: dict[str, None] = {}
+    for label, data in pickles_in(path)[1]:
+        names.update(dict.fromkeys(scan_pickle(data, label).globals))
+    unsafe = [g for g in names if classify(g) != SAFE and g not in allowed]
+    if unsafe:
+        raise UnsafeCheckpointError(
+            f"{path} names globals outside torch's safe set: {', '.join(unsafe)}",
+            "if you trust the file, admit each with --allow-global NAME "
+            "(or load it fully with --trust)",
+            globals_=tuple(unsafe),
+        )
+
+
 class TorchFileSource(Source):
     """A torch zip or legacy file read statically; tensors are views of a memory map."""
 
     def __init__(
         self, path: Path, *, select: str | None = None, allow_globals: Iterable[str] = ()
     ) -> None:
-        scan, self._layout, self._raw = scan_torch_file(path)
         allowed = set(allow_globals)
+        try:
+            scan, self._layout, self._raw = scan_torch_file(path)
+        except FormatError:
+            # A pickle the static reader cannot follow may still be a hostile one: say so.
+            _refuse_if_unsafe(path, allowed)
+            raise
         unsafe = [g for g in scan.unsafe_globals if g not in allowed]
         if unsafe:
             self._raw.close()
