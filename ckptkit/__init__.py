@@ -6,11 +6,14 @@ Importing the package is cheap: torch is imported only when a tensor is actually
 from __future__ import annotations
 
 from ckptkit.convert import ConvertReport, convert
+from ckptkit.diff import DiffReport, diff
 from ckptkit.errors import CkptkitError
 from ckptkit.formats import open_source
 from ckptkit.keys import detect_wrappers
 from ckptkit.load import LoadReport, load_into, load_state_dict
 from ckptkit.meta import ckptkit_version
+from ckptkit.scan import ScanReport, scan
+from ckptkit.summary import Summary, summarize
 
 __version__ = ckptkit_version()
 
@@ -24,4 +27,10 @@ __all__ = [
     "LoadReport",
     "open_source",
     "detect_wrappers",
+    "summarize",
+    "Summary",
+    "diff",
+    "DiffReport",
+    "scan",
+    "ScanReport",
 ]

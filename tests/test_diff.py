@@ -1,0 +1,112 @@
+"""diff: any two formats, wrappers normalised, bit-exact by default, diff(1) exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import FIXTURE_DIR, FIXTURES, ROOT
+
+import ckptkit
+
+
+@pytest.mark.parametrize(
+    "fx", [f for f in FIXTURES if f.model == "tiny" and not f.bad], ids=lambda f: f.name
+)
+def test_every_tiny_fixture_equals_the_plain_one(fx):
+    report = ckptkit.diff(FIXTURE_DIR / fx.name, FIXTURE_DIR / "single.pt", allow_globals=fx.allow)
+    # (AveragedModel's n_averaged goes with its wrapper, as convert --strip-wrappers drops it.)
+    assert report.equal, report.to_dict()
+    assert len(report.tensors) == 9 and all(t.status == "equal" for t in report.tensors)
+
+
+def test_ddp_checkpoint_and_its_safetensors_compare_equal(tmp_path):
+    dst = tmp_path / "m.safetensors"
+    ckptkit.convert(FIXTURE_DIR / "ddp_compiled.pt", dst, strip_wrappers=True)
+    report = ckptkit.diff(FIXTURE_DIR / "ddp_compiled.pt", dst)
+    assert report.equal and report.a.removed == ["module.", "_orig_mod."]
+
+
+def _pair(tmp_path, change):
+    state = dict(torch.load(FIXTURE_DIR / "single.pt", weights_only=True))
+    a = tmp_path / "a.pt"
+    torch.save(state, a)
+    changed = dict(state)
+    change(changed)
+    b = tmp_path / "b.pt"
+    torch.save(changed, b)
+    return a, b
+
+
+def test_value_differences_and_tolerances(tmp_path):
+    def nudge(s):
+        s["head.bias"] = s["head.bias"] + torch.tensor([0.0, 1e-6, 0.0])
+
+    a, b = _pair(tmp_path, nudge)
+    report = ckptkit.diff(a, b)
+    assert not report.equal
+    (different,) = report.different
+    assert different.key == "head.bias" and different.differing == 1
+    assert different.max_abs == pytest.approx(1e-6, rel=0.1)
+    assert ckptkit.diff(a, b, atol=1e-5).equal
+    assert ckptkit.diff(a, b, rtol=1.0).equal
+    assert not ckptkit.diff(a, b, atol=1e-9).equal
+
+
+def test_nan_compares_bit_exact(tmp_path):
+    def put_nan(s):
+        s["head.bias"] = torch.tensor([float("nan"), 1.0, 2.0])
+
+    a, b = _pair(tmp_path, put_nan)
+    c = tmp_path / "c.pt"
+    torch.save(torch.load(b, weights_only=True), c)
+    assert ckptkit.diff(b, c).equal  # the same NaN bits
+    assert not ckptkit.diff(a, b, atol=10).equal  # NaN against a number is never close
+
+
+def test_keys_shapes_dtypes(tmp_path):
+    def reshape(s):
+        s["head.weight"] = s["head.weight"].double()
+        s["body.0.bias"] = torch.zeros(9)
+        del s["head.bias"]
+        s["extra"] = torch.ones(1)
+
+    a, b = _pair(tmp_path, reshape)
+    report = ckptkit.diff(a, b, keys_only=True)
+    assert report.only_a == ["head.bias"] and report.only_b == ["extra"]
+    assert [m[0] for m in report.mismatched] == ["body.0.bias", "head.weight"]
+    assert report.tensors == []  # keys-only reads no data
+
+
+def test_keys_only_does_not_import_torch():
+    code = (
+        "import sys\nfrom ckptkit.diff import diff\n"
+        f"r = diff({str(FIXTURE_DIR / 'dp.pt')!r}, {str(FIXTURE_DIR / 'single.safetensors')!r}, keys_only=True)\n"
+        "assert r.equal and 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_diff_cli(run, tmp_path, fixture_copy):
+    fixture_copy("ddp.pt")
+    fixture_copy("single.safetensors")
+    fixture_copy("tied.pt")
+    same = run("diff", "ddp.pt", "single.safetensors")
+    assert same.exit_code == 0
+    assert same.stdout.splitlines() == [
+        "A  ddp.pt (torch-zip, stripped module.)",
+        "B  single.safetensors (safetensors)",
+        "values       9 bit-equal, 0 within tolerance, 0 different",
+        "equal",
+    ]
+    other = run("diff", "ddp.pt", "tied.pt", "--json")
+    assert other.exit_code == 1
+    doc = json.loads(other.stdout)
+    assert doc["equal"] is False and doc["only_b"] == ["embed.weight"]
+    missing = run("diff", "ddp.pt", "nope.pt")
+    assert missing.exit_code == 2
+    assert missing.stderr == "Error: nope.pt does not exist; check the path\n"
+    assert run("diff", "ddp.pt", "tied.pt", "-q").stdout == ""
