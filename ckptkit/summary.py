@@ -199,24 +199,24 @@ def collapse(rows: list[tuple[str, Any]]) -> list[tuple[tuple[str, ...], Any, in
     order the keys first appear. Keys are folded only when every combination is present, and
     only :data:`MIN_FOLD` or more of them.
     """
-    groups: dict[tuple[tuple[str, ...], Any], list[tuple[str, ...]]] = {}
-    for key, value in rows:
+    groups: dict[tuple[tuple[str, ...], Any], list[tuple[int, tuple[str, ...]]]] = {}
+    for position, (key, value) in enumerate(rows):
         parts = tuple(key.split("."))
         pattern = tuple("#" if p.isdigit() else p for p in parts)
-        groups.setdefault((pattern, value), []).append(parts)
-    out = []
+        groups.setdefault((pattern, value), []).append((position, parts))
+    out: list[tuple[int, tuple[str, ...], Any, int]] = []
     for (pattern, value), members in groups.items():
         slots = [i for i, p in enumerate(pattern) if p == "#"]
-        spans = {i: sorted({int(m[i]) for m in members}) for i in slots}
+        spans = {i: sorted({int(parts[i]) for _, parts in members}) for i in slots}
         combos = 1
         for i in slots:
             combos *= len(spans[i])
         if len(members) >= MIN_FOLD and combos == len(members):
             path = tuple(_span(spans[i]) if i in spans else p for i, p in enumerate(pattern))
-            out.append((path, value, len(members)))
+            out.append((members[0][0], path, value, len(members)))
         else:
-            out.extend((m, value, 1) for m in members)
-    return out
+            out.extend((position, parts, value, 1) for position, parts in members)
+    return [(path, value, count) for _, path, value, count in sorted(out, key=lambda row: row[0])]
 
 
 def _size(nbytes: int) -> str:

@@ -162,3 +162,13 @@ def test_inspect_and_help_do_not_import_torch(name):
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_tree_keeps_file_order_for_unfolded_keys():
+    same = ("f32", (8,))
+    rows = [("a.0.bias", same), ("a.1.weight", same), ("a.1.bias", same)]
+    assert [parts for parts, _, _ in collapse(rows)] == [
+        ("a", "0", "bias"),
+        ("a", "1", "weight"),
+        ("a", "1", "bias"),
+    ]

@@ -1,0 +1,20 @@
+"""bench/run.py --quick keeps working (the full run is not part of CI)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_bench_quick_runs_and_reports_every_way():
+    proc = subprocess.run([sys.executable, "bench/run.py", "--quick", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)
+    ways = results["inspect"]
+    assert set(ways) == {"ckptkit inspect --json", "torch.load (full)", "torch.load (mmap=True)",
+                         "import torch (alone)"}  # fmt: skip
+    assert all(r["wall_s"] > 0 and r["peak_anon_bytes"] > 0 for r in ways.values())
