@@ -196,6 +196,102 @@ def convert(
 
 
 @cli.command()
+@click.option(
+    "--mode",
+    type=click.Choice(["single", "dp", "ddp"]),
+    default="single",
+    show_default=True,
+    help="single device, nn.DataParallel, or DistributedDataParallel.",
+)
+@click.option("--epochs", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Global batch size, split evenly over the ranks.",
+)
+@click.option("--lr", type=float, default=0.05, show_default=True, help="SGD learning rate.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--out", default="runs/ckptkit", show_default=True, help="Run folder: checkpoints, metrics."
+)
+@click.option(
+    "--save-every",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Save every N epochs (and after the last).",
+)
+@click.option(
+    "--keep-last",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Checkpoints to keep (0: all).",
+)
+@click.option(
+    "--resume", metavar="PATH|auto", help="Resume from a checkpoint, or the newest complete one."
+)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option(
+    "--save-format",
+    type=click.Choice(["pt", "safetensors", "both"]),
+    default="pt",
+    show_default=True,
+    help="pt: whole training state; safetensors: weights only.",
+)
+@click.option(
+    "--model", metavar="MODULE:FACTORY", help="Your model factory (default: built-in demo)."
+)
+@click.option(
+    "--data", metavar="MODULE:FACTORY", help="Your dataset factory, (input, label) items."
+)
+@click.option(
+    "--nproc-per-node",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="DDP workers to start here (ignored under torchrun).",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=1),
+    default=60,
+    show_default=True,
+    help="Process-group timeout in seconds: a stuck rank fails the job this fast.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar, no per-epoch lines.")
+def train(as_json: bool, **options: Any) -> None:
+    """Train in any mode; checkpoints load in every other mode.
+
+    \b
+    ckptkit train --mode ddp --nproc-per-node 2 --epochs 4 --out runs/demo
+    ckptkit train --mode single --resume auto --out runs/demo
+    torchrun --nnodes 2 --node-rank 0 ... -m ckptkit train --mode ddp
+    """
+    from ckptkit.engine import TrainConfig
+    from ckptkit.engine import train as run
+
+    result = run(TrainConfig(**options))
+    if result is None:  # a worker under torchrun that is not rank 0
+        return
+    if as_json:
+        _emit_json(result.to_dict())
+    elif not options["quiet"]:
+        last = result.metrics[-1] if result.metrics else None
+        done = (
+            f"; last epoch loss {last['loss']:.4f}, accuracy {last['accuracy']:.3f}" if last else ""
+        )
+        click.echo(f"Trained {result.epochs_run} epoch(s) in {options['mode']} mode{done}")
+        click.echo(
+            f"Checkpoint {result.checkpoint}" if result.checkpoint else "No checkpoint written"
+        )
+
+
+@cli.command()
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--select", metavar="DOTTED.PATH", help="Where the state dict is (default: found).")
 @click.option("--flat", is_flag=True, help="One line per tensor instead of the tree.")

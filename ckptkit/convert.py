@@ -31,7 +31,10 @@ from ckptkit.meta import CheckpointMeta
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["convert", "ConvertReport"]
+__all__ = ["convert", "ConvertReport", "TRAINING_KEY"]
+
+# Where ckptkit's training engine keeps a run's metadata inside its checkpoints.
+TRAINING_KEY = "ckptkit"
 
 
 @dataclass
@@ -237,8 +240,8 @@ def _metadata(source: Source, report: ConvertReport) -> CheckpointMeta:
             part.path: {"tensors": part.tensors, "bytes": part.nbytes} for part in report.dropped
         }
         | {key: "wrapper bookkeeping" for key in report.plan.dropped},
-        extras={**inherited.extras, **source.extras},
-        training=inherited.training,
+        extras={k: v for k, v in source.extras.items() if k != TRAINING_KEY} | inherited.extras,
+        training=inherited.training or source.extras.get(TRAINING_KEY) or {},
         other={k: v for k, v in source.metadata.items() if not k.startswith("ckptkit.")},
     )
 

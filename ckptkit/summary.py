@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptkit.convert import TRAINING_KEY
 from ckptkit.formats import TensorInfo, open_source
 from ckptkit.formats.dtypes import DTYPES
 from ckptkit.formats.tree import DroppedPart
@@ -73,6 +74,12 @@ class Summary:
     @property
     def non_contiguous(self) -> list[str]:
         return [key for key, info in self.tensors if not info.contiguous]
+
+    @property
+    def training(self) -> dict[str, Any]:
+        """The training run's metadata, from an engine checkpoint or a converted file's header."""
+        meta = self.extras.get(TRAINING_KEY)
+        return meta if isinstance(meta, dict) else self.ckptkit_metadata.get("training", {})
 
     @property
     def ckptkit_metadata(self) -> dict[str, Any]:
@@ -326,13 +333,24 @@ def summary_lines(summary: Summary) -> list[str]:
         lines.append(
             f"also        {part.path}: {part.tensors} tensors, {_size(part.nbytes)} (not weights)"
         )
+    run = summary.training
+    if run:
+        lines.append(
+            f"trained     {run.get('mode')} x{run.get('world_size')} on {run.get('nodes')} node(s) "
+            f"({run.get('backend') or 'no process group'}, {run.get('device_type')}), epoch "
+            f"{run.get('epoch')}, step {run.get('step')}, seed {run.get('seed')}, "
+            f"torch {run.get('torch_version')}, {run.get('utc_time')}"
+        )
+        lines.append(f"weights     sha256 {run.get('weights_sha256')}")
     for key, value in summary.extras.items():
-        lines.append(f"also        {key} = {_short(value)}")
+        if key != TRAINING_KEY:
+            lines.append(f"also        {key} = {_short(value)}")
     for key, value in summary.metadata.items():
         if not key.startswith(NAMESPACE):
             lines.append(f"metadata    {key} = {_short(value)}")
     for key, value in summary.ckptkit_metadata.items():
-        lines.append(f"ckptkit     {key} = {_short(value)}")
+        if key != "training":
+            lines.append(f"ckptkit     {key} = {_short(value)}")
     lines.extend(_safety_lines(summary.safety))
     return lines
 
