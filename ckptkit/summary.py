@@ -341,6 +341,9 @@ def summary_lines(summary: Summary) -> list[str]:
             f"{run.get('epoch')}, step {run.get('step')}, seed {run.get('seed')}, "
             f"torch {run.get('torch_version')}, {run.get('utc_time')}"
         )
+        if run.get("removed_prefixes"):
+            removed = "".join(run["removed_prefixes"])
+            lines.append(f"unwrapped   saved without its {removed} wrapper: loads in any mode")
         lines.append(f"weights     sha256 {run.get('weights_sha256')}")
     for key, value in summary.extras.items():
         if key != TRAINING_KEY:

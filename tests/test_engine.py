@@ -356,50 +356,49 @@ def _free_port() -> int:
 
 
 def test_two_nodes_simulated_on_localhost(tmp_path):
-    """Two torchrun agents, one per 'node', rendezvous over TCP; ckptkit runs in place."""
-    port = _free_port()
+    """examples/two_nodes.sh: two torchrun agents, one per 'node', rendezvous over TCP on
+    localhost; ckptkit runs in place under each."""
     out = tmp_path / "two-nodes"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(rank),
-                "--nproc-per-node",
-                "1",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-                "-m",
-                "ckptkit",
-                "train",
-                "--mode",
-                "ddp",
-                "--epochs",
-                "2",
-                "--out",
-                str(out),
-                "--timeout",
-                "30",
-                "-q",
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
+    env = {**os.environ, "OUT": str(out), "MASTER_PORT": str(_free_port())}
+    proc = subprocess.run(
+        ["bash", "examples/two_nodes.sh", "-q"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
     meta = torch.load(out / "ckpt-epoch0002.pt", weights_only=True)["ckptkit"]
-    assert (meta["world_size"], meta["nodes"]) == (2, 2)
+    assert (meta["world_size"], meta["nodes"], meta["mode"]) == (2, 2, "ddp")
+
+
+def test_examples_train_own_model_and_load_anywhere(tmp_path):
+    out = tmp_path / "own"
+    proc = subprocess.run(
+        [sys.executable, "examples/train_own_model.py", "single", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("single: accuracy ")
+    meta = torch.load(out / "ckpt-epoch0003.pt", weights_only=True)["ckptkit"]
+    assert meta["config"]["model"] == "__main__:make_model"
+    demo = run(tmp_path, "demo", epochs=1)
+    proc = subprocess.run(
+        [sys.executable, "examples/load_anywhere.py", demo.checkpoint],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "DataParallel: add 'module.'" in proc.stdout
+        and "torch.compile: add '_orig_mod.'" in proc.stdout
+    )
 
 
 def test_cli_train_in_process(run_cli_train):

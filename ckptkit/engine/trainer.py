@@ -46,8 +46,9 @@ class TrainConfig:
     resume: str | None = None  # a checkpoint path, or "auto"
     device: str = "cpu"
     save_format: str = "pt"  # pt, safetensors or both
-    model: str | None = None  # "module:factory"; None: the built-in demo model
-    data: str | None = None  # "module:factory"; None: the built-in demo data
+    # "module:factory" or a callable (picklable, for DDP); None: the built-in demo model / data.
+    model: str | Callable[[], nn.Module] | None = None
+    data: str | Callable[[], Dataset] | None = None
     nproc_per_node: int = 2
     timeout_s: float = 60.0  # process-group timeout: a missing rank fails fast
     quiet: bool = False
@@ -79,9 +80,11 @@ class TrainResult:
         return dataclasses.asdict(self)
 
 
-def _factory(spec: str | None, default: Callable[[], Any], what: str) -> Any:
+def _factory(spec: str | Callable[[], Any] | None, default: Callable[[], Any], what: str) -> Any:
     if spec is None:
         return default()
+    if callable(spec):
+        return spec()
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UsageError(
@@ -241,7 +244,7 @@ class Engine:
             "global_batch_size": cfg.batch_size,
             "per_rank_batch_size": cfg.batch_size // ctx.world_size,
             "seed": cfg.seed,
-            "config": dataclasses.asdict(cfg),
+            "config": {k: _plain(v) for k, v in dataclasses.asdict(cfg).items()},
             "git_commit": _git_commit(),
             "host": platform.node(),
             "utc_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -314,6 +317,13 @@ class Engine:
             _set_rng_state(rng[ctx.rank])  # same world size: each rank continues its stream
         if ctx.is_main and not self.config.quiet:
             print(f"resumed from {path} at epoch {state['epoch']}", file=sys.stderr, flush=True)
+
+
+def _plain(value: Any) -> Any:
+    """A config value as checkpoint metadata may hold it (a factory becomes its name)."""
+    if callable(value):
+        return f"{value.__module__}:{value.__qualname__}"
+    return value
 
 
 def _check_writable(folder: Path) -> None:
