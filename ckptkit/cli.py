@@ -123,6 +123,20 @@ def cli() -> None:
 @click.option(
     "--match-to", metavar="REF", help="Map keys onto the layout of reference checkpoint REF."
 )
+@click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp16", "fp32"]),
+    help="Cast floating-point tensors (integer and bool tensors never change).",
+)
+@click.option(
+    "--keep-dtype", multiple=True, metavar="GLOB", help="Keys that keep their dtype (repeatable)."
+)
+@click.option("--allow-overflow", is_flag=True, help="Let a cast turn finite values into inf.")
+@click.option(
+    "--max-shard-size",
+    metavar="SIZE",
+    help="Shard safetensors output: 5GB, 500MB, 2GiB... (with a Hugging Face index).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the key plan; write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
 @click.option(
@@ -144,21 +158,14 @@ def cli() -> None:
 def convert(
     src: str,
     dst: str,
-    select: str | None,
-    strip_module: bool,
-    strip_wrappers: bool,
     strip_prefix: tuple[str, ...],
-    add_module: bool,
     add_prefix: tuple[str, ...],
     rename: tuple[str, ...],
-    match_to: str | None,
-    dry_run: bool,
-    force: bool,
-    no_verify: bool,
     allow_global: tuple[str, ...],
-    trust: bool,
+    no_verify: bool,
     as_json: bool,
     quiet: bool,
+    **options: Any,
 ) -> None:
     """Convert SRC's state dict to DST (.safetensors or .pt), rewriting key prefixes.
 
@@ -166,28 +173,22 @@ def convert(
     ckptkit convert ddp.pt model.safetensors --strip-module
     ckptkit convert lightning.ckpt model.safetensors --strip-prefix model.
     ckptkit convert single.pt ddp-ready.pt --add-module
+    ckptkit convert big.pt out/model.safetensors --dtype bf16 --max-shard-size 5GB
     """
     from ckptkit.convert import convert as run
 
-    if strip_module and strip_wrappers:
+    if options["strip_module"] and options["strip_wrappers"]:
         raise UsageError("--strip-module and --strip-wrappers overlap", "use one of them")
     report = run(
         src,
         dst,
-        select=select,
-        strip_module=strip_module,
-        strip_wrappers=strip_wrappers,
         strip_prefixes=strip_prefix,
-        add_module=add_module,
         add_prefixes=add_prefix,
         renames=rename,
-        match_to=match_to,
-        dry_run=dry_run,
-        force=force,
-        verify=not no_verify,
-        trust=trust,
         allow_globals=allow_global,
+        verify=not no_verify,
         progress=_progress(quiet or as_json),
+        **options,
     )
     if as_json:
         _emit_json(report.to_dict())
@@ -484,6 +485,11 @@ def _print_convert(report: Any) -> None:
         click.echo(f"Dropped  {key} (wrapper bookkeeping)")
     for alias, target in report.aliases.items():
         click.echo(f"Tied     {alias} = {target} (written twice, recorded in metadata)")
+    if report.cast:
+        saved = report.source_nbytes - report.nbytes
+        click.echo(f"Cast     {len(report.cast)} floating-point tensor(s): {_size(saved)} saved")
+    if report.overflowed:
+        click.echo(f"Overflow {', '.join(report.overflowed[:5])} (allowed with --allow-overflow)")
     if report.made_contiguous:
         click.echo(
             f"Packed   {len(report.made_contiguous)} non-contiguous tensor(s) made contiguous"
@@ -494,9 +500,14 @@ def _print_convert(report: Any) -> None:
         click.echo(f"Left     {', '.join(report.extras)} (a .pt output holds only the state dict)")
     if report.dry_run:
         click.echo("Dry run: nothing written")
+        return
+    checked = "verified bit-exact" if report.verified else "not verified (--no-verify)"
+    if len(report.files) > 1:
+        click.echo(f"Wrote    {len(report.files) - 1} shards and {report.files[-1]}, {checked}")
     else:
-        checked = "verified bit-exact" if report.verified else "not verified (--no-verify)"
         click.echo(f"Wrote    {report.destination} ({report.output_format}), {checked}")
+    if report.copied:
+        click.echo(f"Copied   {report.copied} of {report.tensors} tensors as bytes, without torch")
 
 
 def main(argv: list[str] | None = None) -> None:

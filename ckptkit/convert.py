@@ -7,16 +7,21 @@ atomically, only after it was read back and compared bit-exact with the source.
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
+import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import FormatError, KeyMatchError, VerificationError
+from ckptkit.errors import CastError, FormatError, KeyMatchError, UsageError
 from ckptkit.formats import Source, TensorInfo, open_source, output_format
 from ckptkit.formats.atomic import atomic_output, check_output
 from ckptkit.formats.dtypes import DTYPES
+from ckptkit.formats.safetensors import TensorSpec
+from ckptkit.formats.transfer import Item, Transfer
 from ckptkit.formats.tree import DroppedPart
 from ckptkit.keys import (
     KeyMatch,
@@ -29,7 +34,7 @@ from ckptkit.keys import (
 from ckptkit.meta import CheckpointMeta
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 __all__ = ["convert", "ConvertReport", "TRAINING_KEY"]
 
@@ -50,6 +55,12 @@ class ConvertReport:
     plan: KeyPlan
     tensors: int
     nbytes: int
+    source_nbytes: int = 0
+    cast: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    copied: int = 0
+    through_torch: int = 0
+    overflowed: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
     dropped: list[DroppedPart] = field(default_factory=list)
     made_contiguous: list[str] = field(default_factory=list)
@@ -74,6 +85,12 @@ class ConvertReport:
             "dropped_keys": self.plan.dropped,
             "tensors": self.tensors,
             "bytes": self.nbytes,
+            "bytes_saved": self.source_nbytes - self.nbytes,
+            "cast": self.cast,
+            "overflowed": self.overflowed,
+            "files": self.files,
+            "copied_as_bytes": self.copied,
+            "through_torch": self.through_torch,
             "aliases": self.aliases,
             "dropped": [part.to_dict() for part in self.dropped],
             "made_contiguous": self.made_contiguous,
@@ -96,6 +113,10 @@ def convert(
     add_prefixes: Iterable[str] = (),
     renames: Iterable[str | tuple[re.Pattern[str], str]] = (),
     match_to: str | Path | None = None,
+    dtype: str | None = None,
+    keep_dtype: Iterable[str] = (),
+    allow_overflow: bool = False,
+    max_shard_size: int | str | None = None,
     dry_run: bool = False,
     force: bool = False,
     verify: bool = True,
@@ -106,7 +127,7 @@ def convert(
     """Convert a checkpoint's state dict to safetensors or a plain ``.pt`` state dict.
 
     Args:
-        src: the checkpoint to read (torch zip or legacy, or safetensors).
+        src: the checkpoint to read (torch zip or legacy, safetensors, or sharded).
         dst: the output; its suffix picks the format (``.safetensors``, ``.pt``).
         select: dotted path of the state dict in a training checkpoint (default: found).
         strip_wrappers: strip the whole detected wrapper chain (``module._orig_mod.`` ...).
@@ -116,15 +137,21 @@ def convert(
         add_prefixes: further prefixes to add (the first ends up innermost).
         renames: ``REGEX=REPLACEMENT`` rules applied to every key, in order.
         match_to: a reference checkpoint whose key layout the output must match exactly.
+        dtype: cast floating-point tensors to ``bf16``, ``fp16`` or ``fp32``; integer and bool
+            tensors never change.
+        keep_dtype: globs of (output) keys that keep their dtype.
+        allow_overflow: let a cast turn finite values into infinities.
+        max_shard_size: split safetensors output into shards of at most this many bytes
+            (``"5GB"``, ``"2GiB"`` or an int), with a Hugging Face style index.
         dry_run: plan and report only; write nothing.
-        force: replace an existing ``dst``.
+        force: replace existing outputs.
         verify: read the output back and compare every tensor bit-exact with the source.
         trust: read ``src`` with torch's full unpickler (only for files you trust).
         allow_globals: pickle globals to admit beside torch's safe set (never imported).
         progress: show a progress bar on stderr.
 
     Returns:
-        The report: where the state dict was, the key plan, what was dropped and written.
+        The report: where the state dict was, the key plan, what was dropped, cast and written.
 
     Raises:
         CkptkitError: a subclass naming the file, the key and the fix, before anything is
@@ -133,9 +160,11 @@ def convert(
     src, dst = Path(src), Path(dst)
     fmt = output_format(dst)
     rules = [parse_rename_rule(r) if isinstance(r, str) else r for r in renames]
+    target = _cast_target(dtype)
+    shard_limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    if shard_limit is not None and fmt != "safetensors":
+        raise UsageError("--max-shard-size writes safetensors shards", "give a .safetensors DST")
     with open_source(src, select=select, trust=trust, allow_globals=allow_globals) as source:
-        if not dry_run:
-            check_output(dst, force=force, inputs=[src])
         entries = dict(source.entries())
         for key, info in entries.items():
             if info.kind != "dense":
@@ -153,12 +182,28 @@ def convert(
             renames=rules,
         )
         match = _match_reference(plan, entries, Path(match_to)) if match_to else None
-        kept = [(old, new) for old, new in plan.mapping.items() if new is not None]
+        keep = list(keep_dtype)
+        items = [
+            Item(
+                old,
+                TensorSpec(
+                    new, _out_dtype(entries[old].dtype, new, target, keep), entries[old].shape
+                ),
+                entries[old].dtype,
+            )
+            for old, new in plan.mapping.items()
+            if new is not None
+        ]
+        if fmt == "safetensors":
+            # Widest dtypes first, so every tensor's data stays aligned for memory mapping.
+            items.sort(key=lambda item: -DTYPES[item.spec.dtype].itemsize)
         aliases = {
             plan.mapping[a]: plan.mapping[b]
             for a, b in source.aliases().items()
             if plan.mapping.get(a) and plan.mapping.get(b)
         }
+        shards = _shards(items, aliases, shard_limit) if fmt == "safetensors" else [items]
+        outputs = _output_paths(dst, len(shards))
         report = ConvertReport(
             source=str(src),
             source_format=source.format,
@@ -167,38 +212,96 @@ def convert(
             selected=source.selected,
             selected_reason=source.selected_reason,
             plan=plan,
-            tensors=len(kept),
-            nbytes=sum(entries[old].nbytes for old, _ in kept),
+            tensors=len(items),
+            nbytes=sum(item.spec.nbytes for item in items),
+            source_nbytes=sum(entries[item.old].nbytes for item in items),
+            cast=[item.spec.key for item in items if item.cast],
+            files=[str(p) for p in outputs],
             aliases=aliases,
             dropped=list(source.dropped),
-            made_contiguous=[new for old, new in kept if not entries[old].contiguous],
+            made_contiguous=[item.spec.key for item in items if not entries[item.old].contiguous],
             extras=sorted(source.extras),
             match=match,
             dry_run=dry_run,
         )
         if dry_run:
             return report
-        meta = _metadata(source, report)
-        if fmt == "safetensors":
-            # Widest dtypes first, so every tensor's data stays aligned for memory mapping.
-            kept.sort(key=lambda pair: -DTYPES[entries[pair[0]].dtype].itemsize)
-        with atomic_output(dst, force=force, inputs=[src]) as tmp:
-            pairs = _stream(source, kept, progress=progress, total=report.nbytes)
-            if fmt == "safetensors":
-                from ckptkit.formats.safetensors import TensorSpec, write_safetensors
-
-                specs = [
-                    TensorSpec(new, entries[old].dtype, entries[old].shape) for old, new in kept
-                ]
-                write_safetensors(tmp, specs, pairs, meta.to_header())
-            else:
-                from ckptkit.formats.torchfile import write_torch
-
-                write_torch(tmp, pairs, aliases)
-            if verify:
-                _verify(tmp, fmt, source, kept, dst)
-                report.verified = True
+        for path in outputs:
+            check_output(path, force=force, inputs=[src])
+        header = _metadata(source, report).to_header()
+        _write(
+            source,
+            shards,
+            outputs,
+            header,
+            aliases,
+            report,
+            force=force,
+            verify=verify,
+            allow_overflow=allow_overflow,
+            progress=progress,
+            src=src,
+        )
     return report
+
+
+def _write(
+    source: Source,
+    shards: list[list[Item]],
+    outputs: list[Path],
+    header: dict[str, str],
+    aliases: dict[str, str],
+    report: ConvertReport,
+    *,
+    force: bool,
+    verify: bool,
+    allow_overflow: bool,
+    progress: bool,
+    src: Path,
+) -> None:
+    """Write every output file to a temp file, verify it, and only then put them all in place."""
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=report.nbytes,
+        unit="B",
+        unit_scale=True,
+        disable=not progress,
+        leave=False,
+        desc="convert",
+    )
+    transfer = Transfer(source, progress=bar.update)
+    try:
+        with contextlib.ExitStack() as stack:
+            # Entered first, left last: the index appears only once every shard is in place.
+            temps = [
+                stack.enter_context(atomic_output(p, force=force, inputs=[src]))
+                for p in reversed(outputs)
+            ][::-1]
+            for shard, tmp, path in zip(shards, temps, outputs, strict=False):
+                if report.output_format == "torch":
+                    transfer.write_torch(tmp, shard, aliases)
+                else:
+                    transfer.write_safetensors(tmp, shard, header)
+                if transfer.overflowed and not allow_overflow:
+                    names = ", ".join(transfer.overflowed[:5])
+                    raise CastError(
+                        f"the cast turns finite values into inf in {names}; nothing was written",
+                        "keep them with --keep-dtype GLOB, or pass --allow-overflow",
+                    )
+                if verify:
+                    if report.output_format == "torch":
+                        transfer.verify_torch(tmp, shard, path)
+                    else:
+                        transfer.verify_safetensors(tmp, shard, header, path)
+            if len(outputs) > len(shards):  # the index of a sharded output
+                _write_index(temps[-1], shards, outputs, header)
+        report.verified = verify
+        report.copied, report.through_torch = transfer.copied, transfer.through_torch
+        report.overflowed = list(transfer.overflowed)
+    finally:
+        transfer.close()
+        bar.close()
 
 
 def _match_reference(plan: KeyPlan, entries: dict[str, TensorInfo], ref_path: Path) -> KeyMatch:
@@ -246,40 +349,109 @@ def _metadata(source: Source, report: ConvertReport) -> CheckpointMeta:
     )
 
 
-def _stream(
-    source: Source, kept: list[tuple[str, str]], *, progress: bool, total: int
-) -> Iterator[tuple[str, torch.Tensor]]:
-    from tqdm import tqdm
-
-    with tqdm(
-        total=total, unit="B", unit_scale=True, disable=not progress, leave=False, desc="convert"
-    ) as bar:
-        for old, new in kept:
-            tensor = source.load(old)
-            yield new, tensor
-            bar.update(tensor.numel() * tensor.element_size())
+_CASTS = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "float32": "float32",
+}
 
 
-def _verify(path: Path, fmt: str, source: Source, kept: list[tuple[str, str]], dst: Path) -> None:
-    """Reopen the written file with its own library and compare every tensor with the source."""
-    from ckptkit.formats.tensors import bit_equal
+def _cast_target(dtype: str | None) -> str | None:
+    if dtype is None:
+        return None
+    if dtype not in _CASTS:
+        raise UsageError(f"unknown --dtype '{dtype}'", "use bf16, fp16 or fp32")
+    return _CASTS[dtype]
 
-    if fmt == "safetensors":
-        from safetensors import safe_open
 
-        handle = safe_open(str(path), framework="pt", device="cpu")
-        written_keys, get = set(handle.keys()), handle.get_tensor
+def _out_dtype(dtype: str, key: str, target: str | None, keep: list[str]) -> str:
+    """The dtype a tensor is written in: floating point ones cast, unless a glob keeps them."""
+    if (
+        target is None
+        or DTYPES[dtype].kind != "float"
+        or any(fnmatch.fnmatchcase(key, g) for g in keep)
+    ):
+        return dtype
+    return target
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"2GiB"`` -> 2 * 2**30; an int is bytes.
+
+    Raises:
+        UsageError: not a positive size.
+    """
+    if isinstance(size, int):
+        value = size
     else:
-        import torch
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", size)
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _UNITS:
+            raise UsageError(f"cannot read size '{size}'", "write it like 5GB, 500MB or 2GiB")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise UsageError(f"size '{size}' must be positive")
+    return value
 
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        written_keys, get = set(state), state.__getitem__
-    expected = {new for _, new in kept}
-    if written_keys != expected:
-        raise VerificationError(f"{dst} would not hold the planned keys; nothing was written")
-    for old, new in kept:
-        if not bit_equal(get(new), source.load(old)):
-            raise VerificationError(
-                f"tensor '{new}' read back from {dst} differs from the source; nothing was written",
-                "report this with CKPTKIT_DEBUG=1 output",
-            )
+
+def _shards(items: list[Item], aliases: dict[str, str], limit: int | None) -> list[list[Item]]:
+    """Group items into shards of at most ``limit`` bytes, in order; tied tensors share a
+    shard, and a tensor larger than the limit gets one of its own."""
+    if limit is None:
+        return [items]
+    root = {key: aliases.get(key, key) for key in (i.spec.key for i in items)}
+    units: dict[str, list[Item]] = {}
+    for item in items:
+        units.setdefault(root[item.spec.key], []).append(item)
+    shards: list[list[Item]] = [[]]
+    size = 0
+    for unit in units.values():
+        unit_size = sum(i.spec.nbytes for i in unit)
+        if shards[-1] and size + unit_size > limit:
+            shards.append([])
+            size = 0
+        shards[-1].extend(unit)
+        size += unit_size
+    return shards
+
+
+def _output_paths(dst: Path, count: int) -> list[Path]:
+    """One file, or ``stem-0000i-of-0000n.safetensors`` shards plus ``dst.index.json`` last."""
+    if count == 1:
+        return [dst]
+    stem = dst.name.removesuffix(".safetensors")
+    shards = [
+        dst.with_name(f"{stem}-{i:05d}-of-{count:05d}.safetensors") for i in range(1, count + 1)
+    ]
+    return shards + [dst.with_name(dst.name + ".index.json")]
+
+
+def _write_index(
+    path: Path, shards: list[list[Item]], outputs: list[Path], header: dict[str, str]
+) -> None:
+    """The Hugging Face index: total_size in metadata, and the shard of every key."""
+    weight_map = {
+        item.spec.key: out.name
+        for shard, out in zip(shards, outputs, strict=False)
+        for item in shard
+    }
+    total = sum(item.spec.nbytes for shard in shards for item in shard)
+    index = {"metadata": {"total_size": total, **header}, "weight_map": weight_map}
+    path.write_text(json.dumps(index, indent=2) + "\n")

@@ -15,6 +15,7 @@ __all__ = [
     "KeyTransformError",
     "KeyMatchError",
     "OutputError",
+    "CastError",
     "VerificationError",
 ]
 
@@ -70,6 +71,10 @@ class KeyMatchError(CkptkitError):
 
 class OutputError(CkptkitError):
     """An output that exists, equals the input, or cannot be written."""
+
+
+class CastError(CkptkitError):
+    """A dtype cast that would turn finite values into infinities."""
 
 
 class VerificationError(CkptkitError):

@@ -29,7 +29,8 @@ def test_convert_strip_module(run, tmp_path, fixture_copy):
         == "Read     dp.pt (torch-zip); state dict at the top level (the file is a flat state dict)"
     )
     assert lines[1].startswith("Keys     9 tensors, 468 B: strip 'module.'")
-    assert lines[-1] == "Wrote    out.safetensors (safetensors), verified bit-exact"
+    assert lines[-2] == "Wrote    out.safetensors (safetensors), verified bit-exact"
+    assert lines[-1] == "Copied   9 of 9 tensors as bytes, without torch"
     assert not any(k.startswith("module.") for k in load_file(tmp_path / "out.safetensors"))
 
 

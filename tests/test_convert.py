@@ -18,7 +18,7 @@ import ckptkit
 from ckptkit.errors import KeyMatchError, KeyTransformError, OutputError, VerificationError
 from ckptkit.formats.tensors import bit_equal
 
-convert_module = importlib.import_module("ckptkit.convert")  # the module, not the function
+transfer_module = importlib.import_module("ckptkit.formats.transfer")
 GOOD = [f for f in FIXTURES if not f.bad]
 
 
@@ -171,33 +171,50 @@ def test_output_permissions_follow_umask(tmp_path, umask):
 
 
 def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
-    real = convert_module._stream
+    real = transfer_module.copy_range
+    calls = []
 
-    def failing(*args, **kwargs):
-        for i, pair in enumerate(real(*args, **kwargs)):
-            if i == 3:
-                raise OSError(28, "No space left on device")
-            yield pair
+    def failing(*args):
+        calls.append(args)
+        if len(calls) == 4:
+            raise OSError(28, "No space left on device")
+        return real(*args)
 
-    monkeypatch.setattr(convert_module, "_stream", failing)
+    monkeypatch.setattr(transfer_module, "copy_range", failing)
     with pytest.raises(OutputError, match="no space left on the device writing .*o.safetensors"):
         ckptkit.convert(FIXTURE_DIR / "single.pt", tmp_path / "o.safetensors")
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
-def test_verification_catches_a_corrupted_tensor(tmp_path, monkeypatch, suffix):
-    real = convert_module._stream
+def test_verification_catches_a_corrupted_copy(tmp_path, monkeypatch):
+    real = transfer_module.copy_range
 
-    def corrupting(*args, **kwargs):
-        for key, tensor in real(*args, **kwargs):
-            yield key, (tensor + 1 if key == "head.bias" else tensor)
+    def corrupting(src_fd, offset, count, dst_fd):
+        real(src_fd, offset, count, dst_fd)
+        if count == 12:  # head.bias: 3 float32
+            os.pwrite(dst_fd, b"\xff", os.lseek(dst_fd, 0, os.SEEK_CUR) - 1)
 
-    monkeypatch.setattr(convert_module, "_stream", corrupting)
+    monkeypatch.setattr(transfer_module, "copy_range", corrupting)
     with pytest.raises(
         VerificationError, match="'head.bias' read back from .* differs from the source"
     ):
-        ckptkit.convert(FIXTURE_DIR / "single.pt", tmp_path / f"o{suffix}")
+        ckptkit.convert(FIXTURE_DIR / "single.pt", tmp_path / "o.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_verification_catches_a_corrupted_torch_write(tmp_path, monkeypatch):
+    import ckptkit.formats.torchfile as torchfile
+
+    real = torchfile.write_torch
+
+    def corrupting(path, pairs, aliases=None):
+        real(path, ((k, t + 1 if k == "head.bias" else t) for k, t in pairs), aliases)
+
+    monkeypatch.setattr(torchfile, "write_torch", corrupting)
+    with pytest.raises(
+        VerificationError, match="'head.bias' read back from .* differs from the source"
+    ):
+        ckptkit.convert(FIXTURE_DIR / "single.pt", tmp_path / "o.pt")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -15,7 +15,7 @@ from conftest import FIXTURE_DIR, FIXTURES, ROOT
 
 from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError
 from ckptkit.formats import detect_format, open_source
-from ckptkit.formats.safetensors import TensorSpec, header_bytes, write_safetensors
+from ckptkit.formats.safetensors import TensorSpec, header_bytes, write_tensors
 from ckptkit.formats.static_unpickler import OpaqueObject, TensorStub, read_pickle
 from ckptkit.formats.tensors import bit_equal, dtype_name
 
@@ -208,7 +208,7 @@ def test_safetensors_whose_length_looks_like_a_pickle_opcode(tmp_path, header_le
         if len(header_bytes(spec, {"p": "x" * n})) == 8 + header_length
     )
     path = tmp_path / "odd.safetensors"
-    write_safetensors(path, spec, [("w", torch.ones(2))], {"p": "x" * pad})
+    write_tensors(path, {"w": torch.ones(2)}, {"p": "x" * pad})
     assert (
         path.read_bytes()[:2]
         == bytes([header_length & 0xFF, header_length >> 8])

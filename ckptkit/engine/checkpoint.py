@@ -117,14 +117,13 @@ def _torch_save(payload: Any, path: Path) -> None:
 
 
 def _write_weights(path: Path, payload: dict[str, Any]) -> None:
-    from ckptkit.formats.safetensors import TensorSpec, write_safetensors
+    from ckptkit.formats.safetensors import write_tensors
     from ckptkit.meta import CheckpointMeta
 
     meta = payload.get("ckptkit", {})
     header = CheckpointMeta(training=meta, removed_prefixes=meta.get("removed_prefixes", []))
     state = {k: v.detach().to("cpu") for k, v in payload["model"].items()}
-    specs = [TensorSpec(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in state.items()]
-    write_safetensors(path, specs, state.items(), header.to_header())
+    write_tensors(path, state, header.to_header())
 
 
 def _prune(folder: Path, keep_last: int, *, keep: Path) -> None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
+from ckptkit.formats.bytecopy import write_all
 from ckptkit.formats.dtypes import DTYPES, from_safetensors, nbytes
 from ckptkit.formats.source import Source, TensorInfo
 from ckptkit.formats.tensors import as_bytes, dtype_name
@@ -23,7 +24,15 @@ from ckptkit.meta import CheckpointMeta
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SafetensorsSource", "TensorSpec", "read_header", "write_safetensors", "MAX_HEADER"]
+__all__ = [
+    "SafetensorsSource",
+    "TensorSpec",
+    "read_header",
+    "header_bytes",
+    "write_safetensors",
+    "write_tensors",
+    "MAX_HEADER",
+]
 
 MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers
 
@@ -100,6 +109,10 @@ class SafetensorsSource(Source):
             for key, e in sorted(self._header.items(), key=offset)
         ]
 
+    def byte_span(self, key: str) -> tuple[Path, int, int] | None:
+        begin, end = self._header[key]["data_offsets"]
+        return self.path, self._data_start + begin, end - begin
+
     def aliases(self) -> dict[str, str]:
         # Each tensor owns its bytes here; ties survive only as recorded metadata.
         return dict(self.meta.aliases)
@@ -153,23 +166,36 @@ def header_bytes(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
 def write_safetensors(
     dst: Path,
     specs: list[TensorSpec],
-    pairs: Iterable[tuple[str, torch.Tensor]],
     metadata: dict[str, str],
-) -> None:
-    """Stream tensors into a safetensors file, one at a time, in ``specs`` order.
+    write_tensor: Callable[[int, TensorSpec], None],
+) -> int:
+    """Write a safetensors file: the header, then each tensor in ``specs`` order.
 
-    ``pairs`` must yield each spec's tensor in the same order; each is made contiguous as it is
-    written, so peak memory is about the largest tensor.
+    ``write_tensor(fd, spec)`` must append exactly ``spec.nbytes`` bytes at ``fd`` (a kernel copy
+    from another file, or a tensor's bytes), so one tensor at a time is all that is in memory.
+
+    Returns:
+        The offset of the data section.
     """
-    with open(dst, "wb") as f:
-        f.write(header_bytes(specs, metadata))
-        expected = iter(specs)
-        for key, tensor in pairs:
-            spec = next(expected)
-            if (
-                key != spec.key
-                or dtype_name(tensor.dtype) != spec.dtype
-                or tuple(tensor.shape) != spec.shape
-            ):
-                raise ValueError(f"tensor '{key}' does not match its header entry")
-            f.write(as_bytes(tensor.contiguous()))
+    header = header_bytes(specs, metadata)
+    with open(dst, "wb", buffering=0) as f:
+        write_all(f.fileno(), memoryview(header))
+        for spec in specs:
+            start = f.tell()
+            write_tensor(f.fileno(), spec)
+            if f.tell() - start != spec.nbytes:
+                raise ValueError(
+                    f"tensor '{spec.key}' wrote {f.tell() - start} bytes, not {spec.nbytes}"
+                )
+    return len(header)
+
+
+def write_tensors(dst: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write in-memory tensors (any layout) as a safetensors file."""
+    specs = [TensorSpec(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in tensors.items()]
+    write_safetensors(
+        dst,
+        specs,
+        metadata,
+        lambda fd, spec: write_all(fd, as_bytes(tensors[spec.key].contiguous())),
+    )

@@ -99,6 +99,9 @@ class ShardedSource(Source):
     def load(self, key: str) -> torch.Tensor:
         return self._where[key].load(key)
 
+    def byte_span(self, key: str) -> tuple[Path, int, int] | None:
+        return self._where[key].byte_span(key)
+
     def close(self) -> None:
         for shard in self.shards.values():
             shard.close()

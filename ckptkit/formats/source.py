@@ -65,6 +65,11 @@ class Source(ABC):
     def load(self, key: str) -> torch.Tensor:
         """One tensor, on the CPU, memory-mapped where the format allows."""
 
+    def byte_span(self, key: str) -> tuple[Path, int, int] | None:
+        """Where a tensor's bytes lie in a file, ready to copy as they are: (file, offset,
+        length), or None when they must go through torch (strided, compressed, ...)."""
+        return None
+
     def keys(self) -> list[str]:
         return [key for key, _ in self.entries()]
 

@@ -59,21 +59,38 @@ class _ZipLayout:
         self.path, self.zf, self.raw = path, zf, raw
         self.pickle = zf.read(pkl)
 
-    def storage(self, ref: StorageRef) -> torch.Tensor:
-        name = f"{self.prefix}data/{ref.key}"
+    def _info(self, ref: StorageRef) -> zipfile.ZipInfo:
         try:
-            info = self.zf.getinfo(name)
+            info = self.zf.getinfo(f"{self.prefix}data/{ref.key}")
         except KeyError:
             raise FormatError(f"{self.path} is damaged: storage '{ref.key}' is missing") from None
         if info.file_size < ref.nbytes:
             raise FormatError(f"{self.path} is damaged: storage '{ref.key}' is short")
+        return info
+
+    def data_offset(self, ref: StorageRef) -> int | None:
+        """Where the storage's bytes start in the file (None: compressed, so nowhere)."""
+        info = self._info(ref)
         if info.compress_type != zipfile.ZIP_STORED:  # torch never compresses; other tools might
-            return from_buffer(bytearray(self.zf.read(info)), 0, ref.nbytes, ref.dtype)
+            return None
         self.raw.seek(info.header_offset)
         sig, _, name_len, extra_len = _LOCAL_HEADER.unpack(self.raw.read(_LOCAL_HEADER.size))
         if sig != b"PK\x03\x04":
             raise FormatError(f"{self.path} is damaged: bad zip entry for storage '{ref.key}'")
-        return self.map(info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, ref)
+        offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        if offset + ref.nbytes > self.size:
+            raise FormatError(f"{self.path} is truncated", "copy or download it again")
+        return offset
+
+    @property
+    def size(self) -> int:
+        return self.raw.seek(0, io.SEEK_END)
+
+    def storage(self, ref: StorageRef) -> torch.Tensor:
+        offset = self.data_offset(ref)
+        if offset is None:
+            return from_buffer(bytearray(self.zf.read(self._info(ref))), 0, ref.nbytes, ref.dtype)
+        return self.map(offset, ref)
 
     def map(self, offset: int, ref: StorageRef) -> torch.Tensor:
         if offset + ref.nbytes > len(self.mm):
@@ -133,6 +150,9 @@ class _LegacyLayout(_ZipLayout):
         if pos > size:
             raise FormatError(f"{self.path} is truncated", "copy or download it again")
         return scan
+
+    def data_offset(self, ref: StorageRef) -> int | None:
+        return self.offsets[ref.key]
 
     def storage(self, ref: StorageRef) -> torch.Tensor:
         return self.map(self.offsets[ref.key], ref)
@@ -241,6 +261,18 @@ class TorchFileSource(Source):
                 )
             )
         return out
+
+    def byte_span(self, key: str) -> tuple[Path, int, int] | None:
+        stub = self._stubs[key]
+        if not isinstance(stub, TensorStub) or not stub.is_contiguous:
+            return None
+        base = self._layout.data_offset(stub.storage)
+        if base is None:
+            return None
+        start, end = stub.byte_range()
+        if stub.numel and end > stub.storage.nbytes:
+            raise FormatError(f"{self.path} is damaged: tensor '{key}' runs past its storage")
+        return self.path, base + start, stub.nbytes
 
     def load(self, key: str) -> torch.Tensor:
         stub = self._stubs[key]

@@ -1,0 +1,177 @@
+"""Moving tensors from a Source into output files, and checking what was written.
+
+A tensor whose bytes lie in the source file as they must in the output (contiguous, same dtype)
+is copied by the kernel, never entering Python, and torch is not even imported; any other
+tensor (strided, cast, compressed) goes through torch one at a time. Verification compares the
+written bytes with the source byte ranges for copied tensors, and reloads the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import VerificationError
+from ckptkit.formats.bytecopy import copy_range, same_bytes, write_all
+from ckptkit.formats.safetensors import TensorSpec, read_header, write_safetensors
+from ckptkit.formats.source import Source
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Item", "Transfer"]
+
+
+@dataclass(frozen=True)
+class Item:
+    """One output tensor: where it comes from and what it becomes."""
+
+    old: str
+    spec: TensorSpec
+    source_dtype: str
+
+    @property
+    def cast(self) -> bool:
+        return self.spec.dtype != self.source_dtype
+
+
+@dataclass
+class Transfer:
+    """Writes items from ``source``; counts how each went and which casts overflowed."""
+
+    source: Source
+    progress: Callable[[int], None] = lambda nbytes: None
+    copied: int = 0
+    through_torch: int = 0
+    overflowed: list[str] = field(default_factory=list)
+    _fds: dict[Path, int] = field(default_factory=dict)
+    _spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def tensor(self, item: Item) -> torch.Tensor:
+        """The output tensor as torch sees it: loaded, cast if asked, contiguous."""
+        from ckptkit.formats.tensors import torch_dtype
+
+        tensor = self.source.load(item.old)
+        if item.cast:
+            tensor = tensor.to(torch_dtype(item.spec.dtype))
+        return tensor.contiguous()
+
+    def _write(self, items: dict[str, Item]) -> Callable[[int, TensorSpec], None]:
+        def write(fd: int, spec: TensorSpec) -> None:
+            item = items[spec.key]
+            span = None if item.cast else self.source.byte_span(item.old)
+            if span is not None:
+                path, offset, length = span
+                copy_range(self._fd(path), offset, length, fd)
+                self._spans[spec.key] = (self._fd(path), offset)
+                self.copied += 1
+            else:
+                tensor = self.tensor(item)
+                if item.cast and _overflows(self.source.load(item.old), tensor):
+                    self.overflowed.append(spec.key)
+                write_all(fd, _raw(tensor))
+                self.through_torch += 1
+            self.progress(spec.nbytes)
+
+        return write
+
+    def write_safetensors(self, path: Path, items: list[Item], metadata: dict[str, str]) -> None:
+        """Write items (in order) as one safetensors file."""
+        write_safetensors(
+            path, [i.spec for i in items], metadata, self._write({i.spec.key: i for i in items})
+        )
+
+    def verify_safetensors(
+        self, path: Path, items: list[Item], metadata: dict[str, str], shown: Path
+    ) -> None:
+        """Re-read the header and compare every tensor's bytes with its source."""
+        header, data_start = read_header(path)
+        if header.pop("__metadata__", {}) != metadata:
+            raise VerificationError(
+                f"the metadata read back from {shown} differs; nothing was written"
+            )
+        expected = {i.spec.key: i for i in items}
+        if set(header) != set(expected):
+            raise VerificationError(f"{shown} would not hold the planned keys; nothing was written")
+        via_torch = []
+        with open(path, "rb") as f:
+            for key, item in expected.items():
+                entry = header[key]
+                begin, end = entry["data_offsets"]
+                if list(entry["shape"]) != list(item.spec.shape) or end - begin != item.spec.nbytes:
+                    raise VerificationError(f"tensor '{key}' in {shown} has the wrong shape")
+                if key in self._spans:
+                    fd, offset = self._spans[key]
+                    if not same_bytes(fd, offset, f.fileno(), data_start + begin, item.spec.nbytes):
+                        raise _differs(key, shown)
+                else:
+                    via_torch.append(item)
+        if via_torch:  # reopened by the safetensors library itself, as any reader would
+            from safetensors import safe_open
+
+            from ckptkit.formats.tensors import bit_equal
+
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for item in via_torch:
+                    if not bit_equal(handle.get_tensor(item.spec.key), self.tensor(item)):
+                        raise _differs(item.spec.key, shown)
+
+    def write_torch(self, path: Path, items: list[Item], aliases: dict[str, str]) -> None:
+        """Write items as a plain ``.pt`` state dict (ties kept)."""
+        from ckptkit.formats.torchfile import write_torch
+
+        def pairs():
+            for item in items:
+                tensor = self.tensor(item)
+                if item.cast and _overflows(self.source.load(item.old), tensor):
+                    self.overflowed.append(item.spec.key)
+                self.through_torch += 1
+                self.progress(item.spec.nbytes)
+                yield item.spec.key, tensor
+
+        write_torch(path, pairs(), aliases)
+
+    def verify_torch(self, path: Path, items: list[Item], shown: Path) -> None:
+        import torch
+
+        from ckptkit.formats.tensors import bit_equal
+
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if set(state) != {i.spec.key for i in items}:
+            raise VerificationError(f"{shown} would not hold the planned keys; nothing was written")
+        for item in items:
+            if not bit_equal(state[item.spec.key], self.tensor(item)):
+                raise _differs(item.spec.key, shown)
+
+
+def _differs(key: str, shown: Path) -> VerificationError:
+    return VerificationError(
+        f"tensor '{key}' read back from {shown} differs from the source; nothing was written",
+        "report this with CKPTKIT_DEBUG=1 output",
+    )
+
+
+def _raw(tensor: Any) -> memoryview:
+    from ckptkit.formats.tensors import as_bytes
+
+    return as_bytes(tensor)
+
+
+def _overflows(before: Any, after: Any) -> bool:
+    """Finite values that became infinite in the cast."""
+    import torch
+
+    return bool((torch.isfinite(before) & ~torch.isfinite(after)).any())
