@@ -108,6 +108,40 @@ def inspect_ways(path: Path) -> dict[str, list[str]]:
     }
 
 
+NAIVE = """
+import torch
+from safetensors.torch import save_file
+state = torch.load({src!r}, map_location="cpu", weights_only=True{mmap})["model"]
+state = {{k.removeprefix("module."): v for k, v in state.items()}}
+seen = set()
+for key, tensor in state.items():  # safetensors refuses shared memory: clone the duplicates
+    ptr = tensor.untyped_storage().data_ptr()
+    state[key] = tensor.clone() if ptr in seen else tensor.contiguous()
+    seen.add(ptr)
+save_file(state, {dst!r}, metadata={{"format": "pt"}})
+"""
+
+
+def convert_ways(src: Path, dst: Path) -> dict[str, list[str]]:
+    s, d = str(src), str(dst)
+    return {
+        "ckptkit convert (verified)": [
+            sys.executable,
+            "-m",
+            "ckptkit",
+            "convert",
+            s,
+            d,
+            "--strip-module",
+            "--force",
+            "-q",
+        ],
+        "torch.load + strip + save_file": python(NAIVE.format(src=s, dst=d, mmap="")),
+        "torch.load(mmap=True) + ...": python(NAIVE.format(src=s, dst=d, mmap=", mmap=True")),
+        "cp of the whole file": ["cp", s, d + ".copy"],
+    }
+
+
 def run_ways(ways: dict[str, list[str]], repeat: int) -> dict[str, dict[str, float]]:
     samples: dict[str, list[tuple[float, int]]] = {name: [] for name in ways}
     for _ in range(repeat):  # interleaved, so drift in the machine hits every way alike
@@ -145,16 +179,38 @@ def main() -> None:
     parser.add_argument("--size-gb", type=float, default=4.0, help="training checkpoint size")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
+        "--flat-gb",
+        type=float,
+        nargs="*",
+        default=[0.5, 4.0, 8.0],
+        help="sizes for the flat-memory run, one file at a time",
+    )
+    parser.add_argument(
         "--dir", type=Path, help="where to write the checkpoints (default: a temp dir)"
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
     size = 24_000_000 if args.quick else int(args.size_gb * 1e9)
     repeat = 1 if args.quick else args.repeat
+    flat_sizes = [24_000_000, 96_000_000] if args.quick else [int(g * 1e9) for g in args.flat_gb]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        ckpt = Path(tmp) / "train.pt"
+        folder = Path(tmp)
+        ckpt = folder / "train.pt"
         info = make_training_checkpoint(ckpt, size)
-        results = {"checkpoint": info, "inspect": run_ways(inspect_ways(ckpt), repeat)}
+        results = {
+            "checkpoint": info,
+            "inspect": run_ways(inspect_ways(ckpt), repeat),
+            "convert": run_ways(convert_ways(ckpt, folder / "out.safetensors"), repeat),
+            "flat_memory": {},
+        }
+        ckpt.unlink()
+        for flat in flat_sizes:  # one file at a time, so the disk holds only the largest
+            path = folder / f"flat-{flat}.pt"
+            made = make_training_checkpoint(path, flat)
+            argv = convert_ways(path, folder / "flat.safetensors")["ckptkit convert (verified)"]
+            wall, peak = measure(argv)
+            results["flat_memory"][made["bytes"]] = {"wall_s": wall, "peak_anon_bytes": peak}
+            path.unlink()
     if args.json:
         print(json.dumps(results, indent=2))
         return
@@ -162,6 +218,13 @@ def main() -> None:
     print(f"checkpoint: {gb:.2f} GB, {info['tensors']} model tensors, repeats: {repeat}, "
           f"{os.cpu_count()} cores\n")  # fmt: skip
     print(table("inspect", results["inspect"], "ckptkit inspect --json"))
+    print()
+    print(table("convert --strip-module", results["convert"], "ckptkit convert (verified)"))
+    print("\nckptkit convert as the checkpoint grows")
+    print("| checkpoint | wall | peak anonymous memory |\n|---|---|---|")
+    for nbytes, r in results["flat_memory"].items():
+        wall, peak = r["wall_s"], r["peak_anon_bytes"] / 1e6
+        print(f"| {nbytes / 1e9:.2f} GB | {wall:.2f} s | {peak:.0f} MB |")
 
 
 if __name__ == "__main__":

@@ -18,3 +18,4 @@ def test_bench_quick_runs_and_reports_every_way():
     assert set(ways) == {"ckptkit inspect --json", "torch.load (full)", "torch.load (mmap=True)",
                          "import torch (alone)"}  # fmt: skip
     assert all(r["wall_s"] > 0 and r["peak_anon_bytes"] > 0 for r in ways.values())
+    assert len(results["convert"]) == 4 and len(results["flat_memory"]) == 2
