@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CastError, FormatError, KeyMatchError, UsageError
 from ckptkit.formats import Source, TensorInfo, open_source, output_format
-from ckptkit.formats.atomic import atomic_output, check_output
+from ckptkit.formats.atomic import atomic_output, check_output, syncing
 from ckptkit.formats.dtypes import DTYPES
 from ckptkit.formats.safetensors import TensorSpec
 from ckptkit.formats.transfer import Item, Transfer
@@ -282,7 +282,7 @@ def _write(
                 if report.output_format == "torch":
                     transfer.write_torch(tmp, shard, aliases)
                 else:
-                    transfer.write_safetensors(tmp, shard, header)
+                    transfer.write_safetensors(tmp, shard, header, verify=verify)
                 if transfer.overflowed and not allow_overflow:
                     names = ", ".join(transfer.overflowed[:5])
                     raise CastError(
@@ -290,10 +290,11 @@ def _write(
                         "keep them with --keep-dtype GLOB, or pass --allow-overflow",
                     )
                 if verify:
-                    if report.output_format == "torch":
-                        transfer.verify_torch(tmp, shard, path)
-                    else:
-                        transfer.verify_safetensors(tmp, shard, header, path)
+                    with syncing(tmp):  # the disk write-back overlaps the read-back
+                        if report.output_format == "torch":
+                            transfer.verify_torch(tmp, shard, path)
+                        else:
+                            transfer.verify_safetensors(tmp, shard, header, path)
             if len(outputs) > len(shards):  # the index of a sharded output
                 _write_index(temps[-1], shards, outputs, header)
         report.verified = verify

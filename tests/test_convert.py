@@ -207,8 +207,12 @@ def test_verification_catches_a_corrupted_torch_write(tmp_path, monkeypatch):
 
     real = torchfile.write_torch
 
-    def corrupting(path, pairs, aliases=None):
-        real(path, ((k, t + 1 if k == "head.bias" else t) for k, t in pairs), aliases)
+    def corrupting(path, specs, tensor_for, aliases=None):
+        def bad(spec):
+            tensor = tensor_for(spec)
+            return tensor + 1 if spec.key == "head.bias" else tensor
+
+        real(path, specs, bad, aliases)
 
     monkeypatch.setattr(torchfile, "write_torch", corrupting)
     with pytest.raises(

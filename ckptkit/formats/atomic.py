@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ckptkit.errors import OutputError
 
-__all__ = ["check_output", "atomic_output"]
+__all__ = ["check_output", "atomic_output", "syncing"]
 
 
 def check_output(dst: Path, *, force: bool, inputs: Iterable[Path] = ()) -> None:
@@ -34,6 +34,34 @@ def check_output(dst: Path, *, force: bool, inputs: Iterable[Path] = ()) -> None
         raise OutputError(f"folder {dst.parent} does not exist", "create it first")
     if dst.exists() and not force:
         raise OutputError(f"{dst} exists", "pass --force to overwrite it")
+
+
+@contextlib.contextmanager
+def syncing(path: Path) -> Iterator[None]:
+    """fsync ``path`` in a background thread while the body runs (say, verification, which reads
+    the page cache while fsync writes to disk); the body's end waits for the sync."""
+    import threading
+
+    errors: list[OSError] = []
+
+    def sync() -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=sync, name="ckptkit-fsync", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 def _umask() -> int:

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import io
 import mmap
+import pickle
 import struct
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, UnsafeCheckpointError
+from ckptkit.formats.dtypes import DTYPES, STORAGE_DTYPES
+from ckptkit.formats.safetensors import TensorSpec
 from ckptkit.formats.source import Source, TensorInfo
 from ckptkit.formats.static_unpickler import (
     PickleScan,
@@ -349,26 +352,88 @@ class TrustedTorchSource(Source):
 
 
 def write_torch(
-    dst: Path, pairs: Iterable[tuple[str, torch.Tensor]], aliases: dict[str, str] | None = None
+    dst: Path,
+    specs: list[TensorSpec],
+    tensor_for: Callable[[TensorSpec], torch.Tensor],
+    aliases: dict[str, str] | None = None,
 ) -> None:
-    """Write a plain state dict with ``torch.save`` (loads with ``weights_only=True``).
+    """Write a plain state dict in torch's zip format, one tensor in memory at a time.
 
-    Each tensor gets a storage of its own size (a view of a bigger buffer is copied out, so the
-    file never carries bytes nobody asked for), except that an alias key (tied weights) shares
-    its target's tensor, so the tie survives.
+    ``torch.save`` needs every tensor alive at once; this writes the pickle from the specs
+    alone (it is the same pickle torch writes: ``_rebuild_tensor_v2`` over typed storages,
+    ``_rebuild_tensor_v3`` for dtypes without one), then each tensor's bytes as its own record
+    through torch's zip writer. An alias key shares its target's storage, so ties survive.
+    The file loads with ``torch.load(weights_only=True)``, memory-mapped too.
     """
     import torch
 
     aliases = aliases or {}
-    state: OrderedDict[str, torch.Tensor] = OrderedDict()
-    for key, tensor in pairs:
-        if key in aliases and aliases[key] in state:
-            state[key] = state[aliases[key]]
+    storages: dict[str, _StorageRecord] = {}
+    state: OrderedDict[str, _TensorRecord] = OrderedDict()
+    for spec in specs:
+        target = aliases.get(spec.key)
+        if target in storages:
+            storages[spec.key] = storages[target]
+        else:
+            storages[spec.key] = _StorageRecord(str(len(storages)), spec.dtype, spec.nbytes)
+        state[spec.key] = _TensorRecord(storages[spec.key], spec)
+    data = io.BytesIO()
+    _RecordPickler(data, protocol=2).dump(state)
+    writer = torch._C.PyTorchFileWriter(str(dst))
+    for name, value in (("data.pkl", data.getvalue()), (".format_version", b"1"),
+                        (".storage_alignment", b"64"), ("byteorder", b"little")):  # fmt: skip
+        writer.write_record(name, value, len(value))
+    written: set[str] = set()
+    for spec in specs:
+        record = storages[spec.key]
+        if record.key in written:
             continue
-        tensor = tensor.detach()
-        own = tensor.numel() * tensor.element_size()
-        # An empty tensor is copied too: some readers give it a pointer into another's bytes.
-        if not own or tensor.untyped_storage().nbytes() != own or not tensor.is_contiguous():
-            tensor = tensor.clone(memory_format=torch.contiguous_format)
-        state[key] = tensor
-    torch.save(state, dst)
+        tensor = tensor_for(spec).detach().contiguous()
+        if tensor.untyped_storage().nbytes() != spec.nbytes or tensor.storage_offset():
+            tensor = tensor.clone()  # a view into a bigger buffer: write just its own bytes
+        writer.write_record(f"data/{record.key}", tensor.untyped_storage(), spec.nbytes)
+        written.add(record.key)
+    writer.write_end_of_file()
+
+
+class _StorageRecord:
+    def __init__(self, key: str, dtype: str, nbytes: int) -> None:
+        self.key, self.dtype, self.nbytes = key, dtype, nbytes
+
+
+class _TensorRecord:
+    """Pickles as torch pickles a contiguous CPU tensor whose storage is a separate record."""
+
+    def __init__(self, storage: _StorageRecord, spec: TensorSpec) -> None:
+        self.storage, self.spec = storage, spec
+
+    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+        import torch
+
+        shape = tuple(self.spec.shape)
+        stride, step = [], 1
+        for size in reversed(shape):
+            stride.insert(0, step)
+            step *= size
+        args = (self.storage, 0, shape, tuple(stride), False, OrderedDict())
+        if self.spec.dtype in _TYPED_STORAGES:
+            return (torch._utils._rebuild_tensor_v2, args)
+        return (torch._utils._rebuild_tensor_v3, (*args, torch_dtype(self.spec.dtype)))
+
+
+# dtype -> torch's legacy typed-storage class name (dtypes without one use UntypedStorage).
+_TYPED_STORAGES = {dt: cls for cls, dt in STORAGE_DTYPES.items() if cls != "UntypedStorage"}
+
+
+class _RecordPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, _StorageRecord):
+            return None
+        import torch
+
+        if obj.dtype in _TYPED_STORAGES:
+            storage_type = getattr(torch, _TYPED_STORAGES[obj.dtype])
+            numel = obj.nbytes // DTYPES[obj.dtype].itemsize
+        else:
+            storage_type, numel = torch.storage.UntypedStorage, obj.nbytes
+        return ("storage", storage_type, obj.key, "cpu", numel)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,12 +49,26 @@ class Transfer:
     through_torch: int = 0
     overflowed: list[str] = field(default_factory=list)
     _fds: dict[Path, int] = field(default_factory=dict)
-    _spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+    _checks: dict[str, Future[bool]] = field(default_factory=dict)
+    _checker: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
+        if self._checker is not None:
+            self._checker.shutdown(wait=True)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+    def _check_later(self, key: str, src_fd: int, src_offset: int, dst: Path, dst_offset: int,
+                     count: int) -> None:  # fmt: skip
+        """Compare a copied range with its source in a worker thread, while the next tensor
+        copies: the copy waits on the disk, the comparison reads the page cache."""
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-verify")
+        dst_fd = self._fd(dst)
+        self._checks[key] = self._checker.submit(
+            same_bytes, src_fd, src_offset, dst_fd, dst_offset, count
+        )
 
     def _fd(self, path: Path) -> int:
         if path not in self._fds:
@@ -69,14 +84,18 @@ class Transfer:
             tensor = tensor.to(torch_dtype(item.spec.dtype))
         return tensor.contiguous()
 
-    def _write(self, items: dict[str, Item]) -> Callable[[int, TensorSpec], None]:
+    def _write(
+        self, items: dict[str, Item], dst: Path, verify: bool
+    ) -> Callable[[int, TensorSpec], None]:
         def write(fd: int, spec: TensorSpec) -> None:
             item = items[spec.key]
             span = None if item.cast else self.source.byte_span(item.old)
             if span is not None:
                 path, offset, length = span
+                start = os.lseek(fd, 0, os.SEEK_CUR)
                 copy_range(self._fd(path), offset, length, fd)
-                self._spans[spec.key] = (self._fd(path), offset)
+                if verify:
+                    self._check_later(spec.key, self._fd(path), offset, dst, start, length)
                 self.copied += 1
             else:
                 tensor = self.tensor(item)
@@ -88,17 +107,19 @@ class Transfer:
 
         return write
 
-    def write_safetensors(self, path: Path, items: list[Item], metadata: dict[str, str]) -> None:
-        """Write items (in order) as one safetensors file."""
-        write_safetensors(
-            path, [i.spec for i in items], metadata, self._write({i.spec.key: i for i in items})
-        )
+    def write_safetensors(
+        self, path: Path, items: list[Item], metadata: dict[str, str], *, verify: bool = True
+    ) -> None:
+        """Write items (in order) as one safetensors file; with ``verify``, copied tensors are
+        compared with their source while the rest is written (see :meth:`verify_safetensors`)."""
+        writer = self._write({i.spec.key: i for i in items}, path, verify)
+        write_safetensors(path, [i.spec for i in items], metadata, writer)
 
     def verify_safetensors(
         self, path: Path, items: list[Item], metadata: dict[str, str], shown: Path
     ) -> None:
         """Re-read the header and compare every tensor's bytes with its source."""
-        header, data_start = read_header(path)
+        header, _ = read_header(path)
         if header.pop("__metadata__", {}) != metadata:
             raise VerificationError(
                 f"the metadata read back from {shown} differs; nothing was written"
@@ -107,18 +128,16 @@ class Transfer:
         if set(header) != set(expected):
             raise VerificationError(f"{shown} would not hold the planned keys; nothing was written")
         via_torch = []
-        with open(path, "rb") as f:
-            for key, item in expected.items():
-                entry = header[key]
-                begin, end = entry["data_offsets"]
-                if list(entry["shape"]) != list(item.spec.shape) or end - begin != item.spec.nbytes:
-                    raise VerificationError(f"tensor '{key}' in {shown} has the wrong shape")
-                if key in self._spans:
-                    fd, offset = self._spans[key]
-                    if not same_bytes(fd, offset, f.fileno(), data_start + begin, item.spec.nbytes):
-                        raise _differs(key, shown)
-                else:
-                    via_torch.append(item)
+        for key, item in expected.items():
+            entry = header[key]
+            begin, end = entry["data_offsets"]
+            if list(entry["shape"]) != list(item.spec.shape) or end - begin != item.spec.nbytes:
+                raise VerificationError(f"tensor '{key}' in {shown} has the wrong shape")
+            check = self._checks.pop(key, None)
+            if check is None:
+                via_torch.append(item)
+            elif not check.result():  # compared as it was written
+                raise _differs(key, shown)
         if via_torch:  # reopened by the safetensors library itself, as any reader would
             from safetensors import safe_open
 
@@ -133,16 +152,18 @@ class Transfer:
         """Write items as a plain ``.pt`` state dict (ties kept)."""
         from ckptkit.formats.torchfile import write_torch
 
-        def pairs():
-            for item in items:
-                tensor = self.tensor(item)
-                if item.cast and _overflows(self.source.load(item.old), tensor):
-                    self.overflowed.append(item.spec.key)
-                self.through_torch += 1
-                self.progress(item.spec.nbytes)
-                yield item.spec.key, tensor
+        by_key = {item.spec.key: item for item in items}
 
-        write_torch(path, pairs(), aliases)
+        def tensor_for(spec: TensorSpec) -> torch.Tensor:
+            item = by_key[spec.key]
+            tensor = self.tensor(item)
+            if item.cast and _overflows(self.source.load(item.old), tensor):
+                self.overflowed.append(spec.key)
+            self.through_torch += 1
+            self.progress(spec.nbytes)
+            return tensor
+
+        write_torch(path, [item.spec for item in items], tensor_for, aliases)
 
     def verify_torch(self, path: Path, items: list[Item], shown: Path) -> None:
         import torch
