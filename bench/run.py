@@ -5,7 +5,9 @@
     python3 bench/run.py --size-gb 8 --repeat 5 --dir /big/disk
 
 Each way runs in a fresh process, so every number includes starting Python and the imports a
-user would pay for. Wall time is the process's; peak anonymous memory is the highest RssAnon seen
+user would pay for. Before each run (untimed) its output is removed and `sync` flushes what
+earlier runs left for the disk to write, so no way pays for another's writes; the page cache
+stays warm. Wall time is the process's; peak anonymous memory is the highest RssAnon seen
 in /proc while it ran (file-backed pages of a memory map are not counted: they are the page
 cache, not the process's own memory).
 """
@@ -62,8 +64,11 @@ def make_training_checkpoint(path: Path, total_bytes: int, *, seed: int = 0) -> 
     return {"path": str(path), "bytes": path.stat().st_size, "tensors": len(state)}
 
 
-def measure(argv: list[str]) -> tuple[float, int]:
-    """Run a command; return (wall seconds, peak anonymous bytes)."""
+def measure(argv: list[str], outputs: tuple[Path, ...] = ()) -> tuple[float, int]:
+    """Run a command from a settled disk; return (wall seconds, peak anonymous bytes)."""
+    for out in outputs:
+        out.unlink(missing_ok=True)
+    os.sync()
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     peak = 0
@@ -138,15 +143,17 @@ def convert_ways(src: Path, dst: Path) -> dict[str, list[str]]:
         ],
         "torch.load + strip + save_file": python(NAIVE.format(src=s, dst=d, mmap="")),
         "torch.load(mmap=True) + ...": python(NAIVE.format(src=s, dst=d, mmap=", mmap=True")),
-        "cp of the whole file": ["cp", s, d + ".copy"],
+        "cp of the whole file": ["cp", s, d],
     }
 
 
-def run_ways(ways: dict[str, list[str]], repeat: int) -> dict[str, dict[str, float]]:
+def run_ways(
+    ways: dict[str, list[str]], repeat: int, outputs: tuple[Path, ...] = ()
+) -> dict[str, dict[str, float]]:
     samples: dict[str, list[tuple[float, int]]] = {name: [] for name in ways}
     for _ in range(repeat):  # interleaved, so drift in the machine hits every way alike
         for name, argv in ways.items():
-            samples[name].append(measure(argv))
+            samples[name].append(measure(argv, outputs))
     return {
         name: {
             "wall_s": statistics.median(w for w, _ in runs),
@@ -195,12 +202,12 @@ def main() -> None:
     flat_sizes = [24_000_000, 96_000_000] if args.quick else [int(g * 1e9) for g in args.flat_gb]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         folder = Path(tmp)
-        ckpt = folder / "train.pt"
+        ckpt, out = folder / "train.pt", folder / "out.safetensors"
         info = make_training_checkpoint(ckpt, size)
         results = {
             "checkpoint": info,
             "inspect": run_ways(inspect_ways(ckpt), repeat),
-            "convert": run_ways(convert_ways(ckpt, folder / "out.safetensors"), repeat),
+            "convert": run_ways(convert_ways(ckpt, out), repeat, (out,)),
             "flat_memory": {},
         }
         ckpt.unlink()
@@ -208,7 +215,7 @@ def main() -> None:
             path = folder / f"flat-{flat}.pt"
             made = make_training_checkpoint(path, flat)
             argv = convert_ways(path, folder / "flat.safetensors")["ckptkit convert (verified)"]
-            wall, peak = measure(argv)
+            wall, peak = measure(argv, (folder / "flat.safetensors",))
             results["flat_memory"][made["bytes"]] = {"wall_s": wall, "peak_anon_bytes": peak}
             path.unlink()
     if args.json:

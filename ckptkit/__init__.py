@@ -33,4 +33,18 @@ __all__ = [
     "DiffReport",
     "scan",
     "ScanReport",
+    "train",
+    "Engine",
+    "TrainConfig",
 ]
+
+# The training engine imports torch, so it loads on first use only (PEP 562).
+_ENGINE = {"train", "Engine", "TrainConfig", "TrainResult"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _ENGINE:
+        import ckptkit.engine
+
+        return getattr(ckptkit.engine, name)
+    raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,7 +18,17 @@ from make_fixtures import FIXTURES, reference_model, sample_input  # noqa: E402
 
 from ckptkit.cli import cli  # noqa: E402
 
-__all__ = ["FIXTURES", "FIXTURE_DIR", "ROOT", "reference_model", "sample_input"]
+__all__ = ["FIXTURES", "FIXTURE_DIR", "ROOT", "TORCH_DTYPES", "reference_model", "sample_input"]
+
+
+# Every dtype a state dict may hold that safetensors can store.
+TORCH_DTYPES = [
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.uint16,
+]  # fmt: skip
+# ...and the ones torch's legacy (pre-1.6) format cannot hold.
+NOT_IN_LEGACY = {torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16}
 
 
 @pytest.fixture

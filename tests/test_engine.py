@@ -434,3 +434,13 @@ def test_cuda_modes(tmp_path, mode):
     assert meta["device_type"] == "cuda"
     assert meta["backend"] == ("nccl" if mode == "ddp" else None)
     demo_model().load_state_dict(weights(result.checkpoint), strict=True)  # loads on the CPU
+
+
+def test_package_exposes_the_engine_lazily(tmp_path):
+    code = (
+        "import sys, ckptkit\n"
+        "assert 'torch' not in sys.modules\n"
+        f"r = ckptkit.train(epochs=1, out={str(tmp_path / 'lazy')!r}, quiet=True)\n"
+        "assert r.epochs_run == 1 and isinstance(ckptkit.TrainConfig(), ckptkit.engine.TrainConfig)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -8,6 +8,7 @@ dtype, shape and ``data_offsets`` relative to the data section), then the tensor
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -178,7 +179,10 @@ def write_safetensors(
         The offset of the data section.
     """
     header = header_bytes(specs, metadata)
-    with open(dst, "wb", buffering=0) as f:
+    # No O_TRUNC on an empty file (atomic_output's temp file): ext4 flushes a truncated file
+    # to disk when it is closed (auto_da_alloc), which would cost a second write-back.
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if _nonempty(dst) else 0)
+    with open(os.open(dst, flags, 0o666), "wb", buffering=0) as f:
         write_all(f.fileno(), memoryview(header))
         for spec in specs:
             start = f.tell()
@@ -188,6 +192,13 @@ def write_safetensors(
                     f"tensor '{spec.key}' wrote {f.tell() - start} bytes, not {spec.nbytes}"
                 )
     return len(header)
+
+
+def _nonempty(path: Path) -> bool:
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False
 
 
 def write_tensors(dst: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:

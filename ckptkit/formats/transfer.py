@@ -66,9 +66,8 @@ class Transfer:
         if self._checker is None:
             self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-verify")
         dst_fd = self._fd(dst)
-        self._checks[key] = self._checker.submit(
-            same_bytes, src_fd, src_offset, dst_fd, dst_offset, count
-        )
+        self._checks[key] = self._checker.submit(_check_and_flush, src_fd, src_offset, dst_fd,
+                                                 dst_offset, count)  # fmt: skip
 
     def _fd(self, path: Path) -> int:
         if path not in self._fds:
@@ -176,6 +175,16 @@ class Transfer:
         for item in items:
             if not bit_equal(state[item.spec.key], self.tensor(item)):
                 raise _differs(item.spec.key, shown)
+
+
+def _check_and_flush(
+    src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int
+) -> bool:
+    """Compare a copied range, then push what is written so far to the disk, so the write-back
+    runs while the next tensor copies and the final fsync finds little left to do."""
+    same = same_bytes(src_fd, src_offset, dst_fd, dst_offset, count)
+    os.fdatasync(dst_fd)
+    return same
 
 
 def _differs(key: str, shown: Path) -> VerificationError:
