@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -155,7 +156,7 @@ def find_resume(resume: str | None, folder: Path) -> Path | None:
     for candidate in candidates:
         if candidate.is_file():
             try:
-                load_payload(candidate)
+                load_payload(candidate, mmap=True)  # a check: the data need not be read
                 return candidate
             except FormatError as exc:  # torn or foreign: try the next older one
                 problems.append(str(exc))
@@ -165,13 +166,15 @@ def find_resume(resume: str | None, folder: Path) -> Path | None:
     return None
 
 
-def load_payload(path: Path) -> dict[str, Any]:
+def load_payload(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     """A checkpoint's contents, read safely (weights_only) onto the CPU. A safetensors file
-    gives its weights and the epoch counters its header recorded."""
+    gives its weights and the epoch counters its header recorded. ``mmap`` maps a zip file's
+    tensors instead of reading them."""
     if path.suffix == ".safetensors":
         return _load_weights(path)
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        mapped = mmap and zipfile.is_zipfile(path)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
     except Exception as exc:
         raise FormatError(
             f"cannot resume from {path}: {exc}".splitlines()[0],
