@@ -11,11 +11,8 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats import open_source
 from ckptkit.keys import detect_wrappers
 from ckptkit.load import LoadReport, load_into, load_state_dict
-from ckptkit.meta import ckptkit_version
 from ckptkit.scan import ScanReport, scan
 from ckptkit.summary import Summary, summarize
-
-__version__ = ckptkit_version()
 
 __all__ = [
     "__version__",
@@ -43,6 +40,10 @@ _ENGINE = {"train", "Engine", "TrainConfig", "TrainResult"}
 
 
 def __getattr__(name: str) -> object:
+    if name == "__version__":  # looked up on demand: importlib.metadata costs start-up time
+        from ckptkit.meta import ckptkit_version
+
+        return ckptkit_version()
     if name in _ENGINE:
         import ckptkit.engine
 

@@ -16,7 +16,6 @@ from typing import Any
 import click
 
 from ckptkit.errors import CkptkitError, UsageError
-from ckptkit.meta import ckptkit_version
 
 __all__ = ["cli", "main"]
 
@@ -81,7 +80,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(ckptkit_version(), "--version", prog_name="ckptkit")
+@click.version_option(package_name="ckptkit", prog_name="ckptkit")
 def cli() -> None:
     """Move PyTorch checkpoints between single-device, DataParallel, DDP and safetensors."""
 

@@ -11,7 +11,6 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from importlib import metadata as _importlib_metadata
 from typing import Any
 
 __all__ = ["NAMESPACE", "CheckpointMeta", "jsonable", "ckptkit_version"]
@@ -21,9 +20,11 @@ NAMESPACE = "ckptkit."
 
 def ckptkit_version() -> str:
     """The installed ckptkit version (``0+unknown`` when running from a bare source tree)."""
+    from importlib import metadata  # on first use: it costs start-up time every command pays
+
     try:
-        return _importlib_metadata.version("ckptkit")
-    except _importlib_metadata.PackageNotFoundError:
+        return metadata.version("ckptkit")
+    except metadata.PackageNotFoundError:
         return "0+unknown"
 
 
