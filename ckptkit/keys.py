@@ -212,11 +212,6 @@ class KeyPlan:
         """Keys the plan drops (a wrapper's own bookkeeping keys)."""
         return [old for old, new in self.mapping.items() if new is None]
 
-    @property
-    def changed(self) -> int:
-        """How many kept keys get a new name."""
-        return sum(1 for old, new in self.mapping.items() if new is not None and new != old)
-
     def apply(self, items: Mapping[str, V]) -> dict[str, V]:
         """Rename a mapping's keys by the plan, dropping those it drops."""
         return {new: items[old] for old, new in self.mapping.items() if new is not None}
