@@ -16,17 +16,9 @@ from typing import Any
 import click
 
 from ckptkit.errors import CkptkitError, UsageError
+from ckptkit.summary import human_size
 
 __all__ = ["cli", "main"]
-
-
-def _size(nbytes: int) -> str:
-    value = float(nbytes)
-    for unit in ("B", "kB", "MB", "GB"):
-        if value < 1000 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
 
 
 def _progress(quiet: bool) -> bool:
@@ -472,13 +464,13 @@ def _print_convert(report: Any) -> None:
     )
     plan = report.plan
     steps = "; ".join(plan.steps) if plan.steps else "keys unchanged"
-    click.echo(f"Keys     {report.tensors} tensors, {_size(report.nbytes)}: {steps}")
+    click.echo(f"Keys     {report.tensors} tensors, {human_size(report.nbytes)}: {steps}")
     if report.dry_run:
         for old, new in plan.mapping.items():
             click.echo(f"  {old} -> {new if new is not None else '(dropped)'}")
     for part in report.dropped:
         click.echo(
-            f"Dropped  {part.path} ({part.tensors} tensors, {_size(part.nbytes)}): not weights"
+            f"Dropped  {part.path} ({part.tensors} tensors, {human_size(part.nbytes)}): not weights"
         )
     for key in plan.dropped:
         click.echo(f"Dropped  {key} (wrapper bookkeeping)")
@@ -486,7 +478,9 @@ def _print_convert(report: Any) -> None:
         click.echo(f"Tied     {alias} = {target} (written twice, recorded in metadata)")
     if report.cast:
         saved = report.source_nbytes - report.nbytes
-        click.echo(f"Cast     {len(report.cast)} floating-point tensor(s): {_size(saved)} saved")
+        click.echo(
+            f"Cast     {len(report.cast)} floating-point tensor(s): {human_size(saved)} saved"
+        )
     if report.overflowed:
         click.echo(f"Overflow {', '.join(report.overflowed[:5])} (allowed with --allow-overflow)")
     if report.made_contiguous:

@@ -29,6 +29,7 @@ __all__ = [
     "tree_lines",
     "flat_lines",
     "collapse",
+    "human_size",
     "SCHEMA_VERSION",
 ]
 
@@ -226,7 +227,8 @@ def collapse(rows: list[tuple[str, Any]]) -> list[tuple[tuple[str, ...], Any, in
     return [(path, value, count) for _, path, value, count in sorted(out, key=lambda row: row[0])]
 
 
-def _size(nbytes: int) -> str:
+def human_size(nbytes: int) -> str:
+    """``1234567`` -> ``1.2 MB`` (decimal units, as disks are sold)."""
     value = float(nbytes)
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if value < 1000 or unit == "TB":
@@ -240,7 +242,7 @@ def _describe(info: TensorInfo, count: int = 1) -> str:
     shape = "[" + ", ".join(map(str, info.shape)) + "]"
     note = "" if info.contiguous else "  non-contiguous"
     times = f"  x{count}" if count > 1 else ""
-    return f"{shape} {dtype}{times}  {_size(info.nbytes * count)}{note}"
+    return f"{shape} {dtype}{times}  {human_size(info.nbytes * count)}{note}"
 
 
 def flat_lines(summary: Summary, *, key_filter: str | None = None) -> list[str]:
@@ -294,23 +296,23 @@ def _render(node: dict[str, Any], level: int, depth: int | None, lines: list[str
             lines.append(f"{pad}{label:<{width}}  {_describe(info, count)}")
         else:
             tensors, size = _totals(child)
-            lines.append(f"{pad}{label}  ({tensors} tensors, {_size(size)})")
+            lines.append(f"{pad}{label}  ({tensors} tensors, {human_size(size)})")
             if depth is None or level + 1 < depth:
                 _render(child, level + 1, depth, lines)
 
 
 def summary_lines(summary: Summary) -> list[str]:
     """The header of the default view: one fact a line."""
-    lines = [f"{summary.path}  ({summary.format}, {_size(summary.file_size)} on disk)"]
+    lines = [f"{summary.path}  ({summary.format}, {human_size(summary.file_size)} on disk)"]
     if summary.shards:
         lines.append(f"shards      {len(summary.shards)}: {', '.join(summary.shards)}")
     where = f"'{summary.selected}'" if summary.selected else "the top level"
     lines.append(f"state dict  {where} ({summary.selected_reason})")
     by_dtype = ", ".join(
-        f"{DTYPES[d].short if d in DTYPES else d} {_size(n)}"
+        f"{DTYPES[d].short if d in DTYPES else d} {human_size(n)}"
         for d, n in summary.bytes_by_dtype.items()
     )
-    count = f"{len(summary.tensors)}, {summary.parameters:,} elements, {_size(summary.nbytes)}"
+    count = f"{len(summary.tensors)}, {summary.parameters:,} elements, {human_size(summary.nbytes)}"
     lines.append(f"tensors     {count}" + (f" ({by_dtype})" if by_dtype else ""))
     if summary.wrappers:
         chain = " ".join(f"{w.prefix} ({w.added_by})" for w in summary.wrappers)
@@ -331,7 +333,8 @@ def summary_lines(summary: Summary) -> list[str]:
         )
     for part in summary.dropped:
         lines.append(
-            f"also        {part.path}: {part.tensors} tensors, {_size(part.nbytes)} (not weights)"
+            f"also        {part.path}: {part.tensors} tensors, "
+            f"{human_size(part.nbytes)} (not weights)"
         )
     run = summary.training
     if run:

@@ -200,12 +200,16 @@ def _refuse_if_unsafe(path: Path, allowed: set[str]) -> None:
         names.update(dict.fromkeys(scan_pickle(data, label).globals))
     unsafe = [g for g in names if classify(g) != SAFE and g not in allowed]
     if unsafe:
-        raise UnsafeCheckpointError(
-            f"{path} names globals outside torch's safe set: {', '.join(unsafe)}",
-            "if you trust the file, admit each with --allow-global NAME "
-            "(or load it fully with --trust)",
-            globals_=tuple(unsafe),
-        )
+        raise _unsafe_error(path, unsafe)
+
+
+def _unsafe_error(path: Path, unsafe: list[str]) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{path} names globals outside torch's safe set: {', '.join(unsafe)}",
+        "if you trust the file, admit each with --allow-global NAME "
+        "(or load it fully with --trust)",
+        globals_=tuple(unsafe),
+    )
 
 
 class TorchFileSource(Source):
@@ -224,12 +228,7 @@ class TorchFileSource(Source):
         unsafe = [g for g in scan.unsafe_globals if g not in allowed]
         if unsafe:
             self._raw.close()
-            raise UnsafeCheckpointError(
-                f"{path} names globals outside torch's safe set: {', '.join(unsafe)}",
-                "if you trust the file, admit each with --allow-global NAME "
-                "(or load it fully with --trust)",
-                globals_=tuple(unsafe),
-            )
+            raise _unsafe_error(path, unsafe)
         fmt = "torch-legacy" if isinstance(self._layout, _LegacyLayout) else "torch-zip"
         super().__init__(path=path, format=fmt, globals=list(scan.globals))
         self.scan = scan
