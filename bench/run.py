@@ -8,8 +8,9 @@ Each way runs in a fresh process, so every number includes starting Python and t
 user would pay for. Before each run (untimed) its output is removed and `sync` flushes what
 earlier runs left for the disk to write, so no way pays for another's writes; the page cache
 stays warm. Wall time is the process's; peak anonymous memory is the highest RssAnon seen
-in /proc while it ran (file-backed pages of a memory map are not counted: they are the page
-cache, not the process's own memory).
+in /proc while it ran, sampled every 10 ms (file-backed pages of a memory map are not counted:
+they are the page cache, not the process's own memory); peak RSS is the kernel's exact
+high-water mark, which counts those pages too, so it bounds the anonymous peak from above.
 """
 
 from __future__ import annotations
@@ -64,37 +65,52 @@ def make_training_checkpoint(path: Path, total_bytes: int, *, seed: int = 0) -> 
     return {"path": str(path), "bytes": path.stat().st_size, "tensors": len(state)}
 
 
-def measure(argv: list[str], outputs: tuple[Path, ...] = ()) -> tuple[float, int]:
-    """Run a command from a settled disk; return (wall seconds, peak anonymous bytes)."""
+def make(path: Path, total_bytes: int) -> dict:
+    """:func:`make_training_checkpoint` in a child process: this process never imports torch,
+    so the peak RSS its children inherit at fork stays small (see :func:`measure`)."""
+    code = (f"import json, pathlib, sys; sys.path.insert(0, {str(HERE)!r}); import run; "
+            f"print(json.dumps(run.make_training_checkpoint(pathlib.Path({str(path)!r}), "
+            f"{total_bytes})))")  # fmt: skip
+    return json.loads(subprocess.run(python(code), check=True, capture_output=True).stdout)
+
+
+def measure(argv: list[str], outputs: tuple[Path, ...] = ()) -> dict[str, float]:
+    """Run a command from a settled disk; return its wall seconds, its peak anonymous memory
+    (RssAnon sampled every 10 ms) and its peak RSS (the kernel's exact high-water mark, which
+    also counts mapped file pages, so it bounds the anonymous peak from above; it starts from
+    this process's RSS at the fork, a few MB, since this process does not import torch)."""
     for out in outputs:
         out.unlink(missing_ok=True)
     os.sync()
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak = 0
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err)
+        peak_anon = 0
+        done = threading.Event()
 
-    def watch() -> None:
-        nonlocal peak
-        status = f"/proc/{proc.pid}/status"
-        while proc.poll() is None:
-            try:
-                with open(status) as f:
-                    for line in f:
-                        if line.startswith("RssAnon:"):
-                            peak = max(peak, int(line.split()[1]) * 1024)
-                            break
-            except OSError:
-                break
-            time.sleep(0.001)
+        def watch() -> None:  # every 10 ms: a tighter loop takes a core from a 2-core machine
+            nonlocal peak_anon
+            while not done.wait(0.01):
+                try:
+                    with open(f"/proc/{proc.pid}/status") as f:
+                        for line in f:
+                            if line.startswith("RssAnon:"):
+                                peak_anon = max(peak_anon, int(line.split()[1]) * 1024)
+                                break
+                except OSError:
+                    break
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    _, err = proc.communicate()
-    wall = time.perf_counter() - start
-    watcher.join()
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(argv)} failed:\n{err.decode()}")
-    return wall, peak
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        _, status, usage = os.wait4(proc.pid, 0)  # wait4, unlike Popen.wait, gives ru_maxrss
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        done.set()
+        watcher.join()
+        if proc.returncode:
+            err.seek(0)
+            raise SystemExit(f"{' '.join(argv)} failed:\n{err.read().decode()}")
+    return {"wall_s": wall, "peak_anon_bytes": peak_anon, "peak_rss_bytes": usage.ru_maxrss * 1024}
 
 
 def python(code: str) -> list[str]:
@@ -150,14 +166,16 @@ def convert_ways(src: Path, dst: Path) -> dict[str, list[str]]:
 def run_ways(
     ways: dict[str, list[str]], repeat: int, outputs: tuple[Path, ...] = ()
 ) -> dict[str, dict[str, float]]:
-    samples: dict[str, list[tuple[float, int]]] = {name: [] for name in ways}
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in ways}
     for _ in range(repeat):  # interleaved, so drift in the machine hits every way alike
         for name, argv in ways.items():
             samples[name].append(measure(argv, outputs))
     return {
         name: {
-            "wall_s": statistics.median(w for w, _ in runs),
-            "peak_anon_bytes": max(m for _, m in runs),
+            "wall_s": statistics.median(r["wall_s"] for r in runs),
+            "walls_s": [r["wall_s"] for r in runs],
+            "peak_anon_bytes": max(r["peak_anon_bytes"] for r in runs),
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in runs),
         }
         for name, runs in samples.items()
     }
@@ -167,13 +185,14 @@ def table(title: str, results: dict[str, dict[str, float]], base: str) -> str:
     ref = results[base]["wall_s"]
     lines = [
         title,
-        f"| way | wall (median) | peak anonymous memory | wall vs {base} |",
-        "|---|---|---|---|",
+        f"| way | wall (median) | peak anonymous memory | peak RSS | wall vs {base} |",
+        "|---|---|---|---|---|",
     ]
     for name, r in results.items():
         ratio = r["wall_s"] / ref if ref else float("nan")
+        anon, rss = r["peak_anon_bytes"] / 1e6, r["peak_rss_bytes"] / 1e6
         lines.append(
-            f"| {name} | {r['wall_s']:.3f} s | {r['peak_anon_bytes'] / 1e6:.0f} MB | {ratio:.1f}x |"
+            f"| {name} | {r['wall_s']:.3f} s | {anon:.0f} MB | {rss:.0f} MB | {ratio:.1f}x |"
         )
     return "\n".join(lines)
 
@@ -195,28 +214,33 @@ def main() -> None:
     parser.add_argument(
         "--dir", type=Path, help="where to write the checkpoints (default: a temp dir)"
     )
+    parser.add_argument(
+        "--only",
+        choices=["inspect", "convert", "flat"],
+        action="append",
+        help="run only these parts (repeatable; default: all)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
     size = 24_000_000 if args.quick else int(args.size_gb * 1e9)
     repeat = 1 if args.quick else args.repeat
+    parts = set(args.only or ["inspect", "convert", "flat"])
     flat_sizes = [24_000_000, 96_000_000] if args.quick else [int(g * 1e9) for g in args.flat_gb]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         folder = Path(tmp)
         ckpt, out = folder / "train.pt", folder / "out.safetensors"
-        info = make_training_checkpoint(ckpt, size)
-        results = {
-            "checkpoint": info,
-            "inspect": run_ways(inspect_ways(ckpt), repeat),
-            "convert": run_ways(convert_ways(ckpt, out), repeat, (out,)),
-            "flat_memory": {},
-        }
+        info = make(ckpt, size)
+        results = {"checkpoint": info, "inspect": {}, "convert": {}, "flat_memory": {}}
+        if "inspect" in parts:
+            results["inspect"] = run_ways(inspect_ways(ckpt), repeat)
+        if "convert" in parts:
+            results["convert"] = run_ways(convert_ways(ckpt, out), repeat, (out,))
         ckpt.unlink()
-        for flat in flat_sizes:  # one file at a time, so the disk holds only the largest
+        for flat in flat_sizes if "flat" in parts else []:  # one at a time: less disk needed
             path = folder / f"flat-{flat}.pt"
-            made = make_training_checkpoint(path, flat)
+            made = make(path, flat)
             argv = convert_ways(path, folder / "flat.safetensors")["ckptkit convert (verified)"]
-            wall, peak = measure(argv, (folder / "flat.safetensors",))
-            results["flat_memory"][made["bytes"]] = {"wall_s": wall, "peak_anon_bytes": peak}
+            results["flat_memory"][made["bytes"]] = measure(argv, (folder / "flat.safetensors",))
             path.unlink()
     if args.json:
         print(json.dumps(results, indent=2))
@@ -224,14 +248,21 @@ def main() -> None:
     gb = info["bytes"] / 1e9
     print(f"checkpoint: {gb:.2f} GB, {info['tensors']} model tensors, repeats: {repeat}, "
           f"{os.cpu_count()} cores\n")  # fmt: skip
-    print(table("inspect", results["inspect"], "ckptkit inspect --json"))
-    print()
-    print(table("convert --strip-module", results["convert"], "ckptkit convert (verified)"))
-    print("\nckptkit convert as the checkpoint grows")
-    print("| checkpoint | wall | peak anonymous memory |\n|---|---|---|")
-    for nbytes, r in results["flat_memory"].items():
-        wall, peak = r["wall_s"], r["peak_anon_bytes"] / 1e6
-        print(f"| {nbytes / 1e9:.2f} GB | {wall:.2f} s | {peak:.0f} MB |")
+    if results["inspect"]:
+        print(table("inspect", results["inspect"], "ckptkit inspect --json"), end="\n\n")
+    if results["convert"]:
+        convert = results["convert"]
+        print(table("convert --strip-module", convert, "ckptkit convert (verified)"))
+        print(
+            "every run:", {name: [round(w, 2) for w in r["walls_s"]] for name, r in convert.items()}
+        )
+        print()
+    if results["flat_memory"]:
+        print("ckptkit convert as the checkpoint grows")
+        print("| checkpoint | wall | peak anonymous memory | peak RSS |\n|---|---|---|---|")
+        for nbytes, r in results["flat_memory"].items():
+            anon, rss = r["peak_anon_bytes"] / 1e6, r["peak_rss_bytes"] / 1e6
+            print(f"| {nbytes / 1e9:.2f} GB | {r['wall_s']:.2f} s | {anon:.0f} MB | {rss:.0f} MB |")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from ckptkit.errors import CkptkitError
 from ckptkit.formats import open_source
 from ckptkit.keys import detect_wrappers
 from ckptkit.load import LoadReport, load_into, load_state_dict
+from ckptkit.meta import VERSION as __version__
 from ckptkit.scan import ScanReport, scan
 from ckptkit.summary import Summary, summarize
 
@@ -40,10 +41,6 @@ _ENGINE = {"train", "Engine", "TrainConfig", "TrainResult"}
 
 
 def __getattr__(name: str) -> object:
-    if name == "__version__":  # looked up on demand: importlib.metadata costs start-up time
-        from ckptkit.meta import ckptkit_version
-
-        return ckptkit_version()
     if name in _ENGINE:
         import ckptkit.engine
 

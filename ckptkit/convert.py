@@ -260,17 +260,8 @@ def _write(
     src: Path,
 ) -> None:
     """Write every output file to a temp file, verify it, and only then put them all in place."""
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=report.nbytes,
-        unit="B",
-        unit_scale=True,
-        disable=not progress,
-        leave=False,
-        desc="convert",
-    )
-    transfer = Transfer(source, progress=bar.update)
+    bar = _progress_bar(report.nbytes) if progress else None
+    transfer = Transfer(source, progress=bar.update if bar else lambda nbytes: None)
     try:
         with contextlib.ExitStack() as stack:
             # Entered first, left last: the index appears only once every shard is in place.
@@ -302,7 +293,14 @@ def _write(
         report.overflowed = list(transfer.overflowed)
     finally:
         transfer.close()
-        bar.close()
+        if bar:
+            bar.close()
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm import tqdm  # only when shown: importing tqdm costs 30 ms (importlib.metadata)
+
+    return tqdm(total=total, unit="B", unit_scale=True, leave=False, desc="convert")
 
 
 def _match_reference(plan: KeyPlan, entries: dict[str, TensorInfo], ref_path: Path) -> KeyMatch:

@@ -13,19 +13,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["NAMESPACE", "CheckpointMeta", "jsonable", "ckptkit_version"]
+__all__ = ["VERSION", "NAMESPACE", "CheckpointMeta", "jsonable"]
 
+# The one place the version is written: pyproject.toml reads it from here. A constant, not
+# importlib.metadata, which costs every command 50 ms of start-up.
+VERSION = "0.1.0"
 NAMESPACE = "ckptkit."
-
-
-def ckptkit_version() -> str:
-    """The installed ckptkit version (``0+unknown`` when running from a bare source tree)."""
-    from importlib import metadata  # on first use: it costs start-up time every command pays
-
-    try:
-        return metadata.version("ckptkit")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 @dataclass
@@ -42,7 +35,7 @@ class CheckpointMeta:
     dropped: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)
-    writer: str = field(default_factory=lambda: f"ckptkit {ckptkit_version()}")
+    writer: str = field(default_factory=lambda: f"ckptkit {VERSION}")
     # Metadata from other tools (a source safetensors header, say), kept as it was.
     other: dict[str, str] = field(default_factory=dict)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -225,8 +226,15 @@ def test_every_command_has_help(run):
 
 
 def test_version(run):
+    from importlib.metadata import version
+
+    import ckptkit
+
     result = run("--version")
-    assert result.exit_code == 0 and result.stdout.startswith("ckptkit, version ")
+    assert result.exit_code == 0
+    # One version everywhere: the installed package's metadata is read from ckptkit.meta.
+    assert result.stdout == f"ckptkit, version {version('ckptkit')}\n"
+    assert ckptkit.__version__ == version("ckptkit")
 
 
 def test_debug_shows_the_traceback(tmp_path):
@@ -241,6 +249,32 @@ def test_debug_shows_the_traceback(tmp_path):
     assert proc.returncode == 1
     assert "Traceback (most recent call last)" in proc.stderr
     assert proc.stderr.rstrip().endswith("Error: missing.pt does not exist; check the path")
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_progress_bar_on_a_terminal_unless_quiet(tmp_path, quiet):
+    """stderr on a pseudo-terminal gets the tqdm bar; --quiet (or a pipe, below) gets none."""
+    pty = pytest.importorskip("pty")
+    import fcntl
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    # A new pseudo-terminal is 0 columns wide, and tqdm draws a bar as wide as the terminal.
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    argv = [sys.executable, "-m", "ckptkit", "convert", str(FIXTURE_DIR / "ddp.pt"),
+            str(tmp_path / "out.safetensors"), "--strip-module"] + (["-q"] if quiet else [])  # fmt: skip
+    with os.fdopen(leader, "rb", buffering=0) as terminal:
+        proc = subprocess.run(
+            argv, stderr=follower, stdout=subprocess.DEVNULL, cwd=ROOT, timeout=60
+        )
+        os.close(follower)
+        shown = b""
+        with contextlib.suppress(OSError):  # EIO once everything written has been read
+            while chunk := terminal.read(4096):
+                shown += chunk
+    assert proc.returncode == 0
+    assert (b"convert:" in shown and b"B/s" in shown) != quiet, shown
 
 
 def test_real_process_end_to_end(tmp_path):

@@ -25,7 +25,7 @@ from ckptkit.engine.demo import demo_data, demo_model
 from ckptkit.engine.distributed import Context, Mode, setup, teardown, unwrap, wrap
 from ckptkit.errors import UsageError
 from ckptkit.keys import match_keys, mismatch_message
-from ckptkit.meta import ckptkit_version
+from ckptkit.meta import VERSION
 
 __all__ = ["TrainConfig", "TrainResult", "Engine"]
 
@@ -233,7 +233,7 @@ class Engine:
     ) -> dict[str, Any]:
         cfg = self.config
         return {
-            "ckptkit_version": ckptkit_version(),
+            "ckptkit_version": VERSION,
             "torch_version": str(torch.__version__),  # a str subclass weights_only would refuse
             "mode": cfg.mode,
             "world_size": ctx.world_size,

@@ -1,20 +1,65 @@
-"""Copying byte ranges between files without passing them through Python objects.
+"""Copying and comparing byte ranges between files without passing them through Python objects.
 
 ``os.copy_file_range`` lets the kernel copy (or share extents) directly; ``os.sendfile`` is the
 older kernel path; a read/write loop is the portable fallback. Memory use stays at one chunk.
+Two libc calls that Python's ``os`` lacks (``fallocate`` and ``memcmp``) are used through
+ctypes where they exist, each with a plain fallback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
+import mmap
 import os
+from collections.abc import Iterator
+from typing import Any
 
 from ckptkit.errors import FormatError
 
-__all__ = ["copy_range", "write_all", "same_bytes", "CHUNK"]
+__all__ = ["copy_range", "write_all", "same_bytes", "preallocate", "start_writeback", "CHUNK"]
 
 CHUNK = 8 * 1024 * 1024
+COMPARE_CHUNK = 1024 * 1024  # read-and-compare: fits the CPU cache
+WINDOW = 8 * 1024 * 1024  # map-and-compare: bounds the mapped (resident) pages
 _UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
+
+
+@functools.cache
+def _libc() -> Any:
+    """The C library's ``fallocate`` and ``memcmp`` (None where ctypes cannot reach them)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        libc.memcmp.restype = ctypes.c_int
+        if hasattr(libc, "fallocate"):  # Linux only
+            libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            libc.fallocate.restype = ctypes.c_int
+        return libc
+    except (ImportError, OSError, AttributeError):
+        return None
+
+
+def preallocate(fd: int, size: int) -> None:
+    """Reserve ``size`` bytes for ``fd`` on disk before it is written.
+
+    A full disk then fails at once, not after gigabytes were copied, and ext4 allocates one
+    extent instead of reserving every 4 KiB block as the copy reaches it (10% of convert's
+    time). Raw ``fallocate(2)``, not ``os.posix_fallocate``: where a filesystem cannot
+    preallocate, glibc's fallback writes a byte into every block; here nothing happens.
+    """
+    libc = _libc()
+    if libc is None or not hasattr(libc, "fallocate") or size <= 0:
+        return
+    if libc.fallocate(fd, 0, 0, size) != 0:
+        import ctypes
+
+        code = ctypes.get_errno()
+        if code not in _UNSUPPORTED:
+            raise OSError(code, os.strerror(code))
 
 
 def copy_range(src_fd: int, offset: int, count: int, dst_fd: int) -> None:
@@ -71,13 +116,85 @@ def write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data) :]
 
 
+def start_writeback(fd: int, offset: int, count: int) -> None:
+    """Ask the kernel to start writing a range of ``fd`` to disk now, without waiting for it.
+
+    Left alone, dirty pages sit in memory until a final fsync writes them all while the caller
+    waits. ``POSIX_FADV_DONTNEED`` starts the write-back of dirty pages and drops only pages
+    already clean (none, in a range just written), as PostgreSQL's ``pg_flush_data`` uses it
+    where ``sync_file_range`` is missing. Where fadvise is missing too (macOS), the final
+    fsync does all the work.
+    """
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, count, os.POSIX_FADV_DONTNEED)
+
+
 def same_bytes(fd_a: int, offset_a: int, fd_b: int, offset_b: int, count: int) -> bool:
-    """True when two byte ranges are identical (compared a chunk at a time)."""
-    done = 0
-    while done < count:
-        size = min(CHUNK, count - done)
-        a = os.pread(fd_a, size, offset_a + done)
-        if len(a) != size or a != os.pread(fd_b, size, offset_b + done):
+    """True when two byte ranges (of two files, or one) are identical.
+
+    Both ranges are memory-mapped a window at a time and compared in place by libc's
+    ``memcmp``, which reads each byte once and copies none. Without ctypes they are read into
+    two reused buffers (a fresh ``bytes`` per read costs a page fault per page, four times
+    slower). A range past the end of its file is not identical.
+    """
+    if count > os.fstat(fd_a).st_size - offset_a or count > os.fstat(fd_b).st_size - offset_b:
+        return False  # and mapping past the end would crash on access (SIGBUS)
+    libc = _libc()
+    if libc is None:
+        return _compare_read(fd_a, offset_a, fd_b, offset_b, count)
+    for done in range(0, count, WINDOW):
+        size = min(WINDOW, count - done)
+        if not _compare_mapped(libc, fd_a, offset_a + done, fd_b, offset_b + done, size):
             return False
-        done += size
+    return True
+
+
+def _compare_mapped(libc: Any, fd_a: int, at_a: int, fd_b: int, at_b: int, size: int) -> bool:
+    import ctypes
+
+    with _mapped(fd_a, at_a, size) as (map_a, skip_a), _mapped(fd_b, at_b, size) as (map_b, skip_b):
+        address_a = ctypes.addressof(ctypes.c_char.from_buffer(map_a)) + skip_a
+        address_b = ctypes.addressof(ctypes.c_char.from_buffer(map_b)) + skip_b
+        return libc.memcmp(address_a, address_b, size) == 0  # ctypes releases the GIL
+
+
+@contextlib.contextmanager
+def _mapped(fd: int, at: int, size: int) -> Iterator[tuple[mmap.mmap, int]]:
+    """A mapping of ``size`` bytes of ``fd`` from ``at``, and where ``at`` lies in it."""
+    skip = at % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a granule
+    # Private and writable only so that ctypes can take its address; never written.
+    mapped = mmap.mmap(fd, skip + size, offset=at - skip, access=mmap.ACCESS_COPY)
+    try:
+        yield mapped, skip
+    finally:
+        mapped.close()
+
+
+def _compare_read(fd_a: int, at_a: int, fd_b: int, at_b: int, count: int) -> bool:
+    buf_a, buf_b = bytearray(min(COMPARE_CHUNK, count)), bytearray(min(COMPARE_CHUNK, count))
+    for done in range(0, count, COMPARE_CHUNK):
+        size = min(COMPARE_CHUNK, count - done)
+        if size < len(buf_a):  # the last, shorter chunk
+            del buf_a[size:], buf_b[size:]
+        if not (_read_into(fd_a, buf_a, at_a + done) and _read_into(fd_b, buf_b, at_b + done)):
+            return False
+        if buf_a != buf_b:  # bytearrays compare with memcmp (memoryviews, item by item)
+            return False
+    return True
+
+
+def _read_into(fd: int, buf: bytearray, offset: int) -> bool:
+    """Fill ``buf`` from ``fd`` at ``offset``; False when the file ends first."""
+    with memoryview(buf) as view:
+        filled = 0
+        while filled < len(buf):
+            if hasattr(os, "preadv"):
+                n = os.preadv(fd, [view[filled:]], offset + filled)
+            else:  # older macOS: no preadv
+                chunk = os.pread(fd, len(buf) - filled, offset + filled)
+                view[filled : filled + len(chunk)] = chunk
+                n = len(chunk)
+            if n == 0:
+                return False
+            filled += n
     return True

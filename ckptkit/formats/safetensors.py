@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.bytecopy import write_all
+from ckptkit.formats.bytecopy import preallocate, write_all
 from ckptkit.formats.dtypes import DTYPES, from_safetensors, nbytes
 from ckptkit.formats.source import Source, TensorInfo
 from ckptkit.formats.tensors import as_bytes, dtype_name
@@ -183,6 +183,7 @@ def write_safetensors(
     # to disk when it is closed (auto_da_alloc), which would cost a second write-back.
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if _nonempty(dst) else 0)
     with open(os.open(dst, flags, 0o666), "wb", buffering=0) as f:
+        preallocate(f.fileno(), len(header) + sum(spec.nbytes for spec in specs))
         write_all(f.fileno(), memoryview(header))
         for spec in specs:
             start = f.tell()

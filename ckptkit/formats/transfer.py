@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import VerificationError
-from ckptkit.formats.bytecopy import copy_range, same_bytes, write_all
+from ckptkit.formats.bytecopy import copy_range, same_bytes, start_writeback, write_all
 from ckptkit.formats.safetensors import TensorSpec, read_header, write_safetensors
 from ckptkit.formats.source import Source
 
@@ -59,15 +59,16 @@ class Transfer:
             os.close(fd)
         self._fds.clear()
 
-    def _check_later(self, key: str, src_fd: int, src_offset: int, dst: Path, dst_offset: int,
-                     count: int) -> None:  # fmt: skip
-        """Compare a copied range with its source in a worker thread, while the next tensor
-        copies: the copy waits on the disk, the comparison reads the page cache."""
+    def _written(self, key: str, dst: Path, start: int, count: int,
+                 source: tuple[int, int] | None) -> None:  # fmt: skip
+        """After a tensor's bytes are written, in a worker thread while the next tensor is: compare
+        them with their ``source`` range (fd, offset) when given, then start their write-back to
+        the disk, so the final fsync finds little left to do."""
         if self._checker is None:
             self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-verify")
-        dst_fd = self._fd(dst)
-        self._checks[key] = self._checker.submit(_check_and_flush, src_fd, src_offset, dst_fd,
-                                                 dst_offset, count)  # fmt: skip
+        done = self._checker.submit(_check_and_flush, source, self._fd(dst), start, count)
+        if source is not None:
+            self._checks[key] = done
 
     def _fd(self, path: Path) -> int:
         if path not in self._fds:
@@ -89,18 +90,19 @@ class Transfer:
         def write(fd: int, spec: TensorSpec) -> None:
             item = items[spec.key]
             span = None if item.cast else self.source.byte_span(item.old)
+            start = os.lseek(fd, 0, os.SEEK_CUR)
             if span is not None:
                 path, offset, length = span
-                start = os.lseek(fd, 0, os.SEEK_CUR)
                 copy_range(self._fd(path), offset, length, fd)
-                if verify:
-                    self._check_later(spec.key, self._fd(path), offset, dst, start, length)
+                compare = (self._fd(path), offset) if verify else None
+                self._written(spec.key, dst, start, length, compare)
                 self.copied += 1
             else:
                 tensor = self.tensor(item)
                 if item.cast and _overflows(self.source.load(item.old), tensor):
                     self.overflowed.append(spec.key)
                 write_all(fd, _raw(tensor))
+                self._written(spec.key, dst, start, spec.nbytes, None)  # verified by reloading
                 self.through_torch += 1
             self.progress(spec.nbytes)
 
@@ -178,12 +180,12 @@ class Transfer:
 
 
 def _check_and_flush(
-    src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int
+    source: tuple[int, int] | None, dst_fd: int, dst_offset: int, count: int
 ) -> bool:
-    """Compare a copied range, then push what is written so far to the disk, so the write-back
-    runs while the next tensor copies and the final fsync finds little left to do."""
-    same = same_bytes(src_fd, src_offset, dst_fd, dst_offset, count)
-    os.fdatasync(dst_fd)
+    """Compare a written range with its source range (when given), then start its write-back.
+    Comparing first matters: pages already on disk may leave the page cache."""
+    same = source is None or same_bytes(*source, dst_fd, dst_offset, count)
+    start_writeback(dst_fd, dst_offset, count)
     return same
 
 
