@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckptkit.errors import FormatError
 from ckptkit.formats import bytecopy
 
 
@@ -77,18 +79,62 @@ def test_same_bytes_agrees_with_python(tmp_path_factory, data, offset, flip):
         os.close(fd_b)
 
 
-def test_copy_range_appends_the_exact_bytes(tmp_path):
-    data = os.urandom(3 * bytecopy.CHUNK // 2)
+COPIERS = ["_mapped_write", "_copy_file_range", "_read_write"]
+
+
+@pytest.mark.parametrize("copier", COPIERS)
+def test_each_copier_appends_the_exact_bytes(tmp_path, monkeypatch, copier):
+    monkeypatch.setattr(bytecopy, "_COPIERS", (getattr(bytecopy, copier),))
+    # More than one window and chunk, from an offset that is not on a page.
+    data = os.urandom(bytecopy.CHUNK + bytecopy.COPY_WINDOW + 12345)
     (tmp_path / "src").write_bytes(data)
     src = os.open(tmp_path / "src", os.O_RDONLY)
     dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
     try:
         os.write(dst, b"head")
         bytecopy.copy_range(src, 5, len(data) - 9, dst)
+        bytecopy.copy_range(src, 0, 0, dst)
     finally:
         os.close(src)
         os.close(dst)
     assert (tmp_path / "dst").read_bytes() == b"head" + data[5:-4]
+
+
+@pytest.mark.parametrize("copier", COPIERS)
+def test_a_short_source_is_an_error_not_a_short_file(tmp_path, monkeypatch, copier):
+    monkeypatch.setattr(bytecopy, "_COPIERS", (getattr(bytecopy, copier),))
+    (tmp_path / "src").write_bytes(b"x" * 5000)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(FormatError, match="the source ended early"):
+            bytecopy.copy_range(src, 100, 5000, dst)
+    finally:
+        os.close(src)
+        os.close(dst)
+
+
+def test_a_file_that_cannot_be_mapped_is_copied_by_the_next_way(tmp_path, monkeypatch):
+    """A window that fails to map hands over to copy_file_range / read-write mid-range."""
+    real_mmap, calls = mmap.mmap, []
+
+    def mmap_fails_second_time(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise OSError(19, "No such device")  # ENODEV: what a filesystem without mmap says
+        return real_mmap(*args, **kwargs)
+
+    monkeypatch.setattr(bytecopy.mmap, "mmap", mmap_fails_second_time)
+    data = os.urandom(3 * bytecopy.COPY_WINDOW)
+    (tmp_path / "src").write_bytes(data)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
+    try:
+        bytecopy.copy_range(src, 0, len(data), dst)
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert len(calls) == 2 and (tmp_path / "dst").read_bytes() == data
 
 
 def test_preallocate_reserves_the_size(tmp_path):
