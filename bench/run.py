@@ -5,9 +5,10 @@
     python3 bench/run.py --size-gb 8 --repeat 5 --dir /big/disk
 
 Each way runs in a fresh process, so every number includes starting Python and the imports a
-user would pay for. Before each run (untimed) its output is removed and `sync` flushes what
-earlier runs left for the disk to write, so no way pays for another's writes; the page cache
-stays warm. Wall time is the process's; peak anonymous memory is the highest RssAnon seen
+user would pay for. The ways take turns, in a seeded shuffled order each round. Before each run
+(untimed) its output is removed, `sync` flushes what earlier runs left for the disk to write (so
+no way pays for another's writes), and the checkpoint is read through (so every way finds it in
+the page cache). Wall time is the process's; peak anonymous memory is the highest RssAnon seen
 in /proc while it ran, sampled every 10 ms (file-backed pages of a memory map are not counted:
 they are the page cache, not the process's own memory); peak RSS is the kernel's exact
 high-water mark, which counts those pages too, so it bounds the anonymous peak from above.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -74,14 +76,28 @@ def make(path: Path, total_bytes: int) -> dict:
     return json.loads(subprocess.run(python(code), check=True, capture_output=True).stdout)
 
 
-def measure(argv: list[str], outputs: tuple[Path, ...] = ()) -> dict[str, float]:
-    """Run a command from a settled disk; return its wall seconds, its peak anonymous memory
-    (RssAnon sampled every 10 ms) and its peak RSS (the kernel's exact high-water mark, which
-    also counts mapped file pages, so it bounds the anonymous peak from above; it starts from
-    this process's RSS at the fork, a few MB, since this process does not import torch)."""
+def warm(path: Path) -> None:
+    """Read a file through, so it is all in the page cache (the issue's measuring condition;
+    the kernel drops pages of it now and then, and a way that read them from disk would be
+    timing the disk)."""
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(8 * 1024 * 1024)
+        while f.readinto(buf):
+            pass
+
+
+def measure(
+    argv: list[str], outputs: tuple[Path, ...] = (), inputs: tuple[Path, ...] = ()
+) -> dict[str, float]:
+    """Run a command from a settled disk and a warm cache. Returns its wall seconds, its peak
+    anonymous memory (RssAnon sampled every 10 ms) and its peak RSS (the kernel's exact
+    high-water mark, which also counts mapped file pages, so it bounds the anonymous peak from
+    above; it starts from this process's RSS at the fork, a few MB: no torch here)."""
     for out in outputs:
         out.unlink(missing_ok=True)
     os.sync()
+    for path in inputs:
+        warm(path)
     with tempfile.TemporaryFile() as err:
         start = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err)
@@ -164,12 +180,17 @@ def convert_ways(src: Path, dst: Path) -> dict[str, list[str]]:
 
 
 def run_ways(
-    ways: dict[str, list[str]], repeat: int, outputs: tuple[Path, ...] = ()
+    ways: dict[str, list[str]],
+    repeat: int,
+    outputs: tuple[Path, ...] = (),
+    inputs: tuple[Path, ...] = (),
 ) -> dict[str, dict[str, float]]:
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in ways}
-    for _ in range(repeat):  # interleaved, so drift in the machine hits every way alike
-        for name, argv in ways.items():
-            samples[name].append(measure(argv, outputs))
+    order = list(ways)
+    for round_ in range(repeat):  # interleaved, so drift in the machine hits every way alike,
+        random.Random(round_).shuffle(order)  # and shuffled: what a way runs after matters
+        for name in order:  # (on a VM, memory another way just freed is slow to touch again)
+            samples[name].append(measure(ways[name], outputs, inputs))
     return {
         name: {
             "wall_s": statistics.median(r["wall_s"] for r in runs),
@@ -232,15 +253,16 @@ def main() -> None:
         info = make(ckpt, size)
         results = {"checkpoint": info, "inspect": {}, "convert": {}, "flat_memory": {}}
         if "inspect" in parts:
-            results["inspect"] = run_ways(inspect_ways(ckpt), repeat)
+            results["inspect"] = run_ways(inspect_ways(ckpt), repeat, inputs=(ckpt,))
         if "convert" in parts:
-            results["convert"] = run_ways(convert_ways(ckpt, out), repeat, (out,))
+            results["convert"] = run_ways(convert_ways(ckpt, out), repeat, (out,), (ckpt,))
         ckpt.unlink()
         for flat in flat_sizes if "flat" in parts else []:  # one at a time: less disk needed
             path = folder / f"flat-{flat}.pt"
             made = make(path, flat)
             argv = convert_ways(path, folder / "flat.safetensors")["ckptkit convert (verified)"]
-            results["flat_memory"][made["bytes"]] = measure(argv, (folder / "flat.safetensors",))
+            outputs = (folder / "flat.safetensors",)
+            results["flat_memory"][made["bytes"]] = measure(argv, outputs, (path,))
             path.unlink()
     if args.json:
         print(json.dumps(results, indent=2))
