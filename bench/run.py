@@ -64,7 +64,9 @@ def make_training_checkpoint(path: Path, total_bytes: int, *, seed: int = 0) -> 
         "step": 7000,
     }
     torch.save(checkpoint, path)
-    return {"path": str(path), "bytes": path.stat().st_size, "tensors": len(state)}
+    largest = max(t.numel() * t.element_size() for t in state.values())
+    return {"path": str(path), "bytes": path.stat().st_size, "tensors": len(state),
+            "largest_tensor_bytes": largest}  # fmt: skip
 
 
 def make(path: Path, total_bytes: int) -> dict:
@@ -179,6 +181,22 @@ def convert_ways(src: Path, dst: Path) -> dict[str, list[str]]:
     }
 
 
+def torch_ways(src: Path, folder: Path) -> dict[str, list[str]]:
+    """convert's paths that need torch: casting, and .pt output (streamed through torch)."""
+    ckptkit = [sys.executable, "-m", "ckptkit", "convert", str(src), "--strip-module", "-q"]
+    return {
+        "import torch (alone)": python("import torch"),
+        "--dtype bf16 to .safetensors": [
+            *ckptkit,
+            str(folder / "bf16.safetensors"),
+            "--dtype",
+            "bf16",
+        ],
+        "to .pt": [*ckptkit, str(folder / "out.pt")],
+        "--dtype bf16 to .pt": [*ckptkit, str(folder / "bf16.pt"), "--dtype", "bf16"],
+    }
+
+
 def run_ways(
     ways: dict[str, list[str]],
     repeat: int,
@@ -237,7 +255,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        choices=["inspect", "convert", "flat"],
+        choices=["inspect", "convert", "torch", "flat"],
         action="append",
         help="run only these parts (repeatable; default: all)",
     )
@@ -245,17 +263,21 @@ def main() -> None:
     args = parser.parse_args()
     size = 24_000_000 if args.quick else int(args.size_gb * 1e9)
     repeat = 1 if args.quick else args.repeat
-    parts = set(args.only or ["inspect", "convert", "flat"])
+    parts = set(args.only or ["inspect", "convert", "torch", "flat"])
     flat_sizes = [24_000_000, 96_000_000] if args.quick else [int(g * 1e9) for g in args.flat_gb]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         folder = Path(tmp)
         ckpt, out = folder / "train.pt", folder / "out.safetensors"
         info = make(ckpt, size)
-        results = {"checkpoint": info, "inspect": {}, "convert": {}, "flat_memory": {}}
+        results = {"checkpoint": info, "inspect": {}, "convert": {}, "torch": {}, "flat_memory": {}}
         if "inspect" in parts:
             results["inspect"] = run_ways(inspect_ways(ckpt), repeat, inputs=(ckpt,))
         if "convert" in parts:
             results["convert"] = run_ways(convert_ways(ckpt, out), repeat, (out,), (ckpt,))
+        if "torch" in parts:  # memory is the point here, and these are slow: fewer repeats
+            outputs = (folder / "bf16.safetensors", folder / "out.pt", folder / "bf16.pt")
+            ways = torch_ways(ckpt, folder)
+            results["torch"] = run_ways(ways, min(repeat, 3), outputs, (ckpt,))
         ckpt.unlink()
         for flat in flat_sizes if "flat" in parts else []:  # one at a time: less disk needed
             path = folder / f"flat-{flat}.pt"
@@ -278,6 +300,17 @@ def main() -> None:
         print(
             "every run:", {name: [round(w, 2) for w in r["walls_s"]] for name, r in convert.items()}
         )
+        print()
+    if results["torch"]:
+        base = results["torch"]["import torch (alone)"]["peak_anon_bytes"]
+        print("convert's paths through torch (largest tensor: "
+              f"{info['largest_tensor_bytes'] / 1e6:.0f} MB)")  # fmt: skip
+        print("| way | wall (median) | peak anonymous memory | above torch alone |")
+        print("|---|---|---|---|")
+        for name, r in results["torch"].items():
+            anon = r["peak_anon_bytes"]
+            print(f"| {name} | {r['wall_s']:.2f} s | {anon / 1e6:.0f} MB | "
+                  f"{(anon - base) / 1e6:+.0f} MB |")  # fmt: skip
         print()
     if results["flat_memory"]:
         print("ckptkit convert as the checkpoint grows")

@@ -19,3 +19,6 @@ def test_bench_quick_runs_and_reports_every_way():
                          "import torch (alone)"}  # fmt: skip
     assert all(r["wall_s"] > 0 and r["peak_anon_bytes"] > 0 for r in ways.values())
     assert len(results["convert"]) == 4 and len(results["flat_memory"]) == 2
+    assert set(results["torch"]) == {"import torch (alone)", "--dtype bf16 to .safetensors",
+                                     "to .pt", "--dtype bf16 to .pt"}  # fmt: skip
+    assert results["checkpoint"]["largest_tensor_bytes"] > 0

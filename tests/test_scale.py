@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 import ckptkit
 from ckptkit.convert import parse_size
-from ckptkit.errors import CastError, UsageError
+from ckptkit.errors import CastError, UsageError, VerificationError
+from ckptkit.formats import transfer as transfer_module
 from ckptkit.formats.source import Source
 from ckptkit.formats.tensors import bit_equal
 
@@ -29,6 +30,7 @@ def convert_both_ways(monkeypatch, src, tmp, **options):
     with monkeypatch.context() as m:
         for cls in _source_classes():
             m.setattr(cls, "byte_span", Source.byte_span)  # "no byte range": all through torch
+        m.setattr(transfer_module, "PIECE", 24)  # many pieces per tensor, the last one short
         slow = ckptkit.convert(src, tmp / "slow.safetensors", **options)
     assert slow.copied == 0 and slow.through_torch == slow.tensors
     return fast, (tmp / "fast.safetensors").read_bytes(), (tmp / "slow.safetensors").read_bytes()
@@ -99,7 +101,10 @@ def test_fast_path_never_imports_torch(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_cast_floats_only_and_report_savings(tmp_path):
+@pytest.mark.parametrize("piece", [None, 24])
+def test_cast_floats_only_and_report_savings(tmp_path, monkeypatch, piece):
+    if piece:
+        monkeypatch.setattr(transfer_module, "PIECE", piece)
     src = tmp_path / "mixed.pt"
     state = {
         "w": torch.randn(4, 4),
@@ -141,6 +146,42 @@ def test_overflow_is_an_error_naming_the_tensors(tmp_path, run):
     assert ckptkit.convert(
         src, tmp_path / "k.safetensors", dtype="fp16", keep_dtype=["big"]
     ).cast == ["small"]
+
+
+def test_cast_in_pieces_matches_torch_and_finds_a_late_overflow(tmp_path, monkeypatch):
+    """Tensors cast a few elements at a time: strided ones too, and an overflow in the very
+    last piece is still found."""
+    monkeypatch.setattr(transfer_module, "PIECE", 10)  # 5 fp16 / bf16 elements per piece
+    gen = torch.Generator().manual_seed(0)
+    state = {"t": torch.randn(7, 9, generator=gen).t(), "w": torch.randn(23, generator=gen)}
+    torch.save(state, tmp_path / "src.pt")
+    ckptkit.convert(tmp_path / "src.pt", tmp_path / "bf16.safetensors", dtype="bf16")
+    out = load_file(tmp_path / "bf16.safetensors")
+    for key, tensor in state.items():
+        assert bit_equal(out[key], tensor.bfloat16().contiguous()), key
+    late = torch.ones(23)
+    late[-1] = 1e6  # inf in fp16, in the last (short) piece
+    torch.save({"late": late}, tmp_path / "late.pt")
+    with pytest.raises(CastError, match="inf in late"):
+        ckptkit.convert(tmp_path / "late.pt", tmp_path / "h.safetensors", dtype="fp16")
+
+
+def test_verification_catches_a_corrupted_cast(tmp_path, monkeypatch):
+    real = transfer_module.write_all
+    written = []
+
+    def corrupting(fd, data):
+        written.append(len(data))
+        if len(written) == 2:  # the second piece of 'w'
+            data = memoryview(bytes([data[0] ^ 1]) + bytes(data[1:]))
+        real(fd, data)
+
+    monkeypatch.setattr(transfer_module, "PIECE", 8)
+    monkeypatch.setattr(transfer_module, "write_all", corrupting)
+    torch.save({"w": torch.randn(12)}, tmp_path / "src.pt")
+    with pytest.raises(VerificationError, match="'w' read back from .* differs from the source"):
+        ckptkit.convert(tmp_path / "src.pt", tmp_path / "o.safetensors", dtype="bf16")
+    assert written == [8, 8, 8] and not (tmp_path / "o.safetensors").exists()
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,15 @@ from typing import Any
 
 from ckptkit.errors import FormatError
 
-__all__ = ["copy_range", "write_all", "same_bytes", "preallocate", "start_writeback", "CHUNK"]
+__all__ = [
+    "copy_range",
+    "write_all",
+    "read_into",
+    "same_bytes",
+    "preallocate",
+    "start_writeback",
+    "CHUNK",
+]
 
 CHUNK = 8 * 1024 * 1024
 COPY_WINDOW = 4 * 1024 * 1024  # mapped copy: 2 to 8 MiB measured fastest; larger thrashes caches
@@ -196,14 +204,14 @@ def _compare_read(fd_a: int, at_a: int, fd_b: int, at_b: int, count: int) -> boo
         size = min(COMPARE_CHUNK, count - done)
         if size < len(buf_a):  # the last, shorter chunk
             del buf_a[size:], buf_b[size:]
-        if not (_read_into(fd_a, buf_a, at_a + done) and _read_into(fd_b, buf_b, at_b + done)):
+        if not (read_into(fd_a, buf_a, at_a + done) and read_into(fd_b, buf_b, at_b + done)):
             return False
         if buf_a != buf_b:  # bytearrays compare with memcmp (memoryviews, item by item)
             return False
     return True
 
 
-def _read_into(fd: int, buf: bytearray, offset: int) -> bool:
+def read_into(fd: int, buf: bytearray, offset: int) -> bool:
     """Fill ``buf`` from ``fd`` at ``offset``; False when the file ends first."""
     with memoryview(buf) as view:
         filled = 0

@@ -9,21 +9,24 @@ written bytes with the source byte ranges for copied tensors, and reloads the re
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import VerificationError
-from ckptkit.formats.bytecopy import copy_range, same_bytes, start_writeback, write_all
+from ckptkit.formats.bytecopy import copy_range, read_into, same_bytes, start_writeback, write_all
+from ckptkit.formats.dtypes import DTYPES
 from ckptkit.formats.safetensors import TensorSpec, read_header, write_safetensors
 from ckptkit.formats.source import Source
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Item", "Transfer"]
+__all__ = ["Item", "Transfer", "PIECE"]
+
+PIECE = 4 * 1024 * 1024  # output bytes per step of a tensor that goes through torch
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,26 @@ class Transfer:
             tensor = tensor.to(torch_dtype(item.spec.dtype))
         return tensor.contiguous()
 
+    def _pieces(self, item: Item) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """A tensor that goes through torch as (source piece, output piece) pairs of about
+        ``PIECE`` output bytes, in output order.
+
+        The source tensor is a view of the mapped file and each piece is cast into one reused
+        buffer, so memory holds a piece, not the tensor (only a strided tensor is copied whole
+        once, to lay it out flat). Allocating nothing per piece also keeps glibc from hoarding
+        freed memory: a fresh cast tensor each time grew the heap by 16 MB per tensor.
+        """
+        import torch
+
+        from ckptkit.formats.tensors import torch_dtype
+
+        flat = self.source.load(item.old).reshape(-1)  # a view, unless the tensor is strided
+        step = max(1, PIECE // DTYPES[item.spec.dtype].itemsize)
+        cast_into = torch.empty(min(step, flat.numel()), dtype=torch_dtype(item.spec.dtype))
+        for begin in range(0, flat.numel(), step):
+            piece = flat[begin : begin + step]
+            yield piece, (cast_into[: len(piece)].copy_(piece) if item.cast else piece)
+
     def _write(
         self, items: dict[str, Item], dst: Path, verify: bool
     ) -> Callable[[int, TensorSpec], None]:
@@ -98,11 +121,13 @@ class Transfer:
                 self._written(spec.key, dst, start, length, compare)
                 self.copied += 1
             else:
-                tensor = self.tensor(item)
-                if item.cast and _overflows(self.source.load(item.old), tensor):
+                overflowed = False
+                for before, after in self._pieces(item):
+                    overflowed = overflowed or (item.cast and _overflows(before, after))
+                    write_all(fd, _raw(after))
+                if overflowed:
                     self.overflowed.append(spec.key)
-                write_all(fd, _raw(tensor))
-                self._written(spec.key, dst, start, spec.nbytes, None)  # verified by reloading
+                self._written(spec.key, dst, start, spec.nbytes, None)  # compared in the end
                 self.through_torch += 1
             self.progress(spec.nbytes)
 
@@ -119,8 +144,9 @@ class Transfer:
     def verify_safetensors(
         self, path: Path, items: list[Item], metadata: dict[str, str], shown: Path
     ) -> None:
-        """Re-read the header and compare every tensor's bytes with its source."""
-        header, _ = read_header(path)
+        """Re-read the header and compare every tensor's bytes with its source: copied ones as
+        they were written, the rest with their output bytes made again from the source."""
+        header, data_start = read_header(path)
         if header.pop("__metadata__", {}) != metadata:
             raise VerificationError(
                 f"the metadata read back from {shown} differs; nothing was written"
@@ -132,22 +158,32 @@ class Transfer:
         for key, item in expected.items():
             entry = header[key]
             begin, end = entry["data_offsets"]
-            if list(entry["shape"]) != list(item.spec.shape) or end - begin != item.spec.nbytes:
-                raise VerificationError(f"tensor '{key}' in {shown} has the wrong shape")
+            if (
+                list(entry["shape"]) != list(item.spec.shape)
+                or entry["dtype"] != DTYPES[item.spec.dtype].safetensors
+                or end - begin != item.spec.nbytes
+            ):
+                raise VerificationError(f"tensor '{key}' in {shown} has the wrong shape or dtype")
             check = self._checks.pop(key, None)
             if check is None:
-                via_torch.append(item)
+                via_torch.append((item, data_start + begin))
             elif not check.result():  # compared as it was written
                 raise _differs(key, shown)
-        if via_torch:  # reopened by the safetensors library itself, as any reader would
-            from safetensors import safe_open
+        for item, offset in via_torch:
+            if not self._same_as_pieces(self._fd(path), offset, item):
+                raise _differs(item.spec.key, shown)
 
-            from ckptkit.formats.tensors import bit_equal
-
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                for item in via_torch:
-                    if not bit_equal(handle.get_tensor(item.spec.key), self.tensor(item)):
-                        raise _differs(item.spec.key, shown)
+    def _same_as_pieces(self, fd: int, offset: int, item: Item) -> bool:
+        """True when the file holds, from ``offset``, the output bytes of ``item`` made anew."""
+        buf = bytearray()
+        for _, after in self._pieces(item):
+            piece = _raw(after)
+            if len(buf) != len(piece):
+                buf = bytearray(len(piece))
+            if not read_into(fd, buf, offset) or buf != piece:  # bytearray == view: memcmp
+                return False
+            offset += len(buf)
+        return True
 
     def write_torch(self, path: Path, items: list[Item], aliases: dict[str, str]) -> None:
         """Write items as a plain ``.pt`` state dict (ties kept)."""
@@ -206,4 +242,14 @@ def _overflows(before: Any, after: Any) -> bool:
     """Finite values that became infinite in the cast."""
     import torch
 
-    return bool((torch.isfinite(before) & ~torch.isfinite(after)).any())
+    # The smallest and largest values are finite (NaN propagates) exactly when every value is:
+    # one pass and no allocation. Only a cast with inf or NaN in it needs the masks below.
+    if after.numel() == 0 or all(torch.isfinite(v) for v in torch.aminmax(after)):
+        return False
+    before, after = before.reshape(-1), after.reshape(-1)
+    step = max(1, PIECE // 4)  # the masks a piece at a time, never as large as the tensor
+    for begin in range(0, before.numel(), step):
+        end = begin + step
+        if (torch.isfinite(before[begin:end]) & ~torch.isfinite(after[begin:end])).any():
+            return True
+    return False
