@@ -1,9 +1,10 @@
 """Moving tensors from a Source into output files, and checking what was written.
 
 A tensor whose bytes lie in the source file as they must in the output (contiguous, same dtype)
-is copied by the kernel, never entering Python, and torch is not even imported; any other
-tensor (strided, cast, compressed) goes through torch one at a time. Verification compares the
-written bytes with the source byte ranges for copied tensors, and reloads the rest.
+is copied file to file (see ``bytecopy``), never entering Python objects, and torch is not even
+imported; any other tensor (strided, cast, compressed) goes through torch a piece at a time.
+Verification compares the file's bytes with the source byte ranges for copied tensors, and with
+output bytes made again from the source for the rest (``.pt`` output is reloaded).
 """
 
 from __future__ import annotations
