@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -182,6 +183,28 @@ def test_verification_catches_a_corrupted_cast(tmp_path, monkeypatch):
     with pytest.raises(VerificationError, match="'w' read back from .* differs from the source"):
         ckptkit.convert(tmp_path / "src.pt", tmp_path / "o.safetensors", dtype="bf16")
     assert written == [8, 8, 8] and not (tmp_path / "o.safetensors").exists()
+
+
+def test_written_ranges_leave_the_page_cache_once_far_behind(tmp_path, monkeypatch):
+    """Each written range has its write-back started at once and is released from the page
+    cache again once RELEASE_AFTER bytes were written after it; the output stays exact."""
+    real, calls = transfer_module.release_pages, []
+
+    def recording(fd, offset, count):
+        calls.append((offset, count))
+        real(fd, offset, count)
+
+    monkeypatch.setattr(transfer_module, "release_pages", recording)
+    monkeypatch.setattr(transfer_module, "RELEASE_AFTER", 100)
+    state = {f"t{i}": torch.full((16,), float(i)) for i in range(10)}  # 64 bytes each
+    torch.save(state, tmp_path / "src.pt")
+    ckptkit.convert(tmp_path / "src.pt", tmp_path / "out.safetensors")
+    counts = Counter(calls)
+    assert len(counts) == 10 and all(count == 64 for _, count in counts)
+    offsets = sorted(counts)
+    assert [counts[r] for r in offsets] == [2] * 8 + [1] * 2  # the last 128 bytes: once
+    out = load_file(tmp_path / "out.safetensors")
+    assert all(torch.equal(out[k], v) for k, v in state.items())
 
 
 @pytest.mark.parametrize(

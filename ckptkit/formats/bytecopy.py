@@ -25,7 +25,7 @@ __all__ = [
     "read_into",
     "same_bytes",
     "preallocate",
-    "start_writeback",
+    "release_pages",
     "CHUNK",
 ]
 
@@ -144,14 +144,15 @@ def write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data) :]
 
 
-def start_writeback(fd: int, offset: int, count: int) -> None:
-    """Ask the kernel to start writing a range of ``fd`` to disk now, without waiting for it.
+def release_pages(fd: int, offset: int, count: int) -> None:
+    """Start writing a range's dirty pages to disk and drop those already there from the page
+    cache, without waiting for either.
 
     Left alone, dirty pages sit in memory until a final fsync writes them all while the caller
-    waits. ``POSIX_FADV_DONTNEED`` starts the write-back of dirty pages and drops only pages
-    already clean (none, in a range just written), as PostgreSQL's ``pg_flush_data`` uses it
-    where ``sync_file_range`` is missing. Where fadvise is missing too (macOS), the final
-    fsync does all the work.
+    waits. ``POSIX_FADV_DONTNEED`` starts the write-back of dirty pages and drops clean ones,
+    as PostgreSQL's ``pg_flush_data`` uses it where ``sync_file_range`` is missing; called
+    once more later, it drops the pages written since. Where fadvise is missing (macOS), the
+    final fsync does all the work.
     """
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, offset, count, os.POSIX_FADV_DONTNEED)
