@@ -14,7 +14,6 @@ import errno
 import functools
 import mmap
 import os
-from collections.abc import Iterator
 from typing import Any
 
 from ckptkit.errors import FormatError
@@ -100,10 +99,9 @@ def _mapped_write(src_fd: int, offset: int, count: int, dst_fd: int) -> int:
     done = 0  # would crash on access (SIGBUS); the next copier reports the short source
     while done < count:
         at, size = offset + done, min(COPY_WINDOW, count - done)
-        skip = at % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a granule
         try:
-            window = mmap.mmap(src_fd, skip + size, flags=mmap.MAP_SHARED | _POPULATE,
-                               prot=mmap.PROT_READ, offset=at - skip)  # fmt: skip
+            window, skip = _map(src_fd, at, size, flags=mmap.MAP_SHARED | _POPULATE,
+                                prot=mmap.PROT_READ)  # fmt: skip
         except OSError:  # a file that cannot be mapped: the next copier goes on from here
             break
         try:
@@ -181,22 +179,21 @@ def same_bytes(fd_a: int, offset_a: int, fd_b: int, offset_b: int, count: int) -
 def _compare_mapped(libc: Any, fd_a: int, at_a: int, fd_b: int, at_b: int, size: int) -> bool:
     import ctypes
 
-    with _mapped(fd_a, at_a, size) as (map_a, skip_a), _mapped(fd_b, at_b, size) as (map_b, skip_b):
-        address_a = ctypes.addressof(ctypes.c_char.from_buffer(map_a)) + skip_a
-        address_b = ctypes.addressof(ctypes.c_char.from_buffer(map_b)) + skip_b
-        return libc.memcmp(address_a, address_b, size) == 0  # ctypes releases the GIL
+    # Private and writable only so that ctypes can take their addresses; never written.
+    map_a, skip_a = _map(fd_a, at_a, size, access=mmap.ACCESS_COPY)
+    with contextlib.closing(map_a):
+        map_b, skip_b = _map(fd_b, at_b, size, access=mmap.ACCESS_COPY)
+        with contextlib.closing(map_b):
+            address_a = ctypes.addressof(ctypes.c_char.from_buffer(map_a)) + skip_a
+            address_b = ctypes.addressof(ctypes.c_char.from_buffer(map_b)) + skip_b
+            return libc.memcmp(address_a, address_b, size) == 0  # ctypes releases the GIL
 
 
-@contextlib.contextmanager
-def _mapped(fd: int, at: int, size: int) -> Iterator[tuple[mmap.mmap, int]]:
-    """A mapping of ``size`` bytes of ``fd`` from ``at``, and where ``at`` lies in it."""
-    skip = at % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a granule
-    # Private and writable only so that ctypes can take its address; never written.
-    mapped = mmap.mmap(fd, skip + size, offset=at - skip, access=mmap.ACCESS_COPY)
-    try:
-        yield mapped, skip
-    finally:
-        mapped.close()
+def _map(fd: int, at: int, size: int, **options: Any) -> tuple[mmap.mmap, int]:
+    """A mapping of ``size`` bytes of ``fd`` from ``at`` (``options`` go to ``mmap.mmap``), and
+    where ``at`` lies in it: a mapping must start on an allocation granule."""
+    skip = at % mmap.ALLOCATIONGRANULARITY
+    return mmap.mmap(fd, skip + size, offset=at - skip, **options), skip
 
 
 def _compare_read(fd_a: int, at_a: int, fd_b: int, at_b: int, count: int) -> bool:
