@@ -35,7 +35,7 @@ def _report_error(exc: BaseException) -> int:
     if os.environ.get("CKPTKIT_DEBUG") == "1":
         traceback.print_exception(exc)
     if isinstance(exc, CkptkitError):
-        click.echo(f"Error: {exc}", err=True)
+        click.echo(f"Error: {exc.cli_text}", err=True)
         return exc.exit_code
     if isinstance(exc, click.ClickException):
         ctx = getattr(exc, "ctx", None)

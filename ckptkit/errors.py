@@ -25,17 +25,27 @@ class CkptkitError(Exception):
 
     Args:
         message: what went wrong, naming the file or key concerned.
-        hint: how to fix it, or None when the message says it all.
+        hint: how to fix it, in the command line's words (flags), or None when the message says
+            it all.
+        api_hint: the same fix in Python's words (``allow_globals=``, ``trust=``), where they
+            differ; ``str(error)`` uses it, the CLI prints ``cli_text``.
     """
 
     exit_code = 1
 
-    def __init__(self, message: str, hint: str | None = None):
+    def __init__(self, message: str, hint: str | None = None, *, api_hint: str | None = None):
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.api_hint = api_hint
 
     def __str__(self) -> str:
+        hint = self.api_hint or self.hint
+        return f"{self.message}; {hint}" if hint else self.message
+
+    @property
+    def cli_text(self) -> str:
+        """The message with the command line's hint."""
         return f"{self.message}; {self.hint}" if self.hint else self.message
 
 
@@ -52,8 +62,15 @@ class FormatError(CkptkitError):
 class UnsafeCheckpointError(CkptkitError):
     """A pickle that names globals outside the safe set."""
 
-    def __init__(self, message: str, hint: str | None = None, *, globals_: tuple[str, ...] = ()):
-        super().__init__(message, hint)
+    def __init__(
+        self,
+        message: str,
+        hint: str | None = None,
+        *,
+        globals_: tuple[str, ...] = (),
+        api_hint: str | None = None,
+    ):
+        super().__init__(message, hint, api_hint=api_hint)
         self.globals = globals_
 
 

@@ -1,4 +1,10 @@
-"""``scan``: a static safety scan of a checkpoint's pickles, for people and for CI gates."""
+"""``scan``: a static safety scan of what loading a file would run, for people and for CI gates.
+
+Every reading a loader would make of the file is scanned (see ``formats.detect.readings``):
+``torch.load``'s zip, legacy tar or pickle stream, ``pickle.load``'s stream, a zip another tool
+finds at the end, safetensors. A file more than one loader reads differently is reported as a
+polyglot, never safe; a file no reading gets through whole is ``damaged``.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptkit.formats import pickles_in
-from ckptkit.formats.pickle_scan import SAFE, PickleFindings, classify, scan_pickle, worst_of
+from ckptkit.errors import CkptkitError, FormatError
+from ckptkit.formats.detect import Reading, readings
+from ckptkit.formats.pickle_scan import (
+    DAMAGED,
+    DANGEROUS,
+    SAFE,
+    PickleFindings,
+    check_allowed,
+    classify,
+    worst_of,
+)
+from ckptkit.formats.torch_safe_globals import safe_globals
 
-__all__ = ["scan", "ScanReport"]
+__all__ = ["scan", "scan_many", "report_of", "ScanReport", "SCAN_SCHEMA"]
 
-# The pickle torch.load reads in each zip format; any other pickle in the archive is hidden.
-_EXPECTED_PICKLES = ("data.pkl", "constants.pkl")
+#: Version of the JSON document ``scan --json`` prints (see the README).
+SCAN_SCHEMA = 2
 
 
 @dataclass
@@ -22,13 +38,32 @@ class ScanReport:
 
     path: str
     format: str
-    pickles: list[PickleFindings] = field(default_factory=list)
+    readings: list[Reading] = field(default_factory=list)
     allowed: frozenset[str] = frozenset()
+    problems: list[str] = field(default_factory=list)  # about the file: polyglots
+    error: str | None = None  # the file could not be scanned at all
+
+    @property
+    def pickles(self) -> list[PickleFindings]:
+        return [p for r in self.readings for p in r.pickles]
+
+    @property
+    def damaged(self) -> list[str]:
+        """Why readings could not be completed: damaged containers and pickles."""
+        out = [f"{r.kind}: {r.damaged}" for r in self.readings if r.damaged]
+        return out + [f"{p.label}: {p.damaged}" for p in self.pickles if p.damaged]
 
     @property
     def verdict(self) -> str:
-        """``safe``, ``unknown`` or ``dangerous``: the worst finding (allowed globals are safe)."""
-        return worst_of([p.verdict(self.allowed) for p in self.pickles])
+        """``safe``, ``unknown``, ``damaged`` or ``dangerous`` (``error``: not scanned)."""
+        if self.error is not None:
+            return "error"
+        verdicts = [p.verdict(self.allowed) for p in self.pickles]
+        if self.problems:
+            verdicts.append(DANGEROUS)
+        if any(r.damaged for r in self.readings):
+            verdicts.append(DAMAGED)
+        return worst_of(verdicts)
 
     @property
     def safe(self) -> bool:
@@ -36,10 +71,11 @@ class ScanReport:
 
     def globals(self) -> dict[str, str]:
         """Every global named anywhere in the file -> its class (allowed ones: ``allowed``)."""
+        safe = safe_globals()
         out: dict[str, str] = {}
         for findings in self.pickles:
             for name in findings.globals:
-                cls = classify(name)
+                cls = classify(name, safe)
                 out[name] = "allowed" if cls != SAFE and name in self.allowed else cls
         return out
 
@@ -48,34 +84,78 @@ class ScanReport:
             "path": self.path,
             "format": self.format,
             "verdict": self.verdict,
+            "error": self.error,
+            "readings": [{"kind": r.kind, "reader": r.reader} for r in self.readings],
             "globals": self.globals(),
+            "problems": self.problems,
+            "damaged": self.damaged,
             "pickles": [p.to_dict(self.allowed) for p in self.pickles],
         }
 
 
 def scan(path: str | Path, *, allow_globals: Iterable[str] = ()) -> ScanReport:
-    """Scan a checkpoint's pickles statically, without executing or importing anything.
+    """Scan a file statically for what loading it would import and call; nothing is executed.
 
     Args:
-        path: a torch zip or legacy file, a TorchScript archive, a plain pickle, or safetensors
-            (which holds no pickle, so it is always safe).
-        allow_globals: globals to count as safe (``module.Name``).
+        path: any file: a torch zip, legacy or tar checkpoint, TorchScript, a plain pickle,
+            safetensors (no pickle), or a polyglot of them.
+        allow_globals: globals to count as safe (``module.Name``); names that execute or import
+            are refused.
 
     Returns:
-        Per pickle: the globals named, the non-safe calls made, problems such as computed global
-        names or pickles hidden in other zip members; and the overall verdict.
+        Per reading and pickle: the globals named, the non-safe calls made, problems (computed
+        names, hidden pickles, frames that disagree, polyglots), damage; and the verdict.
 
     Raises:
-        FormatError: a missing, empty or foreign file.
+        FormatError: a missing or unreadable file, or one no loader would read at all.
+        UsageError: a dangerous name in ``allow_globals``.
     """
-    kind, blobs = pickles_in(path)
-    report = ScanReport(str(path), kind, allowed=frozenset(allow_globals))
-    for label, data in blobs:
-        findings = scan_pickle(data, label)
-        if kind in ("torch-zip", "torchscript") and not label.endswith(_EXPECTED_PICKLES):
-            if kind == "torch-zip" or not label.endswith(".debug_pkl"):
-                findings.problems.append(
-                    f"nested pickle in zip member '{label}' (torch.load skips it; others may not)"
-                )
-        report.pickles.append(findings)
+    allowed = check_allowed(allow_globals)
+    found = readings(path)
+    if not found:
+        raise FormatError(
+            f"{path} is not a checkpoint, a pickle or a safetensors file",
+            "nothing in it would be unpickled by torch.load or pickle.load",
+        )
+    return report_of(path, found, allowed)
+
+
+def report_of(
+    path: str | Path, found: list[Reading], allowed: frozenset[str] = frozenset()
+) -> ScanReport:
+    """The report for readings already made (a reader's own, so nothing is parsed twice)."""
+    report = ScanReport(str(path), found[0].kind, found, allowed)
+    if len(found) > 1:
+        ways = "; ".join(f"{r.reader} reads {_article(r.kind)}" for r in found)
+        report.problems.append(f"polyglot: loaders disagree on what this file is ({ways})")
     return report
+
+
+def scan_many(
+    paths: Iterable[str | Path], *, allow_globals: Iterable[str] = ()
+) -> list[ScanReport]:
+    """Scan each file; a file that cannot be scanned gets a report whose ``error`` says why.
+
+    Raises:
+        UsageError: a dangerous name in ``allow_globals`` (before any file is read).
+    """
+    allowed = check_allowed(allow_globals)
+    reports = []
+    for path in paths:
+        try:
+            reports.append(scan(path, allow_globals=allowed))
+        except CkptkitError as exc:
+            reports.append(ScanReport(str(path), "unknown", allowed=allowed, error=exc.cli_text))
+    return reports
+
+
+def _article(kind: str) -> str:
+    return {
+        "torch-zip": "a torch zip archive",
+        "torchscript": "a TorchScript archive",
+        "zip": "a zip archive",
+        "legacy-tar": "a legacy tar archive",
+        "torch-legacy": "a legacy torch pickle stream",
+        "pickle": "a pickle",
+        "safetensors": "a safetensors file",
+    }.get(kind, kind)

@@ -20,7 +20,7 @@ from ckptkit.formats.dtypes import DTYPES
 from ckptkit.formats.tree import DroppedPart
 from ckptkit.keys import Wrapper, detect_wrappers
 from ckptkit.meta import NAMESPACE, CheckpointMeta
-from ckptkit.scan import ScanReport, scan
+from ckptkit.scan import ScanReport, report_of, scan
 
 __all__ = [
     "summarize",
@@ -136,13 +136,14 @@ def summarize(path: str | Path, *, select: str | None = None) -> Summary:
         CkptkitError: the file cannot be read as a checkpoint.
     """
     path = Path(path)
-    safety = None
-    allowed: set[str] = set()
-    if not path.is_dir() and not path.name.endswith(".index.json"):
-        safety = scan(path)
-        # Reading is static, so every global the file names can be admitted to show its contents.
-        allowed = set(safety.globals())
-    with open_source(path, select=select, allow_globals=allowed) as source:
+    # Reading is static, so an unsafe file can be shown too; its verdict comes from the same
+    # parse the reader made.
+    with open_source(path, select=select, check_safety=False) as source:
+        safety = None
+        if getattr(source, "readings", None):
+            safety = report_of(path, source.readings)
+        elif source.format == "safetensors":
+            safety = scan(path)
         entries = source.entries()
         summary = Summary(
             path=str(path),

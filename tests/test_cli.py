@@ -141,8 +141,14 @@ FIXTURE_ERRORS = [
     (
         "malicious.pt",
         [],
-        "Error: malicious.pt names globals outside torch's safe set: builtins.exec; if you "
-        "trust the file, admit each with --allow-global NAME (or load it fully with --trust)",
+        "Error: malicious.pt names globals that run code when loaded: builtins.exec; only a "
+        "file you trust can be loaded, with --trust",
+    ),
+    (
+        "malicious.pt",
+        ["--allow-global", "builtins.exec"],
+        "Error: builtins.exec cannot be admitted: a file that needs it runs code when "
+        "loaded; only if you trust the file, load it with --trust",
     ),
     (
         "single.pt",
@@ -171,7 +177,7 @@ def test_refused_fixtures_get_one_line(run, tmp_path, fixture_copy, name, args, 
     fixture_copy(name)
     result = run("convert", name, "out.safetensors", *args)
     assert (result.exit_code, result.stderr.splitlines()) == (
-        1 if "regular" not in line else 2,
+        2 if "regular" in line or "admitted" in line else 1,
         [line],
     )
     assert only_inputs(tmp_path, name)

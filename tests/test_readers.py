@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import FIXTURE_DIR, FIXTURES, ROOT
 
-from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError
+from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError, UsageError
 from ckptkit.formats import detect_format, open_source
 from ckptkit.formats.safetensors import TensorSpec, header_bytes, write_tensors
 from ckptkit.formats.static_unpickler import OpaqueObject, TensorStub, read_pickle
@@ -110,8 +110,12 @@ def test_malicious_pickle_is_refused_and_never_runs(name, tmp_path, monkeypatch)
     with pytest.raises(UnsafeCheckpointError) as err:
         open_source(FIXTURE_DIR / name)
     assert err.value.globals == ("builtins.exec",)
-    # Even admitted, the global is only recorded: reading stays static.
-    with open_source(FIXTURE_DIR / name, allow_globals=["builtins.exec"]) as source:
+    assert str(err.value).endswith("only a file you trust can be loaded, with trust=True")
+    # A name that runs code cannot be admitted at all...
+    with pytest.raises(UsageError, match="builtins.exec cannot be admitted.*trust=True"):
+        open_source(FIXTURE_DIR / name, allow_globals=["builtins.exec"])
+    # ...and read without the safety check (as inspect does), the global is only recorded.
+    with open_source(FIXTURE_DIR / name, check_safety=False) as source:
         assert source.extras["payload"]["__class__"] == "builtins.exec"
         assert len(source.keys()) == 9
     assert not (tmp_path / "ckptkit_pwned").exists()

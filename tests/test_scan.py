@@ -104,7 +104,7 @@ def test_pickle_hidden_in_a_second_zip_member(tmp_path):
 def test_truncated_pickle_is_reported_not_raised():
     data = pickle.dumps({"a": [1, 2, 3]}, protocol=2)[:-6]
     found = scan_pickle(data)
-    assert found.problems and found.verdict() == "unknown"
+    assert "truncated" in found.damaged and found.verdict() == "damaged"
 
 
 def test_safetensors_and_plain_pickles(tmp_path):

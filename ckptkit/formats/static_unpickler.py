@@ -1,28 +1,26 @@
 """Read a checkpoint's pickle statically: its structure and tensor layout, without executing it.
 
-``read_pickle`` runs the stdlib unpickler with a ``find_class`` that never imports anything: the
-globals torch's ``weights_only`` loader allows are replaced by inert stand-ins (tensors become
-``TensorStub`` records of dtype, shape, stride, storage and offset), and every other global
-becomes an ``OpaqueObject`` class that only records the arguments and state it is given. The scan
-lists every global the pickle names, so a caller can refuse a file before any tensor is read.
-Stdlib only: no torch import.
+``read_pickle`` runs the pickle on :mod:`pickle_vm`'s machine with the handlers below: the calls
+torch's ``weights_only`` loader makes (rebuilding tensors, ``OrderedDict``, ``torch.Size``...)
+become pure functions that return fresh inert records (tensors become ``TensorStub`` records of
+dtype, shape, stride, storage and offset), and every other global becomes an ``Opaque`` record of
+the call. The same run lists every global and every suspicious construct, so a caller can refuse
+a file before any tensor is read. Stdlib only: no torch import.
 """
 
 from __future__ import annotations
 
-import _compat_pickle
-import codecs
-import collections
-import io
 import math
-import pickle
 import struct
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptkit.errors import FormatError
 from ckptkit.formats import dtypes
 from ckptkit.formats.dtypes import DTYPES, STORAGE_DTYPES
+from ckptkit.formats.pickle_vm import Global, Opaque, PickleRun, python3_name, run_pickle
+from ckptkit.formats.torch_safe_globals import safe_globals
 
 __all__ = [
     "StorageRef",
@@ -30,9 +28,13 @@ __all__ = [
     "UnsupportedTensor",
     "OpaqueObject",
     "PickleScan",
-    "SAFE_GLOBALS",
+    "TORCH_CALLS",
     "read_pickle",
+    "python3_name",
 ]
+
+#: What a call of a global outside the handled set leaves in the tree.
+OpaqueObject = Opaque
 
 
 @dataclass(frozen=True)
@@ -100,79 +102,23 @@ class UnsupportedTensor:
     kind: str
 
 
-class OpaqueObject:
-    """Stand-in for an instance of a global outside the safe set: records, never runs."""
-
-    global_name = "?"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> OpaqueObject:
-        self = object.__new__(cls)
-        self.args, self.kwargs, self.state, self.items, self.mapping = args, kwargs, None, [], {}
-        return self
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def append(self, item: Any) -> None:
-        self.items.append(item)
-
-    def extend(self, items: Any) -> None:
-        self.items.extend(items)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.mapping[key] = value
-
-    def __repr__(self) -> str:
-        return f"<{self.global_name}>"
-
-    def to_dict(self) -> dict[str, Any]:
-        """What the pickle gave this object, for metadata and display."""
-        out: dict[str, Any] = {"__class__": self.global_name}
-        state = self.state
-        # BUILD's (dict_state, slot_state) form; a plain __dict__ is the common case.
-        if (
-            isinstance(state, tuple)
-            and len(state) == 2
-            and isinstance(state[0], (dict, type(None)))
-        ):
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if isinstance(state, dict):
-            out.update({str(k): v for k, v in state.items()})
-        elif state is not None:
-            out["state"] = state
-        if self.args:
-            out["args"] = list(self.args)
-        if self.items:
-            out["items"] = self.items
-        if self.mapping:
-            out["mapping"] = self.mapping
-        return out
-
-
-@dataclass(frozen=True)
-class _StorageType:
-    dtype: str
-
-
-@dataclass(frozen=True)
-class _DTypeRef:
-    name: str
-
-
-class _Marker:
-    """A torch class the pickle names only as a type tag (Parameter, Tensor)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
+def _dims(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple) or not all(type(v) is int and v >= 0 for v in value):
+        raise ValueError(f"{what} must be a tuple of non-negative integers, not {value!r}")
+    if len(value) > 64:
+        raise ValueError(f"{what} has {len(value)} dimensions")
+    return value
 
 
 def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> TensorStub:
     if not isinstance(storage, StorageRef):
-        raise FormatError("tensor record without a storage")
-    return TensorStub(storage, int(storage_offset), tuple(size), tuple(stride), storage.dtype)
+        raise ValueError("tensor record without a storage")
+    if type(storage_offset) is not int or storage_offset < 0:
+        raise ValueError(f"bad storage offset {storage_offset!r}")
+    shape, strides = _dims(size, "shape"), _dims(stride, "stride")
+    if len(shape) != len(strides):
+        raise ValueError("shape and stride differ in length")
+    return TensorStub(storage, storage_offset, shape, strides, storage.dtype)
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, *_ignored):
@@ -183,9 +129,10 @@ def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=Fals
 
 def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, *_):
     stub = _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad)
-    if not isinstance(dtype, _DTypeRef) or dtype.name not in DTYPES:
-        raise FormatError(f"tensor record with unknown dtype {dtype!r}")
-    stub.dtype = dtype.name
+    name = _torch_name(dtype)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    stub.dtype = name
     return stub
 
 
@@ -196,8 +143,12 @@ def _rebuild_parameter(data, requires_grad=True, *_ignored):
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
-    result = func(*args)
-    if isinstance(new_type, _Marker) and new_type.name == "Parameter":
+    # The one handler that calls another: only ever one of the tensor rebuilders.
+    handler = _REBUILDERS.get(func.name) if isinstance(func, Global) else None
+    if handler is None or not isinstance(args, tuple):
+        raise ValueError(f"_rebuild_from_type_v2 of {func!r}")
+    result = handler(*args)
+    if isinstance(new_type, Global) and new_type.name == "torch.nn.parameter.Parameter":
         result = _rebuild_parameter(result, getattr(result, "requires_grad", True))
     return result
 
@@ -206,102 +157,107 @@ def _unsupported(kind: str):
     return lambda *args, **kwargs: UnsupportedTensor(kind)
 
 
+def _torch_name(value: Any) -> str:
+    """``float32`` for the global ``torch.float32``; '' for anything else."""
+    if isinstance(value, Global) and value.name.startswith("torch."):
+        return value.name[len("torch.") :]
+    return ""
+
+
 def _device(kind: Any, index: Any = None) -> str:
-    return f"{kind}:{index}" if index is not None else str(kind)
+    if not isinstance(kind, str) or not (index is None or type(index) is int):
+        raise ValueError(f"device {kind!r}")
+    return f"{kind}:{index}" if index is not None else kind
 
 
 def _latin1_encode(text: Any, encoding: str = "utf-8") -> bytes:
     # Protocol-2 pickles store bytes as _codecs.encode(text, "latin1"); no other codec is run.
-    if not isinstance(text, str) or codecs.lookup(encoding).name != "iso8859-1":
-        raise FormatError(f"pickle calls _codecs.encode with codec {encoding!r}")
+    if not isinstance(text, str) or encoding.lower().replace("-", "") not in ("latin1", "latin_1"):
+        raise ValueError(f"_codecs.encode with codec {encoding!r}")
     return text.encode("latin1")
 
 
-_TORCH_UTILS = {
-    "_rebuild_tensor": _rebuild_tensor,
-    "_rebuild_tensor_v2": _rebuild_tensor_v2,
-    "_rebuild_tensor_v3": _rebuild_tensor_v3,
-    "_rebuild_parameter": _rebuild_parameter,
-    "_rebuild_parameter_with_state": _rebuild_parameter,
-    "_rebuild_sparse_tensor": _unsupported("sparse"),
-    "_rebuild_qtensor": _unsupported("quantized"),
-    "_rebuild_meta_tensor_no_storage": _unsupported("meta"),
-    "_rebuild_nested_tensor": _unsupported("nested"),
-    "_rebuild_wrapper_subclass": _unsupported("tensor subclass"),
-    "_rebuild_device_tensor_from_numpy": _unsupported("device tensor from numpy"),
-    "_rebuild_device_tensor_from_cpu_tensor": _unsupported("device tensor"),
+def _bytearray(value: Any = b"") -> bytearray:
+    if not isinstance(value, (bytes, bytearray)):  # bytearray(10**12) would allocate it
+        raise ValueError("bytearray of anything but bytes")
+    return bytearray(value)
+
+
+def _container(kind: type):
+    def make(items: Any = ()) -> Any:
+        if not isinstance(items, (list, tuple, set, frozenset, dict)):
+            raise ValueError(f"{kind.__name__} of a {type(items).__name__}")
+        return kind(items)
+
+    return make
+
+
+def _complex(real: Any = 0, imag: Any = 0) -> complex:
+    if not all(isinstance(v, (int, float)) for v in (real, imag)):
+        raise ValueError("complex of non-numbers")
+    return complex(real, imag)
+
+
+_REBUILDERS = {
+    "torch._utils._rebuild_tensor": _rebuild_tensor,
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._utils._rebuild_sparse_tensor": _unsupported("sparse"),
+    "torch._utils._rebuild_qtensor": _unsupported("quantized"),
+    "torch._utils._rebuild_meta_tensor_no_storage": _unsupported("meta"),
+    "torch._utils._rebuild_nested_tensor": _unsupported("nested"),
+    "torch._utils._rebuild_wrapper_subclass": _unsupported("tensor subclass"),
+    "torch._utils._rebuild_device_tensor_from_numpy": _unsupported("device tensor from numpy"),
+    "torch._utils._rebuild_device_tensor_from_cpu_tensor": _unsupported("device tensor"),
 }
 
-_QSCHEMES = {
-    "per_tensor_affine",
-    "per_channel_affine",
-    "per_tensor_symmetric",
-    "per_channel_symmetric",
-    "per_channel_affine_float_qparams",
+#: The calls of torch's safe set that mean something for the weights, as pure functions of their
+#: arguments. The pickle never holds these functions: it names globals, and the machine calls
+#: the handler with fresh values each time, so nothing it does can change them.
+TORCH_CALLS = {
+    **_REBUILDERS,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "collections.OrderedDict": _container(OrderedDict),
+    "collections.Counter": _container(Counter),
+    "builtins.set": _container(set),
+    "builtins.bytearray": _bytearray,
+    "builtins.complex": _complex,
+    "_codecs.encode": _latin1_encode,
+    "torch.Size": _container(tuple),
+    "torch.device": _device,
+    "torch.serialization._get_layout": lambda name: str(name),
 }
 
-
-def _safe_table() -> dict[str, Any]:
-    table: dict[str, Any] = {
-        "collections.OrderedDict": collections.OrderedDict,
-        "collections.Counter": collections.Counter,
-        "builtins.set": set,
-        "builtins.frozenset": frozenset,
-        "builtins.bytearray": bytearray,
-        "builtins.complex": complex,
-        "_codecs.encode": _latin1_encode,
-        "torch.Size": tuple,
-        "torch.device": _device,
-        "torch.Tensor": _Marker("Tensor"),
-        "torch.nn.parameter.Parameter": _Marker("Parameter"),
-        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
-        "torch.serialization._get_layout": str,
-        "torch.storage.TypedStorage": _StorageType("uint8"),
-    }
-    table.update({f"torch._utils.{name}": fn for name, fn in _TORCH_UTILS.items()})
-    for cls, dt in STORAGE_DTYPES.items():
-        module = "torch.storage" if cls == "UntypedStorage" else "torch"
-        table[f"{module}.{cls}"] = _StorageType(dt)
-        if cls != "UntypedStorage":
-            table[f"torch.cuda.{cls}"] = _StorageType(dt)
-    for name in (
-        "QInt8Storage",
-        "QUInt8Storage",
-        "QInt32Storage",
-        "QUInt4x2Storage",
-        "QUInt2x4Storage",
-    ):
-        table[f"torch.{name}"] = _StorageType("uint8")
-    table.update({f"torch.{name}": _DTypeRef(name) for name in DTYPES})
-    for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4"):
-        table[f"torch.{name}"] = _DTypeRef(name)
-    table.update({f"torch.{q}": q for q in _QSCHEMES})
-    return table
+_QUANTIZED_STORAGES = ("QInt8Storage", "QUInt8Storage", "QInt32Storage", "QUInt4x2Storage",
+                       "QUInt2x4Storage", "TypedStorage", "UntypedStorage")  # fmt: skip
 
 
-_SAFE = _safe_table()
+def storage_dtype(storage_type: Any) -> str | None:
+    """The dtype a storage-type global holds (``torch.FloatStorage`` -> ``float32``)."""
+    if not isinstance(storage_type, Global):
+        return None
+    cls = storage_type.name.rsplit(".", 1)[-1]
+    prefix = storage_type.name[: -len(cls)]
+    if prefix not in ("torch.", "torch.cuda.", "torch.storage."):
+        return None
+    if cls in _QUANTIZED_STORAGES:
+        return "uint8"
+    return STORAGE_DTYPES.get(cls)
+
 
 # NumPy scalars (a `best_acc` saved as np.float64) are outside the safe set and refused unless
 # admitted; once admitted, their value is decoded from the pickled bytes, never by numpy.
 _NUMPY_FORMATS = {
-    "f8": "d",
-    "f4": "f",
-    "f2": "e",
-    "i8": "q",
-    "i4": "i",
-    "i2": "h",
-    "i1": "b",
-    "u8": "Q",
-    "u4": "I",
-    "u2": "H",
-    "u1": "B",
-    "b1": "?",
-}
+    "f8": "d", "f4": "f", "f2": "e", "i8": "q", "i4": "i", "i2": "h", "i1": "b", "u8": "Q",
+    "u4": "I", "u2": "H", "u1": "B", "b1": "?",
+}  # fmt: skip
 
 
 def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
-    code = dtype.args[0] if isinstance(dtype, OpaqueObject) and dtype.args else None
-    state = dtype.state if isinstance(dtype, OpaqueObject) else None
+    code = dtype.args[0] if isinstance(dtype, Opaque) and dtype.args else None
+    state = dtype.state if isinstance(dtype, Opaque) else None
     order = ">" if isinstance(state, tuple) and len(state) > 1 and state[1] == ">" else "<"
     fmt = _NUMPY_FORMATS.get(code) if isinstance(code, str) else None
     if fmt and isinstance(data, bytes) and len(data) == struct.calcsize(order + fmt):
@@ -309,14 +265,11 @@ def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
     return f"<numpy scalar {code}>"
 
 
-_DECODERS = {
+#: Globals outside the safe set whose value ckptkit decodes statically once they are admitted.
+DECODERS = {
     "numpy.core.multiarray.scalar": _numpy_scalar,
     "numpy._core.multiarray.scalar": _numpy_scalar,
 }
-
-#: Globals a checkpoint may name without being refused: the part of torch's ``weights_only``
-#: allow-list that plain checkpoints use.
-SAFE_GLOBALS: frozenset[str] = frozenset(_SAFE)
 
 
 @dataclass
@@ -324,84 +277,73 @@ class PickleScan:
     """The result of reading one pickle statically."""
 
     root: Any
-    globals: list[str] = field(default_factory=list)
+    run: PickleRun
     storages: dict[str, StorageRef] = field(default_factory=dict)
+    safe: frozenset[str] = frozenset()
+
+    @property
+    def damaged(self) -> str | None:
+        return self.run.damaged
+
+    @property
+    def globals(self) -> list[str]:
+        """Every global the pickle names, in the order it first names them."""
+        return list(self.run.globals)
 
     @property
     def unsafe_globals(self) -> list[str]:
-        """Globals outside :data:`SAFE_GLOBALS`, in the order the pickle names them."""
-        return [g for g in self.globals if g not in SAFE_GLOBALS]
+        """Globals outside torch's safe set, in the order the pickle names them."""
+        return [g for g in self.run.globals if g not in self.safe]
 
 
-def python3_name(module: str, name: str) -> str:
-    """``module.name`` as Python 3 knows it: protocol 0-2 pickles may say ``__builtin__.exec``."""
-    if (module, name) in _compat_pickle.NAME_MAPPING:
-        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
+class _StorageLoader:
+    """Interprets torch's persistent ids (``("storage", type, key, location, numel)``)."""
 
+    def __init__(self, legacy: bool) -> None:
+        self.legacy = legacy
+        self.storages: dict[str, StorageRef] = {}
 
-class _StaticUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any, scan: PickleScan, legacy: bool) -> None:
-        super().__init__(file, encoding="latin1")
-        self._scan = scan
-        self._legacy = legacy
-        self._opaque: dict[str, type] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        full = python3_name(module, name)
-        if full not in self._scan.globals:
-            self._scan.globals.append(full)
-        if full in _SAFE:
-            return _SAFE[full]
-        if full in _DECODERS:
-            return _DECODERS[full]
-        if full not in self._opaque:
-            attrs = {"global_name": full, "__module__": "ckptkit.opaque", "__qualname__": name}
-            self._opaque[full] = type(name, (OpaqueObject,), attrs)
-        return self._opaque[full]
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and pid and pid[0] == "storage" and len(pid) >= 5):
-            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+    def __call__(self, pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise ValueError(f"unknown persistent id {pid!r}")
         storage_type, key, location, numel = pid[1:5]
-        if self._legacy and len(pid) > 5 and pid[5] is not None:
-            raise FormatError("legacy storage views (torch < 0.4) are not supported")
-        if not isinstance(storage_type, _StorageType):
-            raise pickle.UnpicklingError(f"storage of unknown type {storage_type!r}")
-        ref = StorageRef(str(key), storage_type.dtype, int(numel), str(location))
-        return self._scan.storages.setdefault(ref.key, ref)
+        if self.legacy and len(pid) > 5 and pid[5] is not None:
+            raise ValueError("legacy storage views (torch < 0.4) are not supported")
+        dtype = storage_dtype(storage_type)
+        if dtype is None:
+            raise ValueError(f"storage of unknown type {storage_type!r}")
+        if type(numel) is not int or numel < 0 or not isinstance(key, (str, int)):
+            raise ValueError(f"storage record {pid[2:5]!r}")
+        ref = StorageRef(str(key), dtype, numel, str(location))
+        known = self.storages.setdefault(ref.key, ref)
+        if known != ref:
+            raise ValueError(f"storage '{ref.key}' described twice, differently")
+        return known
 
 
-def read_pickle(data: bytes | io.BufferedIOBase, *, legacy: bool = False) -> PickleScan:
+def read_pickle(
+    data: bytes | memoryview,
+    start: int = 0,
+    *,
+    legacy: bool = False,
+    allow_globals: Iterable[str] = (),
+) -> PickleScan:
     """Read one pickle statically.
 
     Args:
-        data: the pickle's bytes, or a binary file positioned at its start (it is left just
-            past the pickle's STOP, so successive pickles can be read).
+        data: the bytes holding the pickle (a memory map is fine).
+        start: where the pickle begins; the scan's ``run.end`` says where it ended.
         legacy: storage records use the legacy (non-zip) form.
+        allow_globals: names admitted beyond torch's safe set; their values are decoded where
+            ckptkit knows how (NumPy scalars), else recorded, never imported.
 
     Returns:
-        The object tree with tensors as :class:`TensorStub`, the globals named, the storages.
-
-    Raises:
-        FormatError: the pickle is damaged or has records ckptkit does not understand.
+        The object tree with tensors as :class:`TensorStub`, the run's findings (``run.damaged``
+        says when it could not be read to its end), the storages.
     """
-    stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    scan = PickleScan(root=None)
-    try:
-        scan.root = _StaticUnpickler(stream, scan, legacy).load()
-    except FormatError:
-        raise
-    except (
-        pickle.UnpicklingError,
-        EOFError,
-        ValueError,
-        TypeError,
-        IndexError,
-        KeyError,
-        AttributeError,
-        UnicodeDecodeError,
-        RecursionError,
-    ) as exc:
-        raise FormatError(f"damaged pickle ({type(exc).__name__}: {exc})") from None
-    return scan
+    allowed = set(allow_globals)
+    calls = dict(TORCH_CALLS)
+    calls.update({name: fn for name, fn in DECODERS.items() if name in allowed})
+    loader = _StorageLoader(legacy)
+    run = run_pickle(data, start, calls=calls, persistent_load=loader)
+    return PickleScan(run.root, run, loader.storages, safe_globals())

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, UnsafeCheckpointError
+from ckptkit.formats.detect import LEGACY_MAGIC, Reading, readings
 from ckptkit.formats.dtypes import DTYPES, STORAGE_DTYPES
+from ckptkit.formats.pickle_scan import check_allowed, is_dangerous
 from ckptkit.formats.safetensors import TensorSpec
 from ckptkit.formats.source import Source, TensorInfo
 from ckptkit.formats.static_unpickler import (
@@ -27,9 +29,9 @@ from ckptkit.formats.static_unpickler import (
     StorageRef,
     TensorStub,
     UnsupportedTensor,
-    read_pickle,
 )
 from ckptkit.formats.tensors import dtype_name, from_buffer, torch_dtype
+from ckptkit.formats.torch_safe_globals import safe_globals
 from ckptkit.formats.tree import select_state_dict
 
 if TYPE_CHECKING:
@@ -43,24 +45,34 @@ __all__ = [
     "LEGACY_MAGIC",
 ]
 
-LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LOCAL_HEADER = struct.Struct("<4s22sHH")  # signature, fixed fields, name length, extra length
 
 
 class _ZipLayout:
     """Where each storage's bytes sit inside a torch zip file."""
 
-    def __init__(self, path: Path, zf: zipfile.ZipFile, raw: Any) -> None:
-        names = zf.namelist()
+    def __init__(self, path: Path, raw: Any) -> None:
+        self.path, self.raw = path, raw
+        try:
+            self.zf = zipfile.ZipFile(raw)
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+            raise FormatError(f"{path} is a damaged zip file ({exc})", "copy it again") from None
+        names = self.zf.namelist()
         pkl = next((n for n in names if n == "data.pkl" or n.endswith("/data.pkl")), None)
         if pkl is None:
             raise FormatError(f"{path} is a zip archive but not a PyTorch checkpoint (no data.pkl)")
+        self.pickle_name = pkl
         self.prefix = pkl[: -len("data.pkl")]
         byteorder = self.prefix + "byteorder"
-        if byteorder in names and zf.read(byteorder).strip() not in (b"little", b""):
+        if byteorder in names and self._read(byteorder).strip() not in (b"little", b""):
             raise FormatError(f"{path} was saved on a big-endian machine", "convert it there")
-        self.path, self.zf, self.raw = path, zf, raw
-        self.pickle = zf.read(pkl)
+
+    def _read(self, name: str) -> bytes:
+        try:
+            with self.zf.open(name) as member:
+                return member.read(1 << 20)
+        except Exception as exc:  # zlib, CRC and header errors alike: the archive is damaged
+            raise _zip_damage(self.path, name, exc) from None
 
     def _info(self, ref: StorageRef) -> zipfile.ZipInfo:
         try:
@@ -76,6 +88,8 @@ class _ZipLayout:
         info = self._info(ref)
         if info.compress_type != zipfile.ZIP_STORED:  # torch never compresses; other tools might
             return None
+        if not 0 <= info.header_offset <= self.size - _LOCAL_HEADER.size:
+            raise FormatError(f"{self.path} is damaged: storage '{ref.key}' lies past the end")
         self.raw.seek(info.header_offset)
         sig, _, name_len, extra_len = _LOCAL_HEADER.unpack(self.raw.read(_LOCAL_HEADER.size))
         if sig != b"PK\x03\x04":
@@ -92,7 +106,13 @@ class _ZipLayout:
     def storage(self, ref: StorageRef) -> torch.Tensor:
         offset = self.data_offset(ref)
         if offset is None:
-            return from_buffer(bytearray(self.zf.read(self._info(ref))), 0, ref.nbytes, ref.dtype)
+            info = self._info(ref)
+            try:
+                with self.zf.open(info) as member:
+                    data = bytearray(member.read(ref.nbytes))
+            except Exception as exc:
+                raise _zip_damage(self.path, info.filename, exc) from None
+            return from_buffer(data, 0, ref.nbytes, ref.dtype)
         return self.map(offset, ref)
 
     def map(self, offset: int, ref: StorageRef) -> torch.Tensor:
@@ -108,51 +128,48 @@ class _ZipLayout:
         return self._mm
 
 
+def _zip_damage(path: Path, name: str, exc: Exception) -> FormatError:
+    return FormatError(
+        f"{path} is damaged: zip member '{name}' cannot be read ({type(exc).__name__}: {exc})",
+        "copy or download it again",
+    )
+
+
 class _LegacyLayout(_ZipLayout):
     """The legacy format: magic, protocol and system-info pickles, the main pickle, the list of
     storage keys, then each storage as an int64 element count followed by its bytes."""
 
-    def __init__(self, path: Path, raw: Any) -> None:
+    def __init__(self, path: Path, raw: Any, reading: Reading) -> None:
         self.path, self.raw = path, raw
-        raw.seek(0)
-        try:
-            magic = read_pickle(raw).root
-            read_pickle(raw)  # protocol version
-            sys_info = read_pickle(raw).root
-        except FormatError:
-            magic, sys_info = None, {}
-        if magic != LEGACY_MAGIC:
+        pickles = reading.pickles
+        if reading.kind != "torch-legacy" or len(pickles) < 5:
             raise FormatError(
                 f"{path} is a plain pickle, not a PyTorch checkpoint",
                 "ckptkit reads files written by torch.save or safetensors",
             )
+        sys_info = pickles[2].scan.root
         if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
             raise FormatError(f"{path} was saved on a big-endian machine", "convert it there")
-        self.main_offset = raw.tell()
-
-    def read(self) -> PickleScan:
-        self.raw.seek(self.main_offset)
-        scan = read_pickle(self.raw, legacy=True)
-        keys = read_pickle(self.raw).root
+        self.main = pickles[3].scan
+        keys = pickles[4].scan.root
         if not isinstance(keys, list):
-            raise FormatError(f"{self.path} is damaged: no storage list after the pickle")
+            raise FormatError(f"{path} is damaged: no storage list after the pickle")
         self.offsets: dict[str, int] = {}
-        pos = self.raw.tell()
-        size = self.raw.seek(0, io.SEEK_END)
+        pos = pickles[4].run.end
+        size = raw.seek(0, io.SEEK_END)
         for key in keys:
-            ref = scan.storages.get(str(key))
-            self.raw.seek(pos)
-            head = self.raw.read(8)
+            ref = self.main.storages.get(str(key))
+            raw.seek(pos)
+            head = raw.read(8)
             if ref is None or len(head) < 8:
-                raise FormatError(f"{self.path} is truncated", "copy or download it again")
+                raise FormatError(f"{path} is truncated", "copy or download it again")
             (numel,) = struct.unpack("<q", head)
             if numel != ref.numel:
-                raise FormatError(f"{self.path} is damaged: storage '{key}' has the wrong size")
+                raise FormatError(f"{path} is damaged: storage '{key}' has the wrong size")
             self.offsets[ref.key] = pos + 8
             pos += 8 + ref.nbytes
         if pos > size:
-            raise FormatError(f"{self.path} is truncated", "copy or download it again")
-        return scan
+            raise FormatError(f"{path} is truncated", "copy or download it again")
 
     def data_offset(self, ref: StorageRef) -> int | None:
         return self.offsets[ref.key]
@@ -169,46 +186,86 @@ def _stub_nbytes(value: Any) -> int:
     return value.nbytes if isinstance(value, TensorStub) else 0
 
 
-def scan_torch_file(path: Path) -> tuple[PickleScan, _ZipLayout, Any]:
-    """Open a torch file and read its pickle statically. Returns (scan, layout, open file)."""
+def checked_reading(
+    path: Path, allowed: Iterable[str] = (), *, check_safety: bool = True
+) -> tuple[Reading, list[Reading]]:
+    """The reading ``torch.load`` makes of a torch file, refused unless every reading of the
+    file is safe (globals admitted by ``allowed`` aside), unambiguous and whole. Returns it and
+    all the readings. ``check_safety=False`` skips the safety refusals (the reading is static
+    either way), not the damage check.
+
+    Raises:
+        UnsafeCheckpointError: a global outside the safe set, a construct no benign pickler
+            writes, or a polyglot.
+        FormatError: a damaged file.
+    """
+    found = readings(path, allow_globals=allowed)
+    if not found:
+        raise FormatError(f"{path} is not a recognised checkpoint")
+    safe = safe_globals() | set(allowed)
+    unsafe: dict[str, None] = {}
+    problems: list[str] = []
+    if len(found) > 1:
+        problems.append("loaders disagree on what it is (a polyglot)")
+    for reading in found:
+        for findings in reading.pickles:
+            unsafe.update(dict.fromkeys(g for g in findings.globals if g not in safe))
+            problems.extend(f"{p} in {findings.label}" for p in findings.problems)
+    if unsafe and check_safety:
+        raise _unsafe_error(path, list(unsafe))
+    if problems and check_safety:
+        raise UnsafeCheckpointError(
+            f"{path} is unsafe: {problems[0]}",
+            "see 'ckptkit scan'; only a file you trust can be loaded, with --trust",
+            api_hint="see ckptkit.scan(); only a file you trust can be loaded, with trust=True",
+        )
+    reading = found[0]
+    damage = reading.damaged or next((p.damaged for p in reading.pickles if p.damaged), None)
+    if damage:
+        raise FormatError(f"{path} is damaged ({damage})", "copy or download it again")
+    return reading, found
+
+
+def scan_torch_file(
+    path: Path, allowed: Iterable[str] = (), *, check_safety: bool = True
+) -> tuple[PickleScan, _ZipLayout, Any, list[Reading]]:
+    """Check a torch file and read its pickle statically.
+
+    Returns:
+        The main pickle's scan, the storage layout, the open file, and every reading.
+    """
+    reading, found = checked_reading(path, allowed, check_safety=check_safety)
     raw = open(path, "rb")  # noqa: SIM115 - owned by the Source, closed in close()
     try:
-        if zipfile.is_zipfile(raw):
-            raw.seek(0)
-            layout: _ZipLayout = _ZipLayout(path, zipfile.ZipFile(raw), raw)
-            scan = read_pickle(layout.pickle)
+        if reading.kind == "torch-zip":
+            layout: _ZipLayout = _ZipLayout(path, raw)
+            main = next(p for p in reading.pickles if p.label == layout.pickle_name)
+            scan = main.scan
         else:
-            layout = _LegacyLayout(path, raw)
-            scan = layout.read()
-    except zipfile.BadZipFile as exc:
-        raw.close()
-        raise FormatError(
-            f"{path} is a damaged zip file ({exc})", "copy or download it again"
-        ) from None
+            layout = _LegacyLayout(path, raw, reading)
+            scan = layout.main
     except BaseException:
         raw.close()
         raise
-    return scan, layout, raw
-
-
-def _refuse_if_unsafe(path: Path, allowed: set[str]) -> None:
-    from ckptkit.formats import pickles_in
-    from ckptkit.formats.pickle_scan import SAFE, classify, scan_pickle
-
-    names: dict[str, None] = {}
-    for label, data in pickles_in(path)[1]:
-        names.update(dict.fromkeys(scan_pickle(data, label).globals))
-    unsafe = [g for g in names if classify(g) != SAFE and g not in allowed]
-    if unsafe:
-        raise _unsafe_error(path, unsafe)
+    return scan, layout, raw, found
 
 
 def _unsafe_error(path: Path, unsafe: list[str]) -> UnsafeCheckpointError:
+    dangerous = [g for g in unsafe if is_dangerous(g)]
+    if dangerous:
+        return UnsafeCheckpointError(
+            f"{path} names globals that run code when loaded: {', '.join(unsafe)}",
+            "only a file you trust can be loaded, with --trust",
+            globals_=tuple(unsafe),
+            api_hint="only a file you trust can be loaded, with trust=True",
+        )
     return UnsafeCheckpointError(
         f"{path} names globals outside torch's safe set: {', '.join(unsafe)}",
         "if you trust the file, admit each with --allow-global NAME "
         "(or load it fully with --trust)",
         globals_=tuple(unsafe),
+        api_hint="if you trust the file, admit each with allow_globals=[NAME, ...] "
+        "(or load it fully with trust=True)",
     )
 
 
@@ -216,19 +273,17 @@ class TorchFileSource(Source):
     """A torch zip or legacy file read statically; tensors are views of a memory map."""
 
     def __init__(
-        self, path: Path, *, select: str | None = None, allow_globals: Iterable[str] = ()
+        self,
+        path: Path,
+        *,
+        select: str | None = None,
+        allow_globals: Iterable[str] = (),
+        check_safety: bool = True,
     ) -> None:
-        allowed = set(allow_globals)
-        try:
-            scan, self._layout, self._raw = scan_torch_file(path)
-        except FormatError:
-            # A pickle the static reader cannot follow may still be a hostile one: say so.
-            _refuse_if_unsafe(path, allowed)
-            raise
-        unsafe = [g for g in scan.unsafe_globals if g not in allowed]
-        if unsafe:
-            self._raw.close()
-            raise _unsafe_error(path, unsafe)
+        allowed = check_allowed(allow_globals)
+        scan, self._layout, self._raw, self.readings = scan_torch_file(
+            path, allowed, check_safety=check_safety
+        )
         fmt = "torch-legacy" if isinstance(self._layout, _LegacyLayout) else "torch-zip"
         super().__init__(path=path, format=fmt, globals=list(scan.globals))
         self.scan = scan
@@ -308,7 +363,7 @@ class TrustedTorchSource(Source):
     def __init__(self, path: Path, *, select: str | None = None) -> None:
         import torch
 
-        scan, layout, raw = scan_torch_file(path)
+        scan, layout, raw, _ = scan_torch_file(path, check_safety=False)
         raw.close()
         is_zip = not isinstance(layout, _LegacyLayout)
         try:

@@ -1,0 +1,763 @@
+"""One static reading of a pickle: the object tree it describes and everything it would import or
+call, without importing or calling anything.
+
+The machine runs every opcode of protocols 0 to 5 the way CPython's C unpickler (what
+``pickle.load`` and ``torch.load(weights_only=False)`` use) would, but a global is only a
+:class:`Global` record and a call is only interpreted through a caller-given table of pure
+handlers (``calls``) or recorded as an :class:`Opaque` object. Nothing a pickle names can reach a
+module-level object, so nothing one file does survives into the next.
+
+Both the safety scan and the readers use this one parse, so the verdict and the data read can
+never disagree. Bounded: the memo is a dict (a huge memo index costs nothing), the objects built
+are budgeted (a pickle bomb stops with :class:`PickleDamaged`), and nothing here recurses.
+Stdlib only.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import codecs
+import struct
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Global",
+    "Opaque",
+    "PickleDamaged",
+    "PickleRun",
+    "run_pickle",
+    "python3_name",
+    "MAX_OBJECT_BYTES",
+]
+
+#: What the objects a pickle builds may cost, estimated, before it counts as a bomb.
+MAX_OBJECT_BYTES = 128 * 1024 * 1024
+_HIGHEST_PROTOCOL = 5
+
+
+class PickleDamaged(Exception):
+    """The pickle cannot be read to its STOP: what is wrong and at which byte."""
+
+    def __init__(self, reason: str, pos: int) -> None:
+        super().__init__(f"{reason} at byte {pos}")
+        self.reason, self.pos = reason, pos
+
+
+class Global:
+    """A global the pickle names: only its dotted name, immutable."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        object.__setattr__(self, "name", name)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError("Global is immutable")
+
+    def __repr__(self) -> str:
+        return f"<global {self.name}>"
+
+
+class Opaque:
+    """What calling a global outside the handled set would have made: a record of the call."""
+
+    def __init__(self, global_name: str, args: tuple[Any, ...] = (), kwargs: Any = None) -> None:
+        self.global_name = global_name
+        self.args, self.kwargs = args, kwargs or {}
+        self.state: Any = None
+        self.items: list[Any] = []
+        self.mapping: dict[Any, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"<{self.global_name}>"
+
+    def to_dict(self) -> dict[str, Any]:
+        """What the pickle gave this object, for metadata and display."""
+        out: dict[str, Any] = {"__class__": self.global_name}
+        state = self.state
+        # BUILD's (dict_state, slot_state) form; a plain __dict__ is the common case.
+        if (
+            isinstance(state, tuple)
+            and len(state) == 2
+            and isinstance(state[0], (dict, type(None)))
+        ):
+            state = {**(state[0] or {}), **(state[1] if isinstance(state[1], dict) else {})}
+        if isinstance(state, dict):
+            out.update({str(k): v for k, v in state.items()})
+        elif state is not None:
+            out["state"] = state
+        if self.args:
+            out["args"] = list(self.args)
+        if self.items:
+            out["items"] = self.items
+        if self.mapping:
+            out["mapping"] = self.mapping
+        return out
+
+
+@dataclass
+class PickleRun:
+    """What one pickle describes and would do.
+
+    ``globals`` and ``calls`` count names (calls: every call of a global outside ``handled``);
+    ``problems`` are findings a benign pickler never produces (a computed global, a call of a
+    value made at load time, a BUILD on a class, frames that disagree with the opcodes). When the
+    pickle is damaged, ``damaged`` says why and everything before the damage is still recorded:
+    a real unpickler runs those opcodes before it fails.
+    """
+
+    root: Any = None
+    globals: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    damaged: str | None = None
+    opcodes: int = 0
+    protocol: int = 0
+    end: int = 0
+
+    def problem(self, text: str) -> None:
+        if text not in self.problems:
+            self.problems.append(text)
+
+
+def python3_name(module: str, name: str) -> str:
+    """``module.name`` as Python 3 knows it: protocol 0-2 pickles may say ``__builtin__.exec``."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
+
+
+_MARK = object()
+Handler = Callable[..., Any]
+
+
+class _Machine:
+    def __init__(
+        self,
+        data: bytes | memoryview,
+        pos: int,
+        calls: Mapping[str, Handler],
+        persistent_load: Callable[[Any], Any] | None,
+        budget: int,
+    ) -> None:
+        self.data, self.pos, self.size = data, pos, len(data)
+        self.calls, self.persistent_load = calls, persistent_load
+        self.budget = budget
+        self.run = PickleRun()
+        self.stack: list[Any] = []
+        self.marks: list[int] = []
+        self.memo: dict[int, Any] = {}
+        self.frame_end = -1
+
+    # -- reading --------------------------------------------------------------------------
+    def fail(self, reason: str) -> PickleDamaged:
+        return PickleDamaged(reason, self.pos)
+
+    def read(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > self.size:
+            raise self.fail("pickle data was truncated")
+        start = self.pos
+        self.pos += n
+        if self.frame_end >= 0 and start < self.frame_end < self.pos:
+            self.run.problem("frame boundaries disagree with the opcodes (pickle readers differ)")
+        return bytes(self.data[start : self.pos])
+
+    def readline(self) -> bytes:
+        end = bytes(self.data[self.pos : self.pos + 65536]).find(b"\n")
+        if end < 0:
+            if self.pos + 65536 < self.size:
+                raise self.fail("text argument longer than 64 KiB")
+            raise self.fail("pickle data was truncated")
+        return self.read(end + 1)[:-1]
+
+    def cost(self, nbytes: int) -> None:
+        self.budget -= nbytes
+        if self.budget < 0:
+            raise self.fail(
+                f"the objects it builds exceed {MAX_OBJECT_BYTES >> 20} MiB (a pickle bomb?)"
+            )
+
+    # -- the stack ------------------------------------------------------------------------
+    def push(self, value: Any, nbytes: int = 32) -> None:
+        self.cost(nbytes)
+        self.stack.append(value)
+
+    def pop(self) -> Any:
+        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
+            raise self.fail("unpickling stack underflow")
+        return self.stack.pop()
+
+    def top(self) -> Any:
+        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
+            raise self.fail("unpickling stack underflow")
+        return self.stack[-1]
+
+    def pop_mark(self) -> list[Any]:
+        if not self.marks:
+            raise self.fail("could not find MARK")
+        start = self.marks.pop()
+        items = self.stack[start:]
+        del self.stack[start:]
+        return items
+
+    # -- globals and calls ----------------------------------------------------------------
+    def name_global(self, module: str, name: str) -> Global:
+        full = python3_name(module, name) if self.run.protocol < 3 else f"{module}.{name}"
+        self.run.globals[full] = self.run.globals.get(full, 0) + 1
+        return Global(full)
+
+    def call(self, target: Any, args: tuple[Any, ...], kwargs: Any = None) -> Any:
+        if not isinstance(target, Global):
+            self.run.problem("call of a value made at load time (not a named global)")
+            return Opaque("<computed>", args, kwargs)
+        handler = self.calls.get(target.name)
+        if handler is None:
+            self.run.calls[target.name] = self.run.calls.get(target.name, 0) + 1
+            return Opaque(target.name, args, kwargs)
+        try:
+            return handler(*args, **(kwargs or {}))
+        except PickleDamaged:
+            raise
+        except Exception as exc:  # a handler refusing its arguments: the pickle is malformed
+            raise self.fail(f"{target.name} with bad arguments ({exc})") from None
+
+    def build(self, inst: Any, state: Any) -> None:
+        if isinstance(inst, Opaque):
+            inst.state = state
+        elif isinstance(inst, Global):
+            # Real unpicklers would set attributes on the class or function itself.
+            self.run.problem(f"BUILD on {inst.name} itself (it would change the global)")
+        elif type(inst) in (dict, OrderedDict) and isinstance(state, dict):
+            pass  # an OrderedDict's _metadata: kept by torch, irrelevant to the weights
+        elif hasattr(inst, "__pickle_build__"):
+            inst.__pickle_build__(state)
+        else:
+            raise self.fail(f"BUILD on a {type(inst).__name__}")
+
+    # -- the loop -------------------------------------------------------------------------
+    def execute(self) -> Any:
+        ops = _OPS
+        run = self.run
+        while True:
+            if self.pos >= self.size:
+                raise self.fail("pickle exhausted before seeing STOP")
+            code = self.data[self.pos]
+            if self.frame_end >= 0 and self.pos == self.frame_end:
+                self.frame_end = -1
+            self.pos += 1
+            op = ops.get(code)
+            if op is None:
+                raise self.fail(f"invalid opcode {code:#04x}")
+            run.opcodes += 1
+            if op is _stop:
+                value = self.pop()
+                run.end = self.pos
+                return value
+            op(self)
+
+
+def _int_of(text: bytes, m: _Machine) -> int:
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise m.fail("bad integer literal") from None
+
+
+# Each opcode as a function of the machine. Names follow pickletools.
+def _stop(m: _Machine) -> None:  # handled in the loop
+    pass
+
+
+def _mark(m: _Machine) -> None:
+    m.marks.append(len(m.stack))
+
+
+def _pop(m: _Machine) -> None:
+    if len(m.stack) > (m.marks[-1] if m.marks else 0):
+        m.stack.pop()
+    else:
+        m.pop_mark()
+
+
+def _pop_mark(m: _Machine) -> None:
+    m.pop_mark()
+
+
+def _dup(m: _Machine) -> None:
+    m.push(m.top(), 8)
+
+
+def _proto(m: _Machine) -> None:
+    proto = m.read(1)[0]
+    if proto > _HIGHEST_PROTOCOL:
+        raise m.fail(f"unsupported pickle protocol {proto}")
+    m.run.protocol = proto
+
+
+def _frame(m: _Machine) -> None:
+    (length,) = struct.unpack("<Q", m.read(8))
+    if m.frame_end >= 0 and m.pos < m.frame_end:
+        m.run.problem("a frame starts inside another (pickle readers differ)")
+    if length > m.size - m.pos:
+        raise m.fail("pickle data was truncated (frame longer than the data)")
+    m.frame_end = m.pos + length
+
+
+def _int(m: _Machine) -> None:
+    text = m.readline()
+    if text == b"00":
+        m.push(False)
+    elif text == b"01":
+        m.push(True)
+    else:
+        m.push(_int_of(text, m))
+
+
+def _long(m: _Machine) -> None:
+    text = m.readline()
+    m.push(_int_of(text[:-1] if text.endswith(b"L") else text, m))
+
+
+def _binint(m: _Machine) -> None:
+    m.push(struct.unpack("<i", m.read(4))[0])
+
+
+def _binint1(m: _Machine) -> None:
+    m.push(m.read(1)[0])
+
+
+def _binint2(m: _Machine) -> None:
+    m.push(struct.unpack("<H", m.read(2))[0])
+
+
+def _long1(m: _Machine) -> None:
+    n = m.read(1)[0]
+    m.push(int.from_bytes(m.read(n), "little", signed=True), 32 + n)
+
+
+def _long4(m: _Machine) -> None:
+    (n,) = struct.unpack("<i", m.read(4))
+    if n < 0:
+        raise m.fail("LONG pickle has negative byte count")
+    m.push(int.from_bytes(m.read(n), "little", signed=True), 32 + n)
+
+
+def _float(m: _Machine) -> None:
+    try:
+        m.push(float(m.readline()))
+    except ValueError:
+        raise m.fail("bad float literal") from None
+
+
+def _binfloat(m: _Machine) -> None:
+    m.push(struct.unpack(">d", m.read(8))[0])
+
+
+def _none(m: _Machine) -> None:
+    m.push(None, 8)
+
+
+def _newtrue(m: _Machine) -> None:
+    m.push(True, 8)
+
+
+def _newfalse(m: _Machine) -> None:
+    m.push(False, 8)
+
+
+def _text(m: _Machine, raw: bytes) -> None:
+    # Protocol 0-2 strings: unpicklers called with encoding="latin1" (as torch's are) give str.
+    m.push(raw.decode("latin1"), 56 + len(raw))
+
+
+def _string(m: _Machine) -> None:
+    line = m.readline()
+    if len(line) < 2 or line[0] != line[-1] or line[:1] not in (b"'", b'"'):
+        raise m.fail("the STRING opcode argument must be quoted")
+    try:
+        raw = codecs.escape_decode(line[1:-1])[0]
+    except ValueError:
+        raise m.fail("bad escape in STRING") from None
+    _text(m, raw)
+
+
+def _binstring(m: _Machine) -> None:
+    (n,) = struct.unpack("<i", m.read(4))
+    if n < 0:
+        raise m.fail("BINSTRING pickle has negative byte count")
+    _text(m, m.read(n))
+
+
+def _short_binstring(m: _Machine) -> None:
+    _text(m, m.read(m.read(1)[0]))
+
+
+def _unicode_of(m: _Machine, raw: bytes, encoding: str) -> None:
+    try:
+        m.push(raw.decode(encoding, "surrogatepass"), 56 + len(raw))
+    except UnicodeDecodeError:
+        raise m.fail("undecodable text") from None
+
+
+def _unicode(m: _Machine) -> None:
+    _unicode_of(m, m.readline(), "raw-unicode-escape")
+
+
+def _binunicode(m: _Machine) -> None:
+    _unicode_of(m, m.read(struct.unpack("<I", m.read(4))[0]), "utf-8")
+
+
+def _short_binunicode(m: _Machine) -> None:
+    _unicode_of(m, m.read(m.read(1)[0]), "utf-8")
+
+
+def _binunicode8(m: _Machine) -> None:
+    (n,) = struct.unpack("<Q", m.read(8))
+    if n > sys.maxsize:
+        raise m.fail("BINUNICODE8 exceeds system's maximum size")
+    _unicode_of(m, m.read(n), "utf-8")
+
+
+def _bytes_n(m: _Machine, n: int, kind: type = bytes) -> None:
+    raw = m.read(n)
+    m.push(kind(raw), 40 + n)
+
+
+def _binbytes(m: _Machine) -> None:
+    _bytes_n(m, struct.unpack("<I", m.read(4))[0])
+
+
+def _short_binbytes(m: _Machine) -> None:
+    _bytes_n(m, m.read(1)[0])
+
+
+def _binbytes8(m: _Machine) -> None:
+    _bytes_n(m, struct.unpack("<Q", m.read(8))[0])
+
+
+def _bytearray8(m: _Machine) -> None:
+    _bytes_n(m, struct.unpack("<Q", m.read(8))[0], bytearray)
+
+
+def _next_buffer(m: _Machine) -> None:
+    raise m.fail("out-of-band buffer (NEXT_BUFFER) with no buffers given")
+
+
+def _readonly_buffer(m: _Machine) -> None:
+    m.top()
+
+
+def _empty_list(m: _Machine) -> None:
+    m.push([], 56)
+
+
+def _empty_tuple(m: _Machine) -> None:
+    m.push((), 8)
+
+
+def _empty_dict(m: _Machine) -> None:
+    m.push({}, 64)
+
+
+def _empty_set(m: _Machine) -> None:
+    m.push(set(), 216)
+
+
+def _list(m: _Machine) -> None:
+    items = m.pop_mark()
+    m.push(items, 56 + 8 * len(items))
+
+
+def _tuple(m: _Machine) -> None:
+    items = m.pop_mark()
+    m.push(tuple(items), 40 + 8 * len(items))
+
+
+def _tuple_n(n: int) -> Callable[[_Machine], None]:
+    def op(m: _Machine) -> None:
+        items = [m.pop() for _ in range(n)][::-1]
+        m.push(tuple(items), 40 + 8 * n)
+
+    return op
+
+
+def _hashable(m: _Machine, key: Any) -> Any:
+    try:
+        hash(key)
+    except TypeError:
+        raise m.fail(f"unhashable {type(key).__name__} as a key") from None
+    return key
+
+
+def _dict(m: _Machine) -> None:
+    items = m.pop_mark()
+    if len(items) % 2:
+        raise m.fail("odd number of items for DICT")
+    m.push(
+        {_hashable(m, k): v for k, v in zip(items[::2], items[1::2], strict=True)},
+        64 + 50 * len(items),
+    )
+
+
+def _frozenset(m: _Machine) -> None:
+    items = m.pop_mark()
+    m.push(frozenset(_hashable(m, i) for i in items), 216 + 40 * len(items))
+
+
+def _append_to(m: _Machine, target: Any, items: list[Any]) -> None:
+    m.cost(8 * len(items))
+    if type(target) is list:
+        target.extend(items)
+    elif isinstance(target, Opaque):
+        target.items.extend(items)
+    else:
+        raise m.fail(f"APPEND to a {type(target).__name__}")
+
+
+def _append(m: _Machine) -> None:
+    value = m.pop()
+    _append_to(m, m.top(), [value])
+
+
+def _appends(m: _Machine) -> None:
+    items = m.pop_mark()
+    _append_to(m, m.top(), items)
+
+
+def _set_items(m: _Machine, target: Any, items: list[Any]) -> None:
+    m.cost(50 * len(items))
+    for key, value in zip(items[::2], items[1::2], strict=True):
+        if isinstance(target, dict):
+            target[_hashable(m, key)] = value
+        elif isinstance(target, Opaque):
+            target.mapping[_hashable(m, key)] = value
+        elif type(target) is list and type(key) is int and -len(target) <= key < len(target):
+            target[key] = value
+        else:
+            raise m.fail(f"SETITEM on a {type(target).__name__}")
+
+
+def _setitem(m: _Machine) -> None:
+    value, key = m.pop(), m.pop()
+    _set_items(m, m.top(), [key, value])
+
+
+def _setitems(m: _Machine) -> None:
+    items = m.pop_mark()
+    if len(items) % 2:
+        raise m.fail("odd number of items for SETITEMS")
+    _set_items(m, m.top(), items)
+
+
+def _additems(m: _Machine) -> None:
+    items = m.pop_mark()
+    target = m.top()
+    m.cost(40 * len(items))
+    if type(target) is set:
+        target.update(_hashable(m, i) for i in items)
+    elif isinstance(target, Opaque):
+        target.items.extend(items)
+    else:
+        raise m.fail(f"ADDITEMS to a {type(target).__name__}")
+
+
+def _global(m: _Machine) -> None:
+    try:
+        module = m.readline().decode("utf-8")
+        name = m.readline().decode("utf-8")
+    except UnicodeDecodeError:
+        raise m.fail("undecodable GLOBAL name") from None
+    m.push(m.name_global(module, name), 64)
+
+
+def _stack_global(m: _Machine) -> None:
+    name, module = m.pop(), m.pop()
+    if type(name) is not str or type(module) is not str:
+        m.run.problem("computed global: STACK_GLOBAL with a name built at load time")
+        raise m.fail("STACK_GLOBAL requires str")
+    m.push(m.name_global(module, name), 64)
+
+
+def _inst(m: _Machine) -> None:
+    cls = _global_from_lines(m)
+    args = m.pop_mark()
+    m.push(m.call(cls, tuple(args)), 64)
+
+
+def _global_from_lines(m: _Machine) -> Global:
+    try:
+        module = m.readline().decode("ascii")
+        name = m.readline().decode("ascii")
+    except UnicodeDecodeError:
+        raise m.fail("undecodable INST name") from None
+    return m.name_global(module, name)
+
+
+def _obj(m: _Machine) -> None:
+    items = m.pop_mark()
+    if not items:
+        raise m.fail("OBJ with no class")
+    m.push(m.call(items[0], tuple(items[1:])), 64)
+
+
+def _reduce(m: _Machine) -> None:
+    args = m.pop()
+    func = m.pop()
+    if type(args) is not tuple:
+        raise m.fail("REDUCE arguments must be a tuple")
+    m.push(m.call(func, args), 64)
+
+
+def _newobj(m: _Machine) -> None:
+    args = m.pop()
+    cls = m.pop()
+    if type(args) is not tuple:
+        raise m.fail("NEWOBJ expected an arg tuple")
+    m.push(m.call(cls, args), 64)
+
+
+def _newobj_ex(m: _Machine) -> None:
+    kwargs = m.pop()
+    args = m.pop()
+    cls = m.pop()
+    if type(args) is not tuple or type(kwargs) is not dict:
+        raise m.fail("NEWOBJ_EX expects a tuple and a dict")
+    m.push(m.call(cls, args, kwargs), 64)
+
+
+def _build(m: _Machine) -> None:
+    state = m.pop()
+    m.build(m.top(), state)
+
+
+def _ext(n: int) -> Callable[[_Machine], None]:
+    def op(m: _Machine) -> None:
+        code = int.from_bytes(m.read(n), "little")
+        m.run.problem(f"extension code {code}: a global from copyreg's registry")
+        m.push(Opaque(f"<extension {code}>"), 64)
+
+    return op
+
+
+def _persid(m: _Machine) -> None:
+    try:
+        pid = m.readline().decode("ascii")
+    except UnicodeDecodeError:
+        raise m.fail("persistent IDs in protocol 0 must be ASCII strings") from None
+    _persistent(m, pid)
+
+
+def _binpersid(m: _Machine) -> None:
+    _persistent(m, m.pop())
+
+
+def _persistent(m: _Machine, pid: Any) -> None:
+    if m.persistent_load is None:
+        raise m.fail("a persistent id, which plain pickle.load refuses")
+    try:
+        m.push(m.persistent_load(pid), 64)
+    except PickleDamaged:
+        raise
+    except Exception as exc:
+        raise m.fail(f"bad persistent id ({exc})") from None
+
+
+def _memo_get(m: _Machine, index: int) -> None:
+    if index not in m.memo:
+        raise m.fail(f"memo value not found at index {index}")
+    m.push(m.memo[index], 8)
+
+
+def _get(m: _Machine) -> None:
+    _memo_get(m, _int_of(m.readline(), m))
+
+
+def _binget(m: _Machine) -> None:
+    _memo_get(m, m.read(1)[0])
+
+
+def _long_binget(m: _Machine) -> None:
+    _memo_get(m, struct.unpack("<I", m.read(4))[0])
+
+
+def _memo_put(m: _Machine, index: int) -> None:
+    if index < 0:
+        raise m.fail("negative PUT argument")
+    m.cost(72)
+    m.memo[index] = m.top()
+
+
+def _put(m: _Machine) -> None:
+    _memo_put(m, _int_of(m.readline(), m))
+
+
+def _binput(m: _Machine) -> None:
+    _memo_put(m, m.read(1)[0])
+
+
+def _long_binput(m: _Machine) -> None:
+    _memo_put(m, struct.unpack("<I", m.read(4))[0])
+
+
+def _memoize(m: _Machine) -> None:
+    _memo_put(m, len(m.memo))
+
+
+_OPS: dict[int, Callable[[_Machine], None]] = {
+    ord(code): fn
+    for code, fn in {
+        "(": _mark, ".": _stop, "0": _pop, "1": _pop_mark, "2": _dup, "F": _float, "I": _int,
+        "J": _binint, "K": _binint1, "L": _long, "M": _binint2, "N": _none, "P": _persid,
+        "Q": _binpersid, "R": _reduce, "S": _string, "T": _binstring, "U": _short_binstring,
+        "V": _unicode, "X": _binunicode, "a": _append, "b": _build, "c": _global, "d": _dict,
+        "}": _empty_dict, "e": _appends, "g": _get, "h": _binget, "i": _inst, "j": _long_binget,
+        "l": _list, "]": _empty_list, "o": _obj, "p": _put, "q": _binput, "r": _long_binput,
+        "s": _setitem, "t": _tuple, ")": _empty_tuple, "u": _setitems, "G": _binfloat,
+        "\x80": _proto, "\x81": _newobj, "\x82": _ext(1), "\x83": _ext(2), "\x84": _ext(4),
+        "\x85": _tuple_n(1), "\x86": _tuple_n(2), "\x87": _tuple_n(3), "\x88": _newtrue,
+        "\x89": _newfalse, "\x8a": _long1, "\x8b": _long4, "B": _binbytes, "C": _short_binbytes,
+        "\x8c": _short_binunicode, "\x8d": _binunicode8, "\x8e": _binbytes8, "\x8f": _empty_set,
+        "\x90": _additems, "\x91": _frozenset, "\x92": _newobj_ex, "\x93": _stack_global,
+        "\x94": _memoize, "\x95": _frame, "\x96": _bytearray8, "\x97": _next_buffer,
+        "\x98": _readonly_buffer,
+    }.items()
+}  # fmt: skip
+
+
+def run_pickle(
+    data: bytes | memoryview,
+    start: int = 0,
+    *,
+    calls: Mapping[str, Handler] | None = None,
+    persistent_load: Callable[[Any], Any] | None = None,
+    budget: int = MAX_OBJECT_BYTES,
+) -> PickleRun:
+    """Read one pickle from ``data[start:]`` statically; never raises on bad input.
+
+    Args:
+        data: the bytes holding the pickle.
+        start: where it begins.
+        calls: global name -> pure function standing in for it when the pickle calls it; any
+            other call becomes an :class:`Opaque` record and is listed in ``calls``.
+        persistent_load: interprets persistent ids (None: they make the pickle damaged, as
+            they do for plain ``pickle.load``).
+        budget: estimated bytes the objects built may cost.
+
+    Returns:
+        The run: the root object (None when damaged), globals, calls, problems, damage, and
+        where the pickle ended.
+    """
+    machine = _Machine(data, start, calls or {}, persistent_load, budget)
+    try:
+        machine.run.root = machine.execute()
+    except PickleDamaged as exc:
+        machine.run.damaged = str(exc)
+        machine.run.end = machine.pos
+    except RecursionError:  # a handler given absurdly nested arguments
+        machine.run.damaged = f"nesting too deep at byte {machine.pos}"
+        machine.run.end = machine.pos
+    return machine.run
