@@ -334,29 +334,32 @@ def inspect(
 def scan(paths: tuple[str, ...], allow_global: tuple[str, ...], as_json: bool, quiet: bool) -> None:
     """Scan checkpoints' pickles for code they would run, without running it.
 
-    Exit code 0 when every file is safe, 1 when one names a global outside torch's
-    weights_only set or makes a dangerous call, 2 on error: a gate for CI.
+    Every way a loader would read each file is scanned (torch.load's zip, tar or pickle stream,
+    pickle.load, a zip at the end); a file loaders read differently is a polyglot, never safe.
+    Verdicts: safe, unknown (a global outside torch's weights_only set), damaged, dangerous.
+    Exit code 0 when every file is safe, 1 when one is not, 2 when one cannot be scanned (the
+    others are still reported): a gate for CI.
 
     \b
     ckptkit scan downloads/*.pt
     ckptkit scan model.pt --allow-global argparse.Namespace
     """
-    from ckptkit.scan import scan as run
+    from ckptkit.scan import SCAN_SCHEMA, scan_many
 
-    reports = []
-    for path in paths:
-        try:
-            reports.append(run(path, allow_globals=allow_global))
-        except CkptkitError as exc:
-            exc.exit_code = 2
-            raise
+    reports = scan_many(paths, allow_globals=allow_global)
+    for report in reports:
+        if report.error:
+            click.echo(f"Error: {report.error}", err=True)
+    verdicts = [r.verdict for r in reports]
+    worst = "error" if "error" in verdicts else max(verdicts, key=_VERDICT_ORDER.index)
     if as_json:
-        _emit_json([r.to_dict() for r in reports] if len(reports) > 1 else reports[0].to_dict())
+        files = [r.to_dict() for r in reports]
+        _emit_json({"schema": SCAN_SCHEMA, "verdict": worst, "files": files})
     elif not quiet:
         for report in reports:
             _print_scan(report)
-    if not all(r.safe for r in reports):
-        raise click.exceptions.Exit(1)
+    if worst != "safe":
+        raise click.exceptions.Exit(2 if worst == "error" else 1)
 
 
 @cli.command()
@@ -438,8 +441,17 @@ def _print_diff(report: Any) -> None:
     click.echo("equal" if report.equal else "differ")
 
 
+_VERDICT_ORDER = ["safe", "unknown", "damaged", "dangerous"]
+
+
 def _print_scan(report: Any) -> None:
+    if report.error:
+        return  # said on stderr
     click.echo(f"{report.path}: {report.verdict} ({report.format})")
+    for problem in report.problems:
+        click.echo(f"  problem   {problem}")
+    for damage in report.damaged:
+        click.echo(f"  damaged   {damage}")
     classes = report.globals()
     for name, cls in classes.items():
         if cls != "safe":

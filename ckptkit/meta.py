@@ -78,24 +78,53 @@ class CheckpointMeta:
         return jsonable(asdict(self))
 
 
+_JSON_DEPTH = 32
+_JSON_NODES = 10_000
+
+
 def jsonable(value: Any) -> Any:
     """Turn nested Python values into what ``json.dumps`` accepts, losslessly where it can.
 
     Tuples and sets become lists, bytes become ``{"bytes": n}``, non-finite floats become strings
-    (strict JSON has no NaN), other objects their ``repr``.
+    (strict JSON has no NaN), other objects their ``repr``. Bounded, for trees read from hostile
+    files: a cycle becomes ``"<cycle>"``, and past 32 levels or 10,000 values the rest is
+    ``"..."`` (a DAG can hold exponentially many paths).
     """
-    if value is None or isinstance(value, (bool, int, str)):
+    budget = [_JSON_NODES]
+    return _jsonable(value, budget, set(), 0)
+
+
+def _key(key: Any, budget: list[int], active: set[int], depth: int) -> str:
+    if isinstance(key, str):
+        return key
+    return str(_jsonable(key, budget, active, depth + 1))  # never str() of a deep tuple
+
+
+def _jsonable(value: Any, budget: list[int], active: set[int], depth: int) -> Any:
+    if value is None or isinstance(value, (bool, str)):
         return value
+    if isinstance(value, int):  # past ~4300 digits Python refuses to print an int at all
+        return value if value.bit_length() <= 14000 else "<huge int>"
     if isinstance(value, float):
         return value if math.isfinite(value) else repr(value)
-    if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, (set, frozenset)):
-        return sorted((jsonable(v) for v in value), key=repr)
     if isinstance(value, (bytes, bytearray)):
         return {"bytes": len(value)}
-    if hasattr(value, "to_dict"):
-        return jsonable(value.to_dict())
-    return repr(value)
+    budget[0] -= 1
+    if budget[0] < 0 or depth > _JSON_DEPTH:
+        return "..."
+    if id(value) in active:
+        return "<cycle>"
+    active.add(id(value))
+    try:
+        if isinstance(value, Mapping):
+            return {_key(k, budget, active, depth): _jsonable(v, budget, active, depth + 1)
+                    for k, v in value.items()}  # fmt: skip
+        if isinstance(value, (list, tuple)):
+            return [_jsonable(v, budget, active, depth + 1) for v in value]
+        if isinstance(value, (set, frozenset)):
+            return sorted((_jsonable(v, budget, active, depth + 1) for v in value), key=repr)
+        if hasattr(value, "to_dict"):
+            return _jsonable(value.to_dict(), budget, active, depth + 1)
+        return repr(value)[:200]
+    finally:
+        active.discard(id(value))

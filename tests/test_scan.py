@@ -129,12 +129,23 @@ def test_scan_cli_exit_codes_and_json(run, fixture_copy):
     allowed = run("scan", "unsafe_global.pt", "--allow-global", "argparse.Namespace", "--json")
     assert allowed.exit_code == 0
     doc = json.loads(allowed.stdout)
-    assert doc["verdict"] == "safe" and doc["globals"]["argparse.Namespace"] == "allowed"
+    assert doc["schema"] == 2 and doc["verdict"] == "safe"
+    assert doc["files"][0]["globals"]["argparse.Namespace"] == "allowed"
     missing = run("scan", "nope.pt")
     assert (
         missing.exit_code == 2
         and missing.stderr == "Error: nope.pt does not exist; check the path\n"
     )
+    # An unreadable file does not stop the scan: every file is reported, the exit code is 2.
+    both = run("scan", "nope.pt", "malicious.pt", "--json")
+    assert both.exit_code == 2 and both.stderr.startswith("Error: nope.pt does not exist")
+    doc = json.loads(both.stdout)
+    assert doc["verdict"] == "error"
+    assert [(f["path"], f["verdict"]) for f in doc["files"]] == [
+        ("nope.pt", "error"),
+        ("malicious.pt", "dangerous"),
+    ]
+    assert doc["files"][0]["error"] == "nope.pt does not exist; check the path"
     assert run("scan", "malicious.pt", "-q").stdout == ""
 
 
@@ -155,3 +166,26 @@ def test_hostile_pickle_that_breaks_the_reader_is_still_refused_as_unsafe(tmp_pa
     path.write_bytes(buf.getvalue())
     with pytest.raises(UnsafeCheckpointError, match="builtins.getattr"):
         ckptkit.open_source(path)
+
+
+def test_safe_set_is_torchs_own_allow_list():
+    """The torch-free table equals torch's weights_only allow-list (regenerate it with
+    `python -m ckptkit.formats.torch_safe_globals` when torch changes)."""
+    from ckptkit.formats.torch_safe_globals import TORCH_SAFE_GLOBALS, generate
+
+    assert set(generate()) == TORCH_SAFE_GLOBALS
+    for name in ("torch.FloatTensor", "torch.int4", "torch.cuda.sparse.HalfTensor"):
+        assert classify(name) == "safe"
+    assert classify("builtins.frozenset") == "unknown"  # torch does not admit it either
+
+
+def test_names_registered_with_torch_count_as_safe():
+    import argparse
+
+    from ckptkit.formats.torch_safe_globals import safe_globals
+
+    assert "argparse.Namespace" not in safe_globals()
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        assert "argparse.Namespace" in safe_globals()
+        assert scan(FIXTURE_DIR / "unsafe_global.pt").verdict == "safe"
+    assert scan(FIXTURE_DIR / "unsafe_global.pt").verdict == "unknown"

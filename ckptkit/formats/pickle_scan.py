@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkit.errors import UsageError
-from ckptkit.formats.pickle_vm import PickleRun
+from ckptkit.formats.pickle_vm import FRAME_PROBLEM, PickleRun
 from ckptkit.formats.static_unpickler import PickleScan, read_pickle
 from ckptkit.formats.torch_safe_globals import safe_globals
 
@@ -152,10 +152,19 @@ def scan_pickle(
     legacy: bool = False,
     allow_globals: Iterable[str] = (),
 ) -> PickleFindings:
-    """Scan one pickle starting at ``data[start]``; never raises on bad input."""
-    return PickleFindings(
-        label, read_pickle(data, start, legacy=legacy, allow_globals=allow_globals)
-    )
+    """Scan one pickle starting at ``data[start]``; never raises on bad input.
+
+    It is read as ``torch.load`` and ``pickle.load`` read a file; where its frames disagree with
+    its opcodes, ``pickle.loads`` reads other opcodes from the same bytes, and what that reading
+    would import and call is added.
+    """
+    found = read_pickle(data, start, legacy=legacy, allow_globals=allow_globals)
+    if FRAME_PROBLEM in found.run.problems:
+        other = read_pickle(
+            data, start, legacy=legacy, allow_globals=allow_globals, file_mode=False
+        )
+        found.run.merge(other.run)
+    return PickleFindings(label, found)
 
 
 def check_allowed(names: Iterable[str]) -> frozenset[str]:

@@ -32,6 +32,7 @@ __all__ = [
     "run_pickle",
     "python3_name",
     "MAX_OBJECT_BYTES",
+    "FRAME_PROBLEM",
 ]
 
 #: What the objects a pickle builds may cost, estimated, before it counts as a bomb.
@@ -123,6 +124,15 @@ class PickleRun:
         if text not in self.problems:
             self.problems.append(text)
 
+    def merge(self, other: PickleRun) -> None:
+        """Add what another reading of the same bytes would import and call."""
+        for name, count in other.globals.items():
+            self.globals.setdefault(name, count)
+        for name, count in other.calls.items():
+            self.calls.setdefault(name, count)
+        for text in other.problems:
+            self.problem(text)
+
 
 def python3_name(module: str, name: str) -> str:
     """``module.name`` as Python 3 knows it: protocol 0-2 pickles may say ``__builtin__.exec``."""
@@ -131,6 +141,7 @@ def python3_name(module: str, name: str) -> str:
     return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
 
 
+FRAME_PROBLEM = "frame boundaries disagree with the opcodes (file and bytes readers differ)"
 _MARK = object()
 Handler = Callable[..., Any]
 
@@ -143,8 +154,10 @@ class _Machine:
         calls: Mapping[str, Handler],
         persistent_load: Callable[[Any], Any] | None,
         budget: int,
+        file_mode: bool,
     ) -> None:
         self.data, self.pos, self.size = data, pos, len(data)
+        self.file_mode = file_mode
         self.calls, self.persistent_load = calls, persistent_load
         self.budget = budget
         self.run = PickleRun()
@@ -158,12 +171,17 @@ class _Machine:
         return PickleDamaged(reason, self.pos)
 
     def read(self, n: int) -> bytes:
-        if n < 0 or self.pos + n > self.size:
-            raise self.fail("pickle data was truncated")
         start = self.pos
-        self.pos += n
-        if self.frame_end >= 0 and start < self.frame_end < self.pos:
-            self.run.problem("frame boundaries disagree with the opcodes (pickle readers differ)")
+        if self.frame_end >= 0 and start < self.frame_end < start + n:
+            self.run.problem(FRAME_PROBLEM)
+            if self.file_mode:
+                # Reading a file, CPython's C unpickler drops what is left of the frame and
+                # reads the argument afresh after it; reading bytes, it reads straight on.
+                start = self.frame_end
+            self.frame_end = -1
+        if n < 0 or start + n > self.size:
+            raise self.fail("pickle data was truncated")
+        self.pos = start + n
         return bytes(self.data[start : self.pos])
 
     def readline(self) -> bytes:
@@ -576,10 +594,14 @@ def _global(m: _Machine) -> None:
 
 def _stack_global(m: _Machine) -> None:
     name, module = m.pop(), m.pop()
-    if type(name) is not str or type(module) is not str:
+    if isinstance(name, Opaque) or isinstance(module, Opaque):
+        # A name a call returned: the real unpickler imports whatever it turns out to be.
         m.run.problem("computed global: STACK_GLOBAL with a name built at load time")
+        m.push(Global("<computed>"), 64)
+    elif type(name) is not str or type(module) is not str:
         raise m.fail("STACK_GLOBAL requires str")
-    m.push(m.name_global(module, name), 64)
+    else:
+        m.push(m.name_global(module, name), 64)
 
 
 def _inst(m: _Machine) -> None:
@@ -735,6 +757,7 @@ def run_pickle(
     calls: Mapping[str, Handler] | None = None,
     persistent_load: Callable[[Any], Any] | None = None,
     budget: int = MAX_OBJECT_BYTES,
+    file_mode: bool = False,
 ) -> PickleRun:
     """Read one pickle from ``data[start:]`` statically; never raises on bad input.
 
@@ -746,12 +769,15 @@ def run_pickle(
         persistent_load: interprets persistent ids (None: they make the pickle damaged, as
             they do for plain ``pickle.load``).
         budget: estimated bytes the objects built may cost.
+        file_mode: read as the C unpickler reads a file (``torch.load``, ``pickle.load``)
+            rather than bytes (``pickle.loads``); the two differ only where an opcode crosses
+            the end of a FRAME, which ``run.problems`` reports either way.
 
     Returns:
         The run: the root object (None when damaged), globals, calls, problems, damage, and
         where the pickle ended.
     """
-    machine = _Machine(data, start, calls or {}, persistent_load, budget)
+    machine = _Machine(data, start, calls or {}, persistent_load, budget, file_mode)
     try:
         machine.run.root = machine.execute()
     except PickleDamaged as exc:

@@ -327,6 +327,7 @@ def read_pickle(
     *,
     legacy: bool = False,
     allow_globals: Iterable[str] = (),
+    file_mode: bool = True,
 ) -> PickleScan:
     """Read one pickle statically.
 
@@ -336,6 +337,7 @@ def read_pickle(
         legacy: storage records use the legacy (non-zip) form.
         allow_globals: names admitted beyond torch's safe set; their values are decoded where
             ckptkit knows how (NumPy scalars), else recorded, never imported.
+        file_mode: read as torch.load's unpickler reads (a file), not as ``pickle.loads``.
 
     Returns:
         The object tree with tensors as :class:`TensorStub`, the run's findings (``run.damaged``
@@ -345,5 +347,5 @@ def read_pickle(
     calls = dict(TORCH_CALLS)
     calls.update({name: fn for name, fn in DECODERS.items() if name in allowed})
     loader = _StorageLoader(legacy)
-    run = run_pickle(data, start, calls=calls, persistent_load=loader)
+    run = run_pickle(data, start, calls=calls, persistent_load=loader, file_mode=file_mode)
     return PickleScan(run.root, run, loader.storages, safe_globals())

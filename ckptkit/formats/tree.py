@@ -76,12 +76,20 @@ def _children(node: Any) -> list[tuple[str, Any]]:
 
 
 def _tensors_in(node: Any, is_tensor: IsTensor, nbytes: Callable[[Any], int]) -> tuple[int, int]:
-    if is_tensor(node):
-        return 1, nbytes(node)
+    # Iterative and each object once: a pickle can make cycles and DAGs whose paths are
+    # exponential in number (torch loads those too).
     count = size = 0
-    for _, child in _children(node):
-        c, s = _tensors_in(child, is_tensor, nbytes)
-        count, size = count + c, size + s
+    seen: set[int] = set()
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if is_tensor(item):
+            count, size = count + 1, size + nbytes(item)
+        else:
+            stack.extend(child for _, child in _children(item))
     return count, size
 
 
@@ -109,8 +117,12 @@ def _find(root: Any, is_tensor: IsTensor) -> tuple[str, str] | None:
     # Last resort: the largest tensor map anywhere.
     best: tuple[int, str] | None = None
     stack = [("", root)]
+    seen: set[int] = set()
     while stack:
         path, node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
         if is_state_dict(node, is_tensor):
             if best is None or len(node) > best[0]:
                 best = (len(node), path)
