@@ -125,6 +125,8 @@ def report_of(
 ) -> ScanReport:
     """The report for readings already made (a reader's own, so nothing is parsed twice)."""
     report = ScanReport(str(path), found[0].kind, found, allowed)
+    if found[0].damaged is None:
+        found[0].damaged = _structure_damage(Path(path), found)
     if len(found) > 1:
         ways = "; ".join(f"{r.reader} reads {_article(r.kind)}" for r in found)
         report.problems.append(f"polyglot: loaders disagree on what this file is ({ways})")
@@ -147,6 +149,22 @@ def scan_many(
         except CkptkitError as exc:
             reports.append(ScanReport(str(path), "unknown", allowed=allowed, error=exc.cli_text))
     return reports
+
+
+def _structure_damage(path: Path, found: list[Reading]) -> str | None:
+    """Damage a loader would hit beyond the pickles: storages, tensor extents, headers."""
+    kind = found[0].kind
+    if kind == "safetensors":
+        from ckptkit.formats.safetensors import read_header
+
+        try:
+            read_header(path)
+        except FormatError as exc:
+            return exc.message
+        return None
+    from ckptkit.formats.torchfile import structure_damage
+
+    return structure_damage(path, found)
 
 
 def _article(kind: str) -> str:

@@ -47,7 +47,7 @@ __all__ = [
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 ZIP_MAGIC = b"PK\x03\x04"
 # A member or pickle read into memory for a scan: more is a bomb, not a checkpoint's pickle.
-MAX_MEMBER = 256 * 1024 * 1024
+MAX_MEMBER = 64 * 1024 * 1024
 _MAX_PICKLES = 64  # pickles one after another in a plain file
 
 # Formats people mistake for checkpoints ckptkit reads, by their first bytes.

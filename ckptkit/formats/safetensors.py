@@ -39,7 +39,10 @@ MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """Read and check a safetensors header. Returns (header, offset of the data section).
+    """Read a safetensors header and check it as strictly as the safetensors library does.
+
+    Returns:
+        (header, offset of the data section).
 
     Raises:
         FormatError: not a safetensors file, or one that is truncated or inconsistent.
@@ -53,28 +56,72 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         if length > MAX_HEADER or 8 + length > size:
             raise FormatError(f"{path} is truncated or not a safetensors file", "copy it again")
         f.seek(8)
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, ValueError):
-            raise FormatError(f"{path} has a damaged safetensors header") from None
+        text = f.read(length)
+    header = _parse_header(path, text)
+    _check_layout(path, header, size - 8 - length)
+    return header, 8 + length
+
+
+def _damaged(path: Path, what: str) -> FormatError:
+    return FormatError(f"{path} has a damaged safetensors header: {what}", "copy it again")
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_header(path: Path, text: bytes) -> dict[str, Any]:
+    try:
+        header = json.loads(text.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise _damaged(path, "not valid JSON") from None
     if not isinstance(header, dict):
-        raise FormatError(f"{path} has a damaged safetensors header")
-    data_size = size - 8 - length
+        raise _damaged(path, "not a JSON object")
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise _damaged(path, "__metadata__ must map strings to strings")
+    return header
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 2**64
+
+
+def _check_layout(path: Path, header: dict[str, Any], data_size: int) -> None:
+    """Every tensor's offsets lie back to back from 0 to the end of the data section, each
+    exactly dtype size x elements long (safetensors' own ``validate``)."""
+    spans = []
     for key, entry in header.items():
         if key == "__metadata__":
             continue
         try:
-            begin, end = entry["data_offsets"]
-            from_safetensors(entry["dtype"])
+            dtype = from_safetensors(entry["dtype"])
+            shape, offsets = entry["shape"], entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise FormatError(
                 f"{path}: tensor '{key}' has a damaged or unknown header entry"
             ) from None
-        if end > data_size:
-            raise FormatError(
-                f"{path} is truncated (tensor '{key}' ends past the file)", "copy it again"
-            )
-    return header, 8 + length
+        if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+            raise _damaged(path, f"tensor '{key}' has shape {shape!r}")
+        if not (
+            isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+        ):
+            raise _damaged(path, f"tensor '{key}' has data_offsets {offsets!r}")
+        begin, end = offsets
+        if end < begin or end - begin != nbytes(dtype.name, tuple(shape)):
+            raise _damaged(path, f"tensor '{key}' spans {end - begin} bytes, not its dtype x shape")
+        spans.append((begin, end, key))
+    position = 0
+    for begin, end, key in sorted(spans):
+        if begin != position:
+            raise _damaged(path, f"tensor '{key}' starts at {begin}, not {position}")
+        position = end
+    if position > data_size:
+        raise FormatError(f"{path} is truncated (the tensors end past the file)", "copy it again")
+    if position != data_size:
+        raise _damaged(path, f"{data_size - position} bytes after the last tensor")
 
 
 class SafetensorsSource(Source):

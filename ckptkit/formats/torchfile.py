@@ -14,7 +14,7 @@ import pickle
 import struct
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -250,6 +250,51 @@ def scan_torch_file(
     return scan, layout, raw, found
 
 
+def structure_damage(path: Path, found: list[Reading]) -> str | None:
+    """What is damaged in a torch file beyond its pickles (storages that do not fit the file,
+    tensors past their storage), from readings already made; None when whole."""
+    reading = found[0]
+    if reading.kind not in ("torch-zip", "torch-legacy") or reading.damaged:
+        return None
+    if any(p.damaged for p in reading.pickles):
+        return None  # said already
+    try:
+        with open(path, "rb") as raw:
+            if reading.kind == "torch-zip":
+                layout: _ZipLayout = _ZipLayout(path, raw)
+                main = next(p for p in reading.pickles if p.label == layout.pickle_name).scan
+            else:
+                layout = _LegacyLayout(path, raw, reading)
+                main = layout.main
+            for stub in _stubs_in(main.root):
+                if stub.numel and stub.byte_range()[1] > stub.storage.nbytes:
+                    return "a tensor runs past its storage"
+            for ref in main.storages.values():
+                if ref.nbytes:
+                    layout.data_offset(ref)
+    except FormatError as exc:
+        return exc.message
+    except StopIteration:
+        return "no data.pkl"
+    return None
+
+
+def _stubs_in(root: Any) -> Iterator[TensorStub]:
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, TensorStub):
+            yield node
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+
+
 def _unsafe_error(path: Path, unsafe: list[str]) -> UnsafeCheckpointError:
     dangerous = [g for g in unsafe if is_dangerous(g)]
     if dangerous:
@@ -298,6 +343,25 @@ class TorchFileSource(Source):
         self.extras, self.dropped = sel.extras, sel.dropped
         self._stubs: dict[str, Any] = dict(sel.state_dict)
         self._bases: dict[str, torch.Tensor] = {}
+        try:
+            self._check_extents()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_extents(self) -> None:
+        """Every tensor lies inside its storage, and every storage inside the file: from the
+        headers alone, so a damaged file is refused before anything is read or written."""
+        checked: set[str] = set()
+        for key, stub in self._stubs.items():
+            if not isinstance(stub, TensorStub):
+                continue
+            if stub.numel and stub.byte_range()[1] > stub.storage.nbytes:
+                raise FormatError(f"{self.path} is damaged: tensor '{key}' runs past its storage")
+            if stub.storage.key not in checked:
+                checked.add(stub.storage.key)
+                if stub.storage.nbytes:
+                    self._layout.data_offset(stub.storage)  # raises when it does not fit
 
     def entries(self) -> list[tuple[str, TensorInfo]]:
         out = []

@@ -128,7 +128,9 @@ class Transfer:
         cast_into = torch.empty(min(step, flat.numel()), dtype=torch_dtype(item.spec.dtype))
         for begin in range(0, flat.numel(), step):
             piece = flat[begin : begin + step]
-            yield piece, (cast_into[: len(piece)].copy_(piece) if item.cast else piece)
+            # A 1-D strided tensor stays a strided view through reshape: copy it a piece at a
+            # time (a no-op for contiguous pieces).
+            yield piece, (cast_into[: len(piece)].copy_(piece) if item.cast else piece.contiguous())
 
     def _write(
         self, items: dict[str, Item], dst: Path, verify: bool
