@@ -7,7 +7,6 @@ atomically, only after it was read back and compared bit-exact with the source.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import json
 import re
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CastError, FormatError, KeyMatchError, UsageError
 from ckptkit.formats import Source, TensorInfo, open_source, output_format
-from ckptkit.formats.atomic import atomic_output, check_output, syncing
+from ckptkit.formats.atomic import atomic_outputs, check_output, syncing
 from ckptkit.formats.dtypes import DTYPES
 from ckptkit.formats.safetensors import TensorSpec
 from ckptkit.formats.transfer import Item, Transfer
@@ -263,12 +262,8 @@ def _write(
     bar = _progress_bar(report.nbytes) if progress else None
     transfer = Transfer(source, progress=bar.update if bar else lambda nbytes: None)
     try:
-        with contextlib.ExitStack() as stack:
-            # Entered first, left last: the index appears only once every shard is in place.
-            temps = [
-                stack.enter_context(atomic_output(p, force=force, inputs=[src]))
-                for p in reversed(outputs)
-            ][::-1]
+        # In order, or none: the index (last) appears only once every shard is in place.
+        with atomic_outputs(outputs, force=force, inputs=[src]) as temps:
             for shard, tmp, path in zip(shards, temps, outputs, strict=False):
                 if report.output_format == "torch":
                     transfer.write_torch(tmp, shard, aliases)

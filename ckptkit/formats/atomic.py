@@ -11,12 +11,13 @@ import contextlib
 import errno
 import os
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ckptkit.errors import OutputError
 
-__all__ = ["check_output", "atomic_output", "syncing"]
+__all__ = ["check_output", "atomic_output", "atomic_outputs", "remove_stale_temps", "syncing"]
 
 
 def check_output(dst: Path, *, force: bool, inputs: Iterable[Path] = ()) -> None:
@@ -89,30 +90,162 @@ def _os_error(dst: Path, exc: OSError) -> OutputError:
     return OutputError(f"cannot write {dst}: {exc.strerror or exc}")
 
 
+# Temp files are named for the output and for ckptkit, so a later run can recognise the ones a
+# killed run left: `.model.safetensors.ckptkit-<random>.tmp`.
+_TEMP_MARK = ".ckptkit-"
+_STALE_AFTER_S = 2.0  # a temp this young may belong to a writer that has not locked it yet
+
+
+def _lock(fd: int) -> bool:
+    """Take the writer's lock on a temp file; False when another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): stale temps are then never removed
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def remove_stale_temps(folder: Path) -> list[Path]:
+    """Remove the temp files killed ckptkit runs left in ``folder``: only ckptkit's own, and
+    only those whose writer is gone (the writer holds a lock on its temp file while it lives,
+    and the kernel drops the lock when the process dies). Returns what was removed."""
+    removed = []
+    try:
+        candidates = [
+            p
+            for p in folder.iterdir()
+            if p.name.startswith(".") and _TEMP_MARK in p.name and p.name.endswith(".tmp")
+        ]
+    except OSError:
+        return removed
+    for path in candidates:
+        try:
+            if time.time() - path.lstat().st_mtime < _STALE_AFTER_S or not path.is_file():
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if _lock(fd):
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _commit(tmp: Path, dst: Path, *, force: bool) -> None:
+    """Put ``tmp`` in place as ``dst``: a plain rename with ``force``, else one that never
+    replaces a file that appeared meanwhile (a hard link, or renameat2's RENAME_NOREPLACE
+    where the filesystem has no links)."""
+    if force:
+        os.replace(tmp, dst)
+        return
+    try:
+        os.link(tmp, dst)
+    except FileExistsError:
+        raise OutputError(f"{dst} exists", "pass --force to overwrite it") from None
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK):
+            raise
+        _rename_noreplace(tmp, dst)
+        return
+    tmp.unlink()
+
+
+def _rename_noreplace(tmp: Path, dst: Path) -> None:
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:  # no way to refuse atomically: the check before is what remains
+        if dst.exists():
+            raise OutputError(f"{dst} exists", "pass --force to overwrite it")
+        os.rename(tmp, dst)
+        return
+    at_fdcwd, rename_noreplace = -100, 1
+    if renameat2(at_fdcwd, os.fsencode(tmp), at_fdcwd, os.fsencode(dst), rename_noreplace):
+        code = ctypes.get_errno()
+        if code == errno.EEXIST:
+            raise OutputError(f"{dst} exists", "pass --force to overwrite it")
+        raise OSError(code, os.strerror(code), str(dst))
+
+
 @contextlib.contextmanager
-def atomic_output(dst: Path, *, force: bool = False, inputs: Iterable[Path] = ()) -> Iterator[Path]:
-    """Yield a temp path next to ``dst``; on success it becomes ``dst`` atomically.
+def atomic_outputs(
+    dsts: list[Path], *, force: bool = False, inputs: Iterable[Path] = ()
+) -> Iterator[list[Path]]:
+    """Yield a temp path next to each output; on success they all appear, in order, or none.
+
+    Each temp file is named for its output and locked while this process writes it, so a later
+    run removes it if this one is killed. Without ``force`` no file that appeared meanwhile is
+    ever replaced: the run that comes second says the output exists, and what this run had
+    already put in place is taken back.
 
     Raises:
-        OutputError: the output is refused (see :func:`check_output`) or cannot be written.
+        OutputError: an output is refused (see :func:`check_output`), exists, or cannot be
+            written.
     """
-    dst = Path(dst)
-    check_output(dst, force=force, inputs=inputs)
+    dsts = [Path(d) for d in dsts]
+    for dst in dsts:
+        check_output(dst, force=force, inputs=inputs)
+    for folder in {dst.parent for dst in dsts}:
+        remove_stale_temps(folder)
+    temps: list[Path] = []
+    fds: list[int] = []
+    placed: list[Path] = []
     try:
-        fd, name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise _os_error(dst, exc) from None
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, dst)
-        _fsync_dir(dst.parent)
-    except OSError as exc:
-        raise _os_error(dst, exc) from None
+        for dst in dsts:
+            try:
+                fd, name = tempfile.mkstemp(
+                    dir=dst.parent, prefix=f".{dst.name}{_TEMP_MARK}", suffix=".tmp"
+                )
+            except OSError as exc:
+                raise _os_error(dst, exc) from None
+            fds.append(fd)
+            temps.append(Path(name))
+            _lock(fd)
+        try:
+            yield temps
+        except OSError as exc:  # ENOSPC, EFBIG, EIO... while writing: name the output
+            by_temp = {str(t): d for t, d in zip(temps, dsts, strict=True)}
+            raise _os_error(by_temp.get(str(exc.filename), dsts[0]), exc) from None
+        mask = _umask()
+        for tmp, dst in zip(temps, dsts, strict=True):
+            try:
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.chmod(tmp, 0o666 & ~mask)
+                _commit(tmp, dst, force=force)
+            except OSError as exc:
+                raise _os_error(dst, exc) from None
+            placed.append(dst)
+        for folder in {dst.parent for dst in dsts}:
+            _fsync_dir(folder)
+    except BaseException:
+        if not force:
+            for dst in placed:  # ours: linked from our temp a moment ago
+                with contextlib.suppress(OSError):
+                    dst.unlink()
+        raise
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        for fd in fds:
+            os.close(fd)
+        for tmp in temps:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_output(dst: Path, *, force: bool = False, inputs: Iterable[Path] = ()) -> Iterator[Path]:
+    """Yield a temp path next to ``dst``; on success it becomes ``dst`` atomically (see
+    :func:`atomic_outputs`)."""
+    with atomic_outputs([dst], force=force, inputs=inputs) as (tmp,):
+        yield tmp

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import mmap
+import os
 import pickle
 import struct
 import zipfile
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, UnsafeCheckpointError
+from ckptkit.formats.bytecopy import preallocate, write_all
 from ckptkit.formats.detect import LEGACY_MAGIC, Reading, readings
 from ckptkit.formats.dtypes import DTYPES, STORAGE_DTYPES
 from ckptkit.formats.pickle_scan import check_allowed, is_dangerous
@@ -497,21 +499,70 @@ def write_torch(
         state[spec.key] = _TensorRecord(storages[spec.key], spec)
     data = io.BytesIO()
     _RecordPickler(data, protocol=2).dump(state)
-    writer = torch._C.PyTorchFileWriter(str(dst))
-    for name, value in (("data.pkl", data.getvalue()), (".format_version", b"1"),
-                        (".storage_alignment", b"64"), ("byteorder", b"little")):  # fmt: skip
-        writer.write_record(name, value, len(value))
-    written: set[str] = set()
-    for spec in specs:
-        record = storages[spec.key]
-        if record.key in written:
-            continue
-        tensor = tensor_for(spec).detach().contiguous()
-        if tensor.untyped_storage().nbytes() != spec.nbytes or tensor.storage_offset():
-            tensor = tensor.clone()  # a view into a bigger buffer: write just its own bytes
-        writer.write_record(f"data/{record.key}", tensor.untyped_storage(), spec.nbytes)
-        written.add(record.key)
-    writer.write_end_of_file()
+    unique = {storages[spec.key].key: spec.nbytes for spec in specs}
+    with _Sink(dst, len(data.getvalue()) + sum(unique.values()) + 4096 * (len(unique) + 4)) as sink:
+        writer = torch._C.PyTorchFileWriter(sink)
+        for name, value in (("data.pkl", data.getvalue()), (".format_version", b"1"),
+                            (".storage_alignment", b"64"), ("byteorder", b"little")):  # fmt: skip
+            writer.write_record(name, value, len(value))
+        written: set[str] = set()
+        for spec in specs:
+            record = storages[spec.key]
+            if record.key in written or sink.error:
+                continue
+            tensor = tensor_for(spec).detach().contiguous()
+            if tensor.untyped_storage().nbytes() != spec.nbytes or tensor.storage_offset():
+                tensor = tensor.clone()  # a view into a bigger buffer: write just its own bytes
+            writer.write_record(f"data/{record.key}", tensor.untyped_storage(), spec.nbytes)
+            written.add(record.key)
+        writer.write_end_of_file()
+        del writer
+
+
+class _Sink:
+    """Where torch's zip writer writes: a file that never raises into C++.
+
+    torch's writer aborts the whole process when a write fails (its destructor writes again
+    and throws): so the first ``OSError`` is kept, later writes are dropped, and it is raised
+    once the writer is done. The file is preallocated to an estimate of its size, so a full
+    disk fails before any tensor is copied, and cut back to what was written at the end.
+    """
+
+    def __init__(self, dst: Path, estimate: int) -> None:
+        # No O_TRUNC on atomic_output's empty temp file (see write_safetensors).
+        self.fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o666)
+        self.written = 0
+        self.error: OSError | None = None
+        try:
+            preallocate(self.fd, estimate)
+        except OSError:
+            os.close(self.fd)
+            raise
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if self.error is None:
+            try:
+                write_all(self.fd, view)
+                self.written += len(view)
+            except OSError as exc:
+                self.error = exc
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+    def __enter__(self) -> _Sink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.error is None:
+                os.ftruncate(self.fd, self.written)  # drop what preallocation added
+        finally:
+            os.close(self.fd)
+        if self.error is not None:
+            raise self.error
 
 
 class _StorageRecord:

@@ -1,0 +1,160 @@
+"""Writes that survive faults: a failing write on any output format gives one error line and
+leaves nothing; temp files that killed runs left are removed by the next run (only ckptkit's,
+only when their writer is gone); two converts racing for one new output never replace each
+other's file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import FIXTURE_DIR, ROOT
+
+import ckptkit
+from ckptkit.errors import OutputError
+from ckptkit.formats.atomic import _commit, atomic_outputs, remove_stale_temps
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _big_checkpoint(path, mb: int, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    n = mb * 1024 * 1024 // 4 // 8
+    torch.save({f"w{i}": torch.randn(n, generator=gen) for i in range(8)}, path)
+
+
+@pytest.mark.parametrize(
+    "dst", ["out.pt", "out.safetensors", "shards/model.safetensors"], ids=["pt", "st", "sharded"]
+)
+def test_a_failing_write_gives_one_line_and_leaves_nothing(tmp_path, dst):
+    src = tmp_path / "src.pt"
+    _big_checkpoint(src, 8)
+    (tmp_path / "shards").mkdir()
+    # The file-size limit makes every write past 1 MB fail with EFBIG, as a full disk would.
+    script = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+        "from ckptkit.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    args = ["convert", "src.pt", dst] + (["--max-shard-size", "3MB"] if "shards" in dst else [])
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=tmp_path, capture_output=True, text=True,
+        env=ENV, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    (line,) = done.stderr.splitlines()
+    folder = "shards/" if "shards" in dst else ""
+    assert line.startswith(f"Error: cannot write {folder}") and line.endswith("File too large")
+    left = sorted(p.name for p in tmp_path.rglob("*") if p.is_file() and p.name != "src.pt")
+    assert left == []
+
+
+def test_temps_of_a_killed_convert_are_removed_by_the_next_run(tmp_path):
+    src = tmp_path / "src.pt"
+    _big_checkpoint(src, 96)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptkit", "convert", "src.pt", "out.pt"],
+        cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    temps: list = []
+    while not temps and time.monotonic() < deadline and proc.poll() is None:
+        temps = [p for p in tmp_path.iterdir() if p.name.startswith(".out.pt.ckptkit-")]
+        time.sleep(0.005)
+    if not temps:
+        proc.wait()
+        pytest.skip("the convert finished before it could be killed")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert temps[0].exists() and not (tmp_path / "out.pt").exists()
+    old = time.time() - 60
+    os.utime(temps[0], (old, old))
+    ckptkit.convert(FIXTURE_DIR / "single.pt", tmp_path / "other.safetensors")
+    assert not temps[0].exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.safetensors", "src.pt"]
+
+
+def test_only_ckptkit_temps_whose_writer_is_gone_are_removed(tmp_path):
+    # A live writer: another process holding the lock on its temp file.
+    live = tmp_path / ".a.pt.ckptkit-live.tmp"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, os, sys, time\n"
+         f"fd = os.open({str(live)!r}, os.O_CREAT | os.O_RDWR)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        dead = tmp_path / ".a.pt.ckptkit-dead.tmp"
+        dead.write_bytes(b"x")
+        young = tmp_path / ".a.pt.ckptkit-young.tmp"
+        young.write_bytes(b"x")
+        foreign = tmp_path / ".a.pt.mine.tmp"
+        foreign.write_bytes(b"x")
+        old = time.time() - 60
+        for path in (live, dead, foreign):
+            os.utime(path, (old, old))
+        assert remove_stale_temps(tmp_path) == [dead]
+        assert live.exists() and young.exists() and foreign.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    os.utime(live, (old, old))
+    assert remove_stale_temps(tmp_path) == [live]  # its writer is gone now
+
+
+def test_the_final_step_never_replaces_a_file_that_appeared(tmp_path):
+    dst = tmp_path / "out.safetensors"
+    with pytest.raises(OutputError, match="out.safetensors exists; pass --force"):
+        with atomic_outputs([dst]) as (tmp,):
+            tmp.write_bytes(b"mine")
+            dst.write_bytes(b"theirs")  # another writer finished first
+    assert dst.read_bytes() == b"theirs"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]
+    tmp = tmp_path / "t"
+    tmp.write_bytes(b"forced")
+    _commit(tmp, dst, force=True)
+    assert dst.read_bytes() == b"forced"
+
+
+def test_a_half_placed_sharded_output_is_taken_back(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    with pytest.raises(OutputError, match="b exists"):
+        with atomic_outputs([first, second]) as temps:
+            for tmp in temps:
+                tmp.write_bytes(b"mine")
+            second.write_bytes(b"theirs")
+    assert not first.exists() and second.read_bytes() == b"theirs"
+
+
+def test_two_racing_converts_one_wins_the_other_says_exists(tmp_path):
+    for i in (1, 2):
+        _big_checkpoint(tmp_path / f"src{i}.pt", 16, seed=i)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ckptkit", "convert", f"src{i}.pt", "out.safetensors", "-q"],
+            cwd=tmp_path,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in (1, 2)
+    ]
+    results = [(p.wait(), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 1], results
+    loser = next(err for code, err in results if code == 1)
+    assert loser == "Error: out.safetensors exists; pass --force to overwrite it\n"
+    winner = next(i for i, (code, _) in zip((1, 2), results, strict=True) if code == 0)
+    report = ckptkit.diff(tmp_path / f"src{winner}.pt", tmp_path / "out.safetensors")
+    assert report.equal
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors", "src1.pt", "src2.pt"]
