@@ -78,6 +78,28 @@ def make(path: Path, total_bytes: int) -> dict:
     return json.loads(subprocess.run(python(code), check=True, capture_output=True).stdout)
 
 
+def make_changed_copy(src: Path, dst: Path) -> None:
+    """The checkpoint again with one model tensor changed by 1e-3, in a child process (the
+    issue's case for ``diff --atol``)."""
+    code = (
+        "import torch; "
+        f"c = torch.load({str(src)!r}, map_location='cpu', weights_only=True, mmap=True); "
+        "k = sorted(c['model'])[len(c['model']) // 2]; "
+        "c['model'][k] = c['model'][k] + 1e-3; "
+        f"torch.save(c, {str(dst)!r})"
+    )
+    subprocess.run(python(code), check=True, capture_output=True)
+
+
+def diff_ways(a: Path, b: Path) -> dict[str, list[str]]:
+    return {
+        "ckptkit diff --atol 1e-2": [
+            sys.executable, "-m", "ckptkit", "diff", str(a), str(b), "--atol", "1e-2", "-q",
+        ],
+        "cat both files once": ["sh", "-c", f"cat {a} {b} > /dev/null"],
+    }  # fmt: skip
+
+
 def warm(path: Path) -> None:
     """Read a file through, so it is all in the page cache (the issue's measuring condition;
     the kernel drops pages of it now and then, and a way that read them from disk would be
@@ -255,7 +277,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        choices=["inspect", "convert", "torch", "flat"],
+        choices=["inspect", "convert", "torch", "diff", "flat"],
         action="append",
         help="run only these parts (repeatable; default: all)",
     )
@@ -263,13 +285,14 @@ def main() -> None:
     args = parser.parse_args()
     size = 24_000_000 if args.quick else int(args.size_gb * 1e9)
     repeat = 1 if args.quick else args.repeat
-    parts = set(args.only or ["inspect", "convert", "torch", "flat"])
+    parts = set(args.only or ["inspect", "convert", "torch", "diff", "flat"])
     flat_sizes = [24_000_000, 96_000_000] if args.quick else [int(g * 1e9) for g in args.flat_gb]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         folder = Path(tmp)
         ckpt, out = folder / "train.pt", folder / "out.safetensors"
         info = make(ckpt, size)
-        results = {"checkpoint": info, "inspect": {}, "convert": {}, "torch": {}, "flat_memory": {}}
+        results = {"checkpoint": info, "inspect": {}, "convert": {}, "torch": {}, "diff": {},
+                   "flat_memory": {}}  # fmt: skip
         if "inspect" in parts:
             results["inspect"] = run_ways(inspect_ways(ckpt), repeat, inputs=(ckpt,))
         if "convert" in parts:
@@ -278,6 +301,11 @@ def main() -> None:
             outputs = (folder / "bf16.safetensors", folder / "out.pt", folder / "bf16.pt")
             ways = torch_ways(ckpt, folder)
             results["torch"] = run_ways(ways, min(repeat, 3), outputs, (ckpt,))
+        if "diff" in parts:
+            changed = folder / "changed.pt"
+            make_changed_copy(ckpt, changed)
+            results["diff"] = run_ways(diff_ways(ckpt, changed), repeat, (), (ckpt, changed))
+            changed.unlink()
         ckpt.unlink()
         for flat in flat_sizes if "flat" in parts else []:  # one at a time: less disk needed
             path = folder / f"flat-{flat}.pt"
@@ -312,6 +340,9 @@ def main() -> None:
             print(f"| {name} | {r['wall_s']:.2f} s | {anon / 1e6:.0f} MB | "
                   f"{(anon - base) / 1e6:+.0f} MB |")  # fmt: skip
         print()
+    if results["diff"]:
+        print(table("diff of the checkpoint and a copy with one tensor +1e-3 (--atol 1e-2)",
+                    results["diff"], "cat both files once"), end="\n\n")  # fmt: skip
     if results["flat_memory"]:
         print("ckptkit convert as the checkpoint grows")
         print("| checkpoint | wall | peak anonymous memory | peak RSS |\n|---|---|---|---|")

@@ -398,7 +398,8 @@ def diff(
 
     try:
         report = run(a, b, atol=atol, rtol=rtol, keys_only=keys_only, select_a=select_a,
-                     select_b=select_b, allow_globals=allow_global)  # fmt: skip
+                     select_b=select_b, allow_globals=allow_global,
+                     progress=_progress(quiet or as_json))  # fmt: skip
     except CkptkitError as exc:
         exc.exit_code = 2
         raise
@@ -422,6 +423,10 @@ def _print_diff(report: Any) -> None:
         click.echo(f"only in A    {len(report.only_a)}: {some(report.only_a)}")
     if report.only_b:
         click.echo(f"only in B    {len(report.only_b)}: {some(report.only_b)}")
+    for t in report.retyped:
+        click.echo(
+            f"dtype        {t.key}: {t.dtypes[0]} vs {t.dtypes[1]} (values compared as float64)"
+        )
     for key, ia, ib in report.mismatched:
         click.echo(
             f"mismatch     {key}: {list(ia.shape)} {ia.dtype} vs {list(ib.shape)} {ib.dtype}"

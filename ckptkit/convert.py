@@ -31,6 +31,7 @@ from ckptkit.keys import (
     parse_rename_rule,
 )
 from ckptkit.meta import CheckpointMeta
+from ckptkit.progress import progress_bar
 
 if TYPE_CHECKING:
     pass
@@ -259,7 +260,7 @@ def _write(
     src: Path,
 ) -> None:
     """Write every output file to a temp file, verify it, and only then put them all in place."""
-    bar = _progress_bar(report.nbytes) if progress else None
+    bar = progress_bar(report.nbytes, "convert") if progress else None
     transfer = Transfer(source, progress=bar.update if bar else lambda nbytes: None)
     try:
         # In order, or none: the index (last) appears only once every shard is in place.
@@ -290,12 +291,6 @@ def _write(
         transfer.close()
         if bar:
             bar.close()
-
-
-def _progress_bar(total: int) -> Any:
-    from tqdm import tqdm  # only when shown: importing tqdm costs 30 ms (importlib.metadata)
-
-    return tqdm(total=total, unit="B", unit_scale=True, leave=False, desc="convert")
 
 
 def _match_reference(plan: KeyPlan, entries: dict[str, TensorInfo], ref_path: Path) -> KeyMatch:

@@ -22,3 +22,4 @@ def test_bench_quick_runs_and_reports_every_way():
     assert set(results["torch"]) == {"import torch (alone)", "--dtype bf16 to .safetensors",
                                      "to .pt", "--dtype bf16 to .pt"}  # fmt: skip
     assert results["checkpoint"]["largest_tensor_bytes"] > 0
+    assert set(results["diff"]) == {"ckptkit diff --atol 1e-2", "cat both files once"}

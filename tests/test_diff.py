@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import FIXTURE_DIR, FIXTURES, ROOT
+from safetensors.torch import save_file
 
 import ckptkit
 
@@ -110,3 +112,70 @@ def test_diff_cli(run, tmp_path, fixture_copy):
     assert missing.exit_code == 2
     assert missing.stderr == "Error: nope.pt does not exist; check the path\n"
     assert run("diff", "ddp.pt", "tied.pt", "-q").stdout == ""
+
+
+def test_across_dtypes_values_are_compared_in_the_wider_type(tmp_path):
+    state = {"w": torch.randn(64, 33), "i": torch.arange(10)}
+    a, b = tmp_path / "fp32.pt", tmp_path / "bf16.pt"
+    torch.save(state, a)
+    torch.save({"w": state["w"].bfloat16(), "i": state["i"].int()}, b)
+    exact = ckptkit.diff(a, b)
+    assert not exact.equal and not exact.mismatched
+    assert {t.key: t.dtypes for t in exact.retyped} == {
+        "w": ("float32", "bfloat16"),
+        "i": ("int64", "int32"),
+    }
+    w = next(t for t in exact.tensors if t.key == "w")
+    expected = (state["w"].double() - state["w"].bfloat16().double()).abs().max().item()
+    assert w.status == "different" and w.max_abs == pytest.approx(expected)
+    assert next(t for t in exact.tensors if t.key == "i").status == "equal"
+    assert ckptkit.diff(a, b, atol=1e-1).equal  # a tolerance lets the values decide
+    assert ckptkit.diff(a, b, keys_only=True).mismatched  # headers alone: dtypes differ
+
+
+def test_strided_and_contiguous_sides_line_up(tmp_path, monkeypatch):
+    diff_module = importlib.import_module("ckptkit.diff")
+    monkeypatch.setattr(diff_module, "PIECE", 7)  # many pieces, uneven on both sides
+    base = torch.randn(13, 11)
+    a, b = tmp_path / "t.pt", tmp_path / "c.safetensors"
+    torch.save({"x": base.t(), "y": base[::2]}, a)
+    changed = base.t().contiguous().clone()
+    changed[5, 3] += 1.0
+    save_file({"x": changed, "y": base[::2].contiguous()}, b)
+    report = ckptkit.diff(a, b)
+    by_key = {t.key: t for t in report.tensors}
+    assert by_key["y"].status == "equal"
+    assert by_key["x"].status == "different" and by_key["x"].differing == 1
+    assert by_key["x"].max_abs == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_diff_memory_stays_flat_on_a_big_checkpoint(tmp_path):
+    """Two 512 MB checkpoints, one tensor changed by 1e-3: compared with --atol in a child
+    whose own peak resident memory (VmHWM) stays under 256 MB."""
+    gen = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(16 * 1024 * 1024, generator=gen) for i in range(8)}
+    save_file(state, tmp_path / "a.safetensors")
+    state["w3"] = state["w3"] + 1e-3
+    torch.save(state, tmp_path / "b.pt")
+    del state
+    script = (
+        "import re, sys\n"
+        "from ckptkit.cli import main\n"
+        "try:\n    main(sys.argv[1:])\n"
+        "except SystemExit as exc:\n    code = exc.code\n"
+        "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
+        "print('PEAK', hwm, file=sys.stderr)\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "diff", "a.safetensors", "b.pt", "--atol", "1e-2", "--json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["schema"] == 2 and doc["equal"]
+    assert [t["key"] for t in doc["tensors"] if t["status"] == "close"] == ["w3"]
+    peak_mb = int(done.stderr.rsplit("PEAK ", 1)[1]) / 1024
+    assert peak_mb < 256, f"diff peaked at {peak_mb:.0f} MB"
