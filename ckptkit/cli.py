@@ -6,7 +6,6 @@ exit code; ``CKPTKIT_DEBUG=1`` shows the traceback instead.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
@@ -17,7 +16,6 @@ import click
 
 from ckptkit.errors import CkptkitError, UsageError
 from ckptkit.meta import VERSION
-from ckptkit.summary import human_size
 
 __all__ = ["cli", "main"]
 
@@ -26,8 +24,29 @@ def _progress(quiet: bool) -> bool:
     return not quiet and sys.stderr.isatty()
 
 
-def _emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=False))
+def _emit(command: str, body: dict[str, Any]) -> None:
+    from ckptkit.render import document
+
+    click.echo(document(command, body))
+
+
+def _echo(lines: list[str]) -> None:
+    for line in lines:
+        click.echo(line)
+
+
+# Options several commands share, defined once (as sqlite-utils' cli.py bundles its own).
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+quiet_option = click.option(
+    "-q", "--quiet", is_flag=True, help="Print nothing; the exit code tells."
+)
+allow_global_option = click.option(
+    "--allow-global",
+    multiple=True,
+    metavar="NAME",
+    help="Admit pickle global NAME (module.Class); it is never imported. Names that run "
+    "code are refused.",
+)
 
 
 def _report_error(exc: BaseException) -> int:
@@ -69,6 +88,10 @@ class _Group(click.Group):
             code = exc.exit_code
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the one place errors end
             code = _report_error(exc)
+            if "--json" in (sys.argv[1:] if args is None else list(args)):
+                from ckptkit.render import error_document
+
+                click.echo(error_document(exc, code))  # scripts read stdout, people stderr
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -134,18 +157,13 @@ def cli() -> None:
 @click.option(
     "--no-verify", is_flag=True, help="Skip reading the output back for a bit-exact comparison."
 )
-@click.option(
-    "--allow-global",
-    multiple=True,
-    metavar="NAME",
-    help="Admit pickle global NAME (module.Class); it is never imported.",
-)
+@allow_global_option
 @click.option(
     "--trust",
     is_flag=True,
     help="Load SRC with torch's full unpickler. It can run code: only for files you trust.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@json_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, no report.")
 def convert(
     src: str,
@@ -183,9 +201,11 @@ def convert(
         **options,
     )
     if as_json:
-        _emit_json(report.to_dict())
+        _emit("convert", report.to_dict())
     elif not quiet:
-        _print_convert(report)
+        from ckptkit.render import convert_lines
+
+        _echo(convert_lines(report))
 
 
 @cli.command()
@@ -255,7 +275,7 @@ def convert(
     show_default=True,
     help="Process-group timeout in seconds: a stuck rank fails the job this fast.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@json_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, no per-epoch lines.")
 def train(as_json: bool, **options: Any) -> None:
     """Train in any mode; checkpoints load in every other mode.
@@ -272,16 +292,11 @@ def train(as_json: bool, **options: Any) -> None:
     if result is None:  # a worker under torchrun that is not rank 0
         return
     if as_json:
-        _emit_json(result.to_dict())
+        _emit("train", result.to_dict())
     elif not options["quiet"]:
-        last = result.metrics[-1] if result.metrics else None
-        done = (
-            f"; last epoch loss {last['loss']:.4f}, accuracy {last['accuracy']:.3f}" if last else ""
-        )
-        click.echo(f"Trained {result.epochs_run} epoch(s) in {options['mode']} mode{done}")
-        click.echo(
-            f"Checkpoint {result.checkpoint}" if result.checkpoint else "No checkpoint written"
-        )
+        from ckptkit.render import train_lines
+
+        _echo(train_lines(result, options["mode"]))
 
 
 @cli.command()
@@ -289,8 +304,13 @@ def train(as_json: bool, **options: Any) -> None:
 @click.option("--select", metavar="DOTTED.PATH", help="Where the state dict is (default: found).")
 @click.option("--flat", is_flag=True, help="One line per tensor instead of the tree.")
 @click.option("--filter", "key_filter", metavar="GLOB", help="Only tensors whose key matches GLOB.")
-@click.option("--depth", type=click.IntRange(min=1), help="Fold the tree below this depth.")
-@click.option("--json", "as_json", is_flag=True, help="Everything as one JSON document.")
+@click.option(
+    "--depth",
+    type=click.IntRange(min=1),
+    help="Fold the tree below this depth.  [default: no folding]",
+)
+@json_option
+@quiet_option
 def inspect(
     path: str,
     select: str | None,
@@ -298,6 +318,7 @@ def inspect(
     key_filter: str | None,
     depth: int | None,
     as_json: bool,
+    quiet: bool,
 ) -> None:
     """Show what is in a checkpoint without loading its tensors or running its pickle.
 
@@ -306,31 +327,24 @@ def inspect(
     ckptkit inspect model.safetensors --filter 'layers.0.*' --flat
     ckptkit inspect shards/ --depth 2
     """
-    from ckptkit.summary import flat_lines, summarize, summary_lines, tree_lines
+    from ckptkit.summary import summarize
 
     if flat and depth:
         raise UsageError("--flat and --depth do not go together", "use one of them")
     summary = summarize(path, select=select)
     if as_json:
-        _emit_json(summary.to_dict(key_filter))
-        return
-    for line in summary_lines(summary):
-        click.echo(line)
-    click.echo()
-    body = (
-        flat_lines(summary, key_filter=key_filter)
-        if flat
-        else tree_lines(summary, depth=depth, key_filter=key_filter)
-    )
-    for line in body or ["(no tensor matches)"]:
-        click.echo(line)
+        _emit("inspect", summary.to_dict(key_filter))
+    elif not quiet:
+        from ckptkit.render import inspect_lines
+
+        _echo(inspect_lines(summary, flat=flat, depth=depth, key_filter=key_filter))
 
 
 @cli.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
-@click.option("--allow-global", multiple=True, metavar="NAME", help="Count global NAME as safe.")
-@click.option("--json", "as_json", is_flag=True, help="The findings as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="Print nothing; the exit code tells.")
+@allow_global_option
+@json_option
+@quiet_option
 def scan(paths: tuple[str, ...], allow_global: tuple[str, ...], as_json: bool, quiet: bool) -> None:
     """Scan checkpoints' pickles for code they would run, without running it.
 
@@ -344,20 +358,19 @@ def scan(paths: tuple[str, ...], allow_global: tuple[str, ...], as_json: bool, q
     ckptkit scan downloads/*.pt
     ckptkit scan model.pt --allow-global argparse.Namespace
     """
-    from ckptkit.scan import SCAN_SCHEMA, scan_many
+    from ckptkit.render import scan_lines
+    from ckptkit.scan import overall_verdict, scan_many
 
     reports = scan_many(paths, allow_globals=allow_global)
     for report in reports:
         if report.error:
             click.echo(f"Error: {report.error}", err=True)
-    verdicts = [r.verdict for r in reports]
-    worst = "error" if "error" in verdicts else max(verdicts, key=_VERDICT_ORDER.index)
+    worst = overall_verdict(reports)
     if as_json:
-        files = [r.to_dict() for r in reports]
-        _emit_json({"schema": SCAN_SCHEMA, "verdict": worst, "files": files})
+        _emit("scan", {"verdict": worst, "files": [r.to_dict() for r in reports]})
     elif not quiet:
         for report in reports:
-            _print_scan(report)
+            _echo(scan_lines(report))
     if worst != "safe":
         raise click.exceptions.Exit(2 if worst == "error" else 1)
 
@@ -365,14 +378,26 @@ def scan(paths: tuple[str, ...], allow_global: tuple[str, ...], as_json: bool, q
 @cli.command()
 @click.argument("a", type=click.Path(path_type=str))
 @click.argument("b", type=click.Path(path_type=str))
-@click.option("--atol", type=click.FloatRange(min=0), default=0.0, help="Absolute tolerance.")
-@click.option("--rtol", type=click.FloatRange(min=0), default=0.0, help="Relative tolerance.")
+@click.option(
+    "--atol",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Absolute tolerance (0 and 0: bit-exact).",
+)
+@click.option(
+    "--rtol",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Relative tolerance, of B's values.",
+)
 @click.option("--keys-only", is_flag=True, help="Compare keys, shapes and dtypes; read no data.")
 @click.option("--select-a", metavar="DOTTED.PATH", help="Where A's state dict is.")
 @click.option("--select-b", metavar="DOTTED.PATH", help="Where B's state dict is.")
-@click.option("--allow-global", multiple=True, metavar="NAME", help="Admit pickle global NAME.")
-@click.option("--json", "as_json", is_flag=True, help="The comparison as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="Print nothing; the exit code tells.")
+@allow_global_option
+@json_option
+@quiet_option
 def diff(
     a: str,
     b: str,
@@ -404,121 +429,13 @@ def diff(
         exc.exit_code = 2
         raise
     if as_json:
-        _emit_json(report.to_dict())
+        _emit("diff", report.to_dict())
     elif not quiet:
-        _print_diff(report)
+        from ckptkit.render import diff_lines
+
+        _echo(diff_lines(report))
     if not report.equal:
         raise click.exceptions.Exit(1)
-
-
-def _print_diff(report: Any) -> None:
-    for name, side in (("A", report.a), ("B", report.b)):
-        removed = f", stripped {''.join(side.removed)}" if side.removed else ""
-        click.echo(f"{name}  {side.path} ({side.format}{removed})")
-
-    def some(keys: list[str]) -> str:
-        return ", ".join(keys[:6]) + (f" (+{len(keys) - 6} more)" if len(keys) > 6 else "")
-
-    if report.only_a:
-        click.echo(f"only in A    {len(report.only_a)}: {some(report.only_a)}")
-    if report.only_b:
-        click.echo(f"only in B    {len(report.only_b)}: {some(report.only_b)}")
-    for t in report.retyped:
-        click.echo(
-            f"dtype        {t.key}: {t.dtypes[0]} vs {t.dtypes[1]} (values compared as float64)"
-        )
-    for key, ia, ib in report.mismatched:
-        click.echo(
-            f"mismatch     {key}: {list(ia.shape)} {ia.dtype} vs {list(ib.shape)} {ib.dtype}"
-        )
-    if report.keys_only:
-        click.echo(f"headers      {report.common} common keys compared (no data read)")
-    else:
-        counts = {
-            s: sum(1 for t in report.tensors if t.status == s)
-            for s in ("equal", "close", "different")
-        }
-        click.echo(f"values       {counts['equal']} bit-equal, {counts['close']} within tolerance, "
-                   f"{counts['different']} different")  # fmt: skip
-        for t in report.different[:10]:
-            click.echo(f"  {t.key}: {t.differing} elements differ, max abs {t.max_abs:.3g}, "
-                       f"max rel {t.max_rel:.3g}")  # fmt: skip
-    click.echo("equal" if report.equal else "differ")
-
-
-_VERDICT_ORDER = ["safe", "unknown", "damaged", "dangerous"]
-
-
-def _print_scan(report: Any) -> None:
-    if report.error:
-        return  # said on stderr
-    click.echo(f"{report.path}: {report.verdict} ({report.format})")
-    for problem in report.problems:
-        click.echo(f"  problem   {problem}")
-    for damage in report.damaged:
-        click.echo(f"  damaged   {damage}")
-    classes = report.globals()
-    for name, cls in classes.items():
-        if cls != "safe":
-            click.echo(f"  {cls:<9} {name}")
-    for findings in report.pickles:
-        for name, count in findings.calls.items():
-            if name not in report.allowed:
-                times = f" x{count}" if count > 1 else ""
-                click.echo(f"  call      {name}(...){times} in {findings.label}")
-        for problem in findings.problems:
-            click.echo(f"  problem   {problem} in {findings.label}")
-    safe = sum(1 for cls in classes.values() if cls == "safe")
-    if safe:
-        click.echo(f"  safe      {safe} globals in torch's weights_only set")
-
-
-def _print_convert(report: Any) -> None:
-    where = (
-        f"state dict at '{report.selected}'" if report.selected else "state dict at the top level"
-    )
-    click.echo(
-        f"Read     {report.source} ({report.source_format}); {where} ({report.selected_reason})"
-    )
-    plan = report.plan
-    steps = "; ".join(plan.steps) if plan.steps else "keys unchanged"
-    click.echo(f"Keys     {report.tensors} tensors, {human_size(report.nbytes)}: {steps}")
-    if report.dry_run:
-        for old, new in plan.mapping.items():
-            click.echo(f"  {old} -> {new if new is not None else '(dropped)'}")
-    for part in report.dropped:
-        click.echo(
-            f"Dropped  {part.path} ({part.tensors} tensors, {human_size(part.nbytes)}): not weights"
-        )
-    for key in plan.dropped:
-        click.echo(f"Dropped  {key} (wrapper bookkeeping)")
-    for alias, target in report.aliases.items():
-        click.echo(f"Tied     {alias} = {target} (written twice, recorded in metadata)")
-    if report.cast:
-        saved = report.source_nbytes - report.nbytes
-        click.echo(
-            f"Cast     {len(report.cast)} floating-point tensor(s): {human_size(saved)} saved"
-        )
-    if report.overflowed:
-        click.echo(f"Overflow {', '.join(report.overflowed[:5])} (allowed with --allow-overflow)")
-    if report.made_contiguous:
-        click.echo(
-            f"Packed   {len(report.made_contiguous)} non-contiguous tensor(s) made contiguous"
-        )
-    if report.extras and report.output_format == "safetensors":
-        click.echo(f"Kept     {', '.join(report.extras)} in the metadata")
-    elif report.extras:
-        click.echo(f"Left     {', '.join(report.extras)} (a .pt output holds only the state dict)")
-    if report.dry_run:
-        click.echo("Dry run: nothing written")
-        return
-    checked = "verified bit-exact" if report.verified else "not verified (--no-verify)"
-    if len(report.files) > 1:
-        click.echo(f"Wrote    {len(report.files) - 1} shards and {report.files[-1]}, {checked}")
-    else:
-        click.echo(f"Wrote    {report.destination} ({report.output_format}), {checked}")
-    if report.copied:
-        click.echo(f"Copied   {report.copied} of {report.tensors} tensors as bytes, without torch")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,6 +26,7 @@ from ckptkit.keys import (
     KeyMatch,
     KeyPlan,
     build_plan,
+    detect_wrappers,
     match_keys,
     mismatch_message,
     parse_rename_rule,
@@ -68,10 +69,12 @@ class ConvertReport:
     match: KeyMatch | None = None
     dry_run: bool = False
     verified: bool = False
+    kept_wrappers: list[str] = field(default_factory=list)  # wrapper prefixes still on the keys
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary (the schema of ``ckptkit convert --json``)."""
         return {
+            "kept_wrappers": self.kept_wrappers,
             "source": self.source,
             "source_format": self.source_format,
             "destination": self.destination,
@@ -223,6 +226,7 @@ def convert(
             extras=sorted(source.extras),
             match=match,
             dry_run=dry_run,
+            kept_wrappers=[w.prefix for w in detect_wrappers(item.spec.key for item in items)],
         )
         if dry_run:
             return report

@@ -7,6 +7,7 @@ error's exit code. Stdlib only, importable from anywhere.
 from __future__ import annotations
 
 __all__ = [
+    "python_words",
     "CkptkitError",
     "UsageError",
     "FormatError",
@@ -20,6 +21,32 @@ __all__ = [
 ]
 
 
+# The command line's flags and what library callers pass instead: hints are written once, for
+# the CLI, and read in Python's words by library callers (longest flags first).
+_FLAG_TO_PARAMETER = (
+    ("--allow-global NAME", "allow_globals=[NAME]"),
+    ("--select DOTTED.PATH", "select='DOTTED.PATH'"),
+    ("--keep-dtype GLOB", "keep_dtype=[GLOB]"),
+    ("--strip-wrappers", "strip_wrappers=True"),
+    ("--max-shard-size", "max_shard_size="),
+    ("--allow-overflow", "allow_overflow=True"),
+    ("--strip-module", "strip_module=True"),
+    ("--allow-global", "allow_globals="),
+    ("--dry-run", "dry_run=True"),
+    ("--select", "select="),
+    ("--force", "force=True"),
+    ("--trust", "trust=True"),
+    ("--dtype", "dtype="),
+)
+
+
+def python_words(hint: str) -> str:
+    """A CLI hint with each flag named as the library's parameter."""
+    for flag, parameter in _FLAG_TO_PARAMETER:
+        hint = hint.replace(flag, parameter)
+    return hint
+
+
 class CkptkitError(Exception):
     """Base class of the errors ckptkit expects.
 
@@ -27,8 +54,9 @@ class CkptkitError(Exception):
         message: what went wrong, naming the file or key concerned.
         hint: how to fix it, in the command line's words (flags), or None when the message says
             it all.
-        api_hint: the same fix in Python's words (``allow_globals=``, ``trust=``), where they
-            differ; ``str(error)`` uses it, the CLI prints ``cli_text``.
+        api_hint: the same fix in Python's words, when more than naming each flag as its
+            parameter (:func:`python_words`) is needed; ``str(error)`` gives the Python words,
+            the CLI prints ``cli_text``.
     """
 
     exit_code = 1
@@ -40,7 +68,7 @@ class CkptkitError(Exception):
         self.api_hint = api_hint
 
     def __str__(self) -> str:
-        hint = self.api_hint or self.hint
+        hint = self.api_hint or (python_words(self.hint) if self.hint else None)
         return f"{self.message}; {hint}" if hint else self.message
 
     @property

@@ -121,9 +121,14 @@ def strip_prefix(keys: Iterable[str], prefix: str) -> KeyMap:
         else:
             result[key] = None if key in own else key
     if keys and not stripped:
+        chain = detect_wrappers(keys)
+        hint = "run `ckptkit inspect` to see the key prefixes, or drop this option"
+        if chain:  # the keys are wrapped, just not by this prefix first
+            found = "".join(w.prefix for w in chain)
+            hint = f"the keys start with '{found}': --strip-wrappers removes the whole chain"
         raise KeyTransformError(
             f"no key starts with '{prefix}' (first key: '{keys[0]}')",
-            "run `ckptkit inspect` to see the key prefixes, or drop this option",
+            hint,
         )
     return result
 

@@ -26,10 +26,7 @@ from ckptkit.formats.pickle_scan import (
 )
 from ckptkit.formats.torch_safe_globals import safe_globals
 
-__all__ = ["scan", "scan_many", "report_of", "ScanReport", "SCAN_SCHEMA"]
-
-#: Version of the JSON document ``scan --json`` prints (see the README).
-SCAN_SCHEMA = 2
+__all__ = ["scan", "scan_many", "overall_verdict", "report_of", "ScanReport"]
 
 
 @dataclass
@@ -149,6 +146,12 @@ def scan_many(
         except CkptkitError as exc:
             reports.append(ScanReport(str(path), "unknown", allowed=allowed, error=exc.cli_text))
     return reports
+
+
+def overall_verdict(reports: Iterable[ScanReport]) -> str:
+    """The verdict of many files: ``error`` when one could not be scanned, else the worst."""
+    verdicts = [r.verdict for r in reports]
+    return "error" if "error" in verdicts else worst_of(verdicts)
 
 
 def _structure_damage(path: Path, found: list[Reading]) -> str | None:

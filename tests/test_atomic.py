@@ -113,7 +113,7 @@ def test_only_ckptkit_temps_whose_writer_is_gone_are_removed(tmp_path):
 
 def test_the_final_step_never_replaces_a_file_that_appeared(tmp_path):
     dst = tmp_path / "out.safetensors"
-    with pytest.raises(OutputError, match="out.safetensors exists; pass --force"):
+    with pytest.raises(OutputError, match="out.safetensors exists; pass force=True"):
         with atomic_outputs([dst]) as (tmp,):
             tmp.write_bytes(b"mine")
             dst.write_bytes(b"theirs")  # another writer finished first

@@ -14,6 +14,7 @@ from conftest import FIXTURE_DIR, ROOT
 from safetensors.torch import load_file
 
 from ckptkit.cli import cli
+from ckptkit.render import SCHEMAS
 
 
 def only_inputs(tmp_path, *names):
@@ -197,7 +198,7 @@ def test_output_errors(run, tmp_path, fixture_copy):
     result = run("convert", "single.pt", "out.onnx")
     assert (
         result.stderr
-        == "Error: cannot tell the output format of out.onnx; end the name with .safetensors or .pt\n"
+        == "Error: cannot tell the output format of out.onnx; end the name with .safetensors, or .pt (.pth, .bin, .ckpt, .pth.tar)\n"
     )
     result = run("convert", "single.pt", "o.pt", "--strip-module", "--strip-wrappers")
     assert result.exit_code == 2
@@ -302,3 +303,58 @@ def test_real_process_end_to_end(tmp_path):
     model = TinyNet()
     model.load_state_dict(load_file(dst), strict=True)
     assert torch.equal(model.head.bias, torch.load(src, weights_only=True)["module.head.bias"])
+
+
+def test_every_json_document_has_a_schema_and_errors_are_documents_too(run, fixture_copy, tmp_path):
+    fixture_copy("single.pt")
+    runs = {
+        "inspect": run("inspect", "single.pt", "--json"),
+        "scan": run("scan", "single.pt", "--json"),
+        "diff": run("diff", "single.pt", "single.pt", "--json"),
+        "convert": run("convert", "single.pt", "o.safetensors", "--json"),
+    }
+    for command, result in runs.items():
+        assert result.exit_code == 0, (command, result.stderr)
+        assert json.loads(result.stdout)["schema"] == SCHEMAS[command], command
+    # A failure under --json: the one line on stderr, and a JSON document on stdout.
+    failed = run("convert", "single.pt", "o.safetensors", "--json")
+    assert failed.exit_code == 1
+    assert failed.stderr == "Error: o.safetensors exists; pass --force to overwrite it\n"
+    assert json.loads(failed.stdout) == {
+        "schema": SCHEMAS["error"],
+        "error": {"type": "OutputError", "message": "o.safetensors exists",
+                  "hint": "pass --force to overwrite it"},
+        "exit_code": 1,
+    }  # fmt: skip
+    usage = run("inspect", "single.pt", "--flat", "--depth", "2", "--json")
+    assert usage.exit_code == 2 and json.loads(usage.stdout)["error"]["type"] == "UsageError"
+
+
+def test_inspect_quiet_and_defaults_in_help(run, fixture_copy):
+    fixture_copy("single.pt")
+    quiet = run("inspect", "single.pt", "-q")
+    assert quiet.exit_code == 0 and quiet.stdout == ""
+    diff_help = " ".join(run("diff", "--help").stdout.split())
+    assert "bit-exact). [default: 0.0; x>=0]" in diff_help
+    assert "[default: no folding]" in " ".join(run("inspect", "--help").stdout.split())
+
+
+def test_strip_module_on_a_compiled_file_names_strip_wrappers(run, fixture_copy):
+    fixture_copy("compiled.pt")
+    result = run("convert", "compiled.pt", "o.safetensors", "--strip-module")
+    assert result.exit_code == 1
+    assert result.stderr == (
+        "Error: no key starts with 'module.' (first key: '_orig_mod.body.0.weight'); the keys "
+        "start with '_orig_mod.': --strip-wrappers removes the whole chain\n"
+    )
+
+
+def test_convert_notes_wrappers_it_keeps_and_accepts_ckpt_names(run, fixture_copy):
+    fixture_copy("training.pt")
+    result = run("convert", "training.pt", "out.pth.tar")
+    assert result.exit_code == 0, result.stderr
+    assert "Note     the keys keep 'module.'; --strip-wrappers removes it" in result.stdout
+    assert run("convert", "training.pt", "out.ckpt", "--strip-wrappers").exit_code == 0
+    one = run("convert", "training.pt", "one.safetensors", "--strip-wrappers",
+              "--rename", r"^(?!head\.bias).*=", "--dry-run")  # fmt: skip
+    assert "Keys     1 tensor," in one.stdout or one.exit_code != 0

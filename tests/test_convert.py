@@ -156,7 +156,7 @@ def test_output_rules(tmp_path, fixture_copy):
     src = fixture_copy("single.pt")
     dst = tmp_path / "o.safetensors"
     dst.write_bytes(b"keep me")
-    with pytest.raises(OutputError, match="o.safetensors exists; pass --force to overwrite it"):
+    with pytest.raises(OutputError, match="o.safetensors exists; pass force=True to overwrite it"):
         ckptkit.convert(src, dst)
     assert dst.read_bytes() == b"keep me"
     ckptkit.convert(src, dst, force=True)

@@ -268,7 +268,7 @@ def test_sharded_output_is_all_or_nothing(tmp_path):
     torch.save({"a": torch.randn(64, 16), "b": torch.randn(64, 16)}, src)
     (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"taken")
     with pytest.raises(
-        ckptkit.CkptkitError, match="model-00002-of-00002.safetensors exists; pass --force"
+        ckptkit.CkptkitError, match="model-00002-of-00002.safetensors exists; pass force=True"
     ):
         ckptkit.convert(src, tmp_path / "model.safetensors", max_shard_size="4kB")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -299,7 +299,7 @@ def test_cli_dtype_and_shards(run, fixture_copy, tmp_path):
     fixture_copy("training.pt")
     result = run("convert", "training.pt", "half.safetensors", "--strip-module", "--dtype", "fp16")
     assert result.exit_code == 0, result.stderr
-    assert "Cast     8 floating-point tensor(s): 230 B saved" in result.stdout.splitlines()
+    assert "Cast     8 floating-point tensors: 230 B saved" in result.stdout.splitlines()
     result = run(
         "convert", "training.pt", "s.safetensors", "--strip-module", "--max-shard-size", "200B"
     )

@@ -12,7 +12,8 @@ from conftest import FIXTURE_DIR, FIXTURES, ROOT
 from safetensors.torch import save_file
 
 import ckptkit
-from ckptkit.summary import collapse, summarize, tree_lines
+from ckptkit.render import tree_lines
+from ckptkit.summary import collapse, summarize
 
 
 @pytest.mark.parametrize("fx", FIXTURES, ids=lambda f: f.name)
@@ -25,7 +26,7 @@ def test_every_fixture_is_summarized(fx):
     assert summary.safety.verdict == expected_verdict
     doc = summary.to_dict()
     json.dumps(doc)  # JSON-ready
-    assert doc["schema"] == 1 and doc["tensor_count"] == len(doc["tensors"])
+    assert doc["tensor_count"] == len(doc["tensors"])
 
 
 def test_training_checkpoint_details():

@@ -22,7 +22,14 @@ __all__ = [
 ]
 
 # Output format by suffix.
-OUTPUT_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+OUTPUT_FORMATS = {
+    ".safetensors": "safetensors",
+    ".pt": "torch",
+    ".pth": "torch",
+    ".bin": "torch",
+    ".ckpt": "torch",
+    ".tar": "torch",  # .pth.tar, as torchvision's references name their checkpoints
+}
 
 
 def checkpoint_index(path: Path) -> Path | None:
@@ -91,6 +98,6 @@ def output_format(path: str | Path) -> str:
     if suffix not in OUTPUT_FORMATS:
         raise FormatError(
             f"cannot tell the output format of {path}",
-            "end the name with .safetensors or .pt",
+            "end the name with .safetensors, or .pt (.pth, .bin, .ckpt, .pth.tar)",
         )
     return OUTPUT_FORMATS[suffix]

@@ -179,6 +179,5 @@ def check_allowed(names: Iterable[str]) -> frozenset[str]:
         raise UsageError(
             f"{', '.join(bad)} cannot be admitted: a file that needs it runs code when loaded",
             "only if you trust the file, load it with --trust",
-            api_hint="only if you trust the file, load it with trust=True",
         )
     return names

@@ -219,7 +219,7 @@ def checked_reading(
         raise UnsafeCheckpointError(
             f"{path} is unsafe: {problems[0]}",
             "see 'ckptkit scan'; only a file you trust can be loaded, with --trust",
-            api_hint="see ckptkit.scan(); only a file you trust can be loaded, with trust=True",
+            api_hint="see ckptkit.scan(path); only a file you trust can be loaded, with trust=True",
         )
     reading = found[0]
     damage = reading.damaged or next((p.damaged for p in reading.pickles if p.damaged), None)
@@ -304,15 +304,12 @@ def _unsafe_error(path: Path, unsafe: list[str]) -> UnsafeCheckpointError:
             f"{path} names globals that run code when loaded: {', '.join(unsafe)}",
             "only a file you trust can be loaded, with --trust",
             globals_=tuple(unsafe),
-            api_hint="only a file you trust can be loaded, with trust=True",
         )
     return UnsafeCheckpointError(
         f"{path} names globals outside torch's safe set: {', '.join(unsafe)}",
         "if you trust the file, admit each with --allow-global NAME "
         "(or load it fully with --trust)",
         globals_=tuple(unsafe),
-        api_hint="if you trust the file, admit each with allow_globals=[NAME, ...] "
-        "(or load it fully with trust=True)",
     )
 
 

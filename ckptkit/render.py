@@ -1,0 +1,367 @@
+"""The views of every report: the text a command prints and the JSON document it emits.
+
+Each command's report object (``ConvertReport``, ``Summary``, ``ScanReport``, ``DiffReport``,
+``TrainResult``) is rendered here, both ways, so the two never drift. JSON documents carry a
+``schema`` version each (documented in the README); an error is a document too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ckptkit.errors import CkptkitError
+from ckptkit.formats.dtypes import DTYPES
+from ckptkit.formats.source import TensorInfo
+from ckptkit.meta import NAMESPACE
+
+__all__ = [
+    "SCHEMAS",
+    "document",
+    "error_document",
+    "human_size",
+    "plural",
+    "convert_lines",
+    "scan_lines",
+    "diff_lines",
+    "train_lines",
+    "inspect_lines",
+    "summary_lines",
+    "tree_lines",
+    "flat_lines",
+]
+
+#: The version of each command's JSON document; bump one when its shape changes.
+SCHEMAS = {"inspect": 2, "convert": 2, "scan": 2, "diff": 2, "train": 1, "error": 1}
+_TRAINING_KEY = "ckptkit"  # convert._TRAINING_KEY, without importing convert
+
+
+def document(command: str, body: dict[str, Any]) -> str:
+    """A command's JSON document: its schema version, then the report's fields."""
+    return json.dumps({"schema": SCHEMAS[command], **body}, indent=2)
+
+
+def error_document(exc: BaseException, exit_code: int) -> str:
+    """What ``--json`` prints on stdout when the command fails (the line goes to stderr)."""
+    if isinstance(exc, CkptkitError):
+        error = {"type": type(exc).__name__, "message": exc.message, "hint": exc.hint}
+    else:
+        error = {"type": type(exc).__name__, "message": str(exc), "hint": None}
+    return document("error", {"error": error, "exit_code": exit_code})
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 tensor``, ``2 tensors``."""
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def human_size(nbytes: int) -> str:
+    """``1234567`` -> ``1.2 MB`` (decimal units, as disks are sold)."""
+    value = float(nbytes)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def _describe(info: TensorInfo, count: int = 1) -> str:
+    dtype = DTYPES[info.dtype].short if info.dtype in DTYPES else info.dtype
+    shape = "[" + ", ".join(map(str, info.shape)) + "]"
+    note = "" if info.contiguous else "  non-contiguous"
+    times = f"  x{count}" if count > 1 else ""
+    return f"{shape} {dtype}{times}  {human_size(info.nbytes * count)}{note}"
+
+
+def flat_lines(summary: Any, *, key_filter: str | None = None) -> list[str]:
+    """One line per tensor: key, shape, dtype, size."""
+    from ckptkit.summary import keep
+
+    rows = [(k, i) for k, i in summary.tensors if keep(k, key_filter)]
+    width = max((len(k) for k, _ in rows), default=0)
+    return [f"{key:<{width}}  {_describe(info)}" for key, info in rows]
+
+
+def tree_lines(
+    summary: Any, *, depth: int | None = None, key_filter: str | None = None
+) -> list[str]:
+    """Tensors as a tree by module path, repeated layers folded, subtrees past ``depth`` summed."""
+    from ckptkit.summary import collapse, keep
+
+    rows = [(k, i) for k, i in summary.tensors if keep(k, key_filter)]
+    # Fold on what a tensor looks like, not on where its bytes live.
+    looks = {k: TensorInfo(i.dtype, i.shape, contiguous=i.contiguous) for k, i in rows}
+    folded = collapse([(k, looks[k]) for k, _ in rows])
+    root: dict[str, Any] = {}
+    for parts, info, count in folded:
+        node = root
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = (info, count)
+    lines: list[str] = []
+    _render(root, 0, depth, lines)
+    return lines
+
+
+def _totals(node: Any) -> tuple[int, int]:
+    if isinstance(node, tuple):
+        info, count = node
+        return count, info.nbytes * count
+    tensors = size = 0
+    for child in node.values():
+        t, s = _totals(child)
+        tensors, size = tensors + t, size + s
+    return tensors, size
+
+
+def _render(node: dict[str, Any], level: int, depth: int | None, lines: list[str]) -> None:
+    width = max((len(name) for name in node), default=0)
+    for name, child in node.items():
+        label = name
+        # Merge chains of single children ("encoder.layer" rather than two lines).
+        while isinstance(child, dict) and len(child) == 1:
+            ((inner, grandchild),) = child.items()
+            label, child = f"{label}.{inner}", grandchild
+        pad = "  " * level
+        if isinstance(child, tuple):
+            info, count = child
+            lines.append(f"{pad}{label:<{width}}  {_describe(info, count)}")
+        else:
+            tensors, size = _totals(child)
+            lines.append(f"{pad}{label}  ({tensors} tensors, {human_size(size)})")
+            if depth is None or level + 1 < depth:
+                _render(child, level + 1, depth, lines)
+
+
+def summary_lines(summary: Any) -> list[str]:
+    """The header of the default view: one fact a line."""
+    lines = [f"{summary.path}  ({summary.format}, {human_size(summary.file_size)} on disk)"]
+    if summary.shards:
+        lines.append(f"shards      {len(summary.shards)}: {', '.join(summary.shards)}")
+    where = f"'{summary.selected}'" if summary.selected else "the top level"
+    lines.append(f"state dict  {where} ({summary.selected_reason})")
+    by_dtype = ", ".join(
+        f"{DTYPES[d].short if d in DTYPES else d} {human_size(n)}"
+        for d, n in summary.bytes_by_dtype.items()
+    )
+    count = f"{len(summary.tensors)}, {summary.parameters:,} elements, {human_size(summary.nbytes)}"
+    lines.append(f"tensors     {count}" + (f" ({by_dtype})" if by_dtype else ""))
+    if summary.wrappers:
+        chain = " ".join(f"{w.prefix} ({w.added_by})" for w in summary.wrappers)
+        lines.append(f"wrappers    {chain}; `ckptkit convert --strip-wrappers` removes them")
+    else:
+        lines.append("wrappers    none")
+    for alias, target in summary.aliases.items():
+        lines.append(f"tied        {alias} = {target}")
+    for group in summary.shared:
+        lines.append(
+            f"shared      {len(group)} tensors in one buffer: {', '.join(group[:4])}"
+            + (" ..." if len(group) > 4 else "")
+        )
+    if summary.non_contiguous:
+        lines.append(
+            f"strided     {', '.join(summary.non_contiguous[:5])}"
+            + (" ..." if len(summary.non_contiguous) > 5 else "")
+        )
+    for part in summary.dropped:
+        lines.append(
+            f"also        {part.path}: {part.tensors} tensors, "
+            f"{human_size(part.nbytes)} (not weights)"
+        )
+    run = summary.training
+    if run:
+        lines.append(
+            f"trained     {run.get('mode')} x{run.get('world_size')} on {run.get('nodes')} node(s) "
+            f"({run.get('backend') or 'no process group'}, {run.get('device_type')}), epoch "
+            f"{run.get('epoch')}, step {run.get('step')}, seed {run.get('seed')}, "
+            f"torch {run.get('torch_version')}, {run.get('utc_time')}"
+        )
+        if run.get("removed_prefixes"):
+            removed = "".join(run["removed_prefixes"])
+            lines.append(f"unwrapped   saved without its {removed} wrapper: loads in any mode")
+        lines.append(f"weights     sha256 {run.get('weights_sha256')}")
+    for key, value in summary.extras.items():
+        if key != _TRAINING_KEY:
+            lines.append(f"also        {key} = {_short(value)}")
+    for key, value in summary.metadata.items():
+        if not key.startswith(NAMESPACE):
+            lines.append(f"metadata    {key} = {_short(value)}")
+    for key, value in summary.ckptkit_metadata.items():
+        if key != "training":
+            lines.append(f"ckptkit     {key} = {_short(value)}")
+    lines.extend(_safety_lines(summary.safety))
+    return lines
+
+
+def _safety_lines(report: Any) -> list[str]:
+    if report is None:
+        return []
+    if not report.pickles:
+        return ["safety      safe: no pickle (safetensors holds only data)"]
+    names = report.globals()
+    odd = {name: cls for name, cls in names.items() if cls != "safe"}
+    if not odd:
+        return [f"safety      safe: {len(names)} globals, all in torch's weights_only set"]
+    listed = ", ".join(f"{name} ({cls})" for name, cls in odd.items())
+    return [f"safety      {report.verdict}: {listed}; `ckptkit scan` explains"]
+
+
+def _short(value: Any, limit: int = 90) -> str:
+    import json
+
+    text = value if isinstance(value, str) else json.dumps(value, default=repr)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def inspect_lines(
+    summary: Any, *, flat: bool = False, depth: int | None = None, key_filter: str | None = None
+) -> list[str]:
+    """``inspect``'s text: the header facts, a blank line, then the tree or the flat list."""
+    body = (
+        flat_lines(summary, key_filter=key_filter)
+        if flat
+        else tree_lines(summary, depth=depth, key_filter=key_filter)
+    )
+    return [*summary_lines(summary), "", *(body or ["(no tensor matches)"])]
+
+
+def convert_lines(report: Any) -> list[str]:
+    """``convert``'s text report."""
+    where = (
+        f"state dict at '{report.selected}'" if report.selected else "state dict at the top level"
+    )
+    lines = [
+        f"Read     {report.source} ({report.source_format}); {where} ({report.selected_reason})"
+    ]
+    plan = report.plan
+    steps = "; ".join(plan.steps) if plan.steps else "keys unchanged"
+    lines.append(
+        f"Keys     {plural(report.tensors, 'tensor')}, {human_size(report.nbytes)}: {steps}"
+    )
+    if report.kept_wrappers:
+        chain = "".join(report.kept_wrappers)
+        lines.append(f"Note     the keys keep '{chain}'; --strip-wrappers removes it")
+    if report.dry_run:
+        for old, new in plan.mapping.items():
+            lines.append(f"  {old} -> {new if new is not None else '(dropped)'}")
+    for part in report.dropped:
+        lines.append(
+            f"Dropped  {part.path} ({plural(part.tensors, 'tensor')}, {human_size(part.nbytes)}): "
+            "not weights"
+        )
+    for key in plan.dropped:
+        lines.append(f"Dropped  {key} (wrapper bookkeeping)")
+    how = (
+        "one storage, as torch.save keeps it"
+        if report.output_format == "torch"
+        else "written twice, recorded in metadata"
+    )
+    for alias, target in report.aliases.items():
+        lines.append(f"Tied     {alias} = {target} ({how})")
+    if report.cast:
+        saved = report.source_nbytes - report.nbytes
+        lines.append(
+            f"Cast     {plural(len(report.cast), 'floating-point tensor')}: "
+            f"{human_size(saved)} saved"
+        )
+    if report.overflowed:
+        lines.append(f"Overflow {', '.join(report.overflowed[:5])} (allowed with --allow-overflow)")
+    if report.made_contiguous:
+        lines.append(
+            f"Packed   {plural(len(report.made_contiguous), 'non-contiguous tensor')} made "
+            "contiguous"
+        )
+    if report.extras and report.output_format == "safetensors":
+        lines.append(f"Kept     {', '.join(report.extras)} in the metadata")
+    elif report.extras:
+        lines.append(
+            f"Left     {', '.join(report.extras)} (a .pt output holds only the state dict)"
+        )
+    if report.dry_run:
+        lines.append("Dry run: nothing written")
+        return lines
+    if not report.verified:
+        checked = "not verified (--no-verify)"
+    elif report.cast:
+        checked = "verified: read back equal to the cast values"
+    else:
+        checked = "verified bit-exact"
+    if len(report.files) > 1:
+        lines.append(f"Wrote    {len(report.files) - 1} shards and {report.files[-1]}, {checked}")
+    else:
+        lines.append(f"Wrote    {report.destination} ({report.output_format}), {checked}")
+    if report.copied:
+        lines.append(
+            f"Copied   {report.copied} of {plural(report.tensors, 'tensor')} as bytes, "
+            "without torch"
+        )
+    return lines
+
+
+def scan_lines(report: Any) -> list[str]:
+    """``scan``'s text for one file (an unscannable file says so on stderr instead)."""
+    if report.error:
+        return []
+    lines = [f"{report.path}: {report.verdict} ({report.format})"]
+    lines.extend(f"  problem   {problem}" for problem in report.problems)
+    lines.extend(f"  damaged   {damage}" for damage in report.damaged)
+    classes = report.globals()
+    lines.extend(f"  {cls:<9} {name}" for name, cls in classes.items() if cls != "safe")
+    for findings in report.pickles:
+        for name, count in findings.calls.items():
+            if name not in report.allowed and classes.get(name) != "safe":
+                times = f" x{count}" if count > 1 else ""
+                lines.append(f"  call      {name}(...){times} in {findings.label}")
+        lines.extend(f"  problem   {p} in {findings.label}" for p in findings.problems)
+    safe = sum(1 for cls in classes.values() if cls == "safe")
+    if safe:
+        lines.append(f"  safe      {plural(safe, 'global')} in torch's weights_only set")
+    return lines
+
+
+def diff_lines(report: Any) -> list[str]:
+    """``diff``'s text report."""
+    lines = []
+    for name, side in (("A", report.a), ("B", report.b)):
+        removed = f", stripped {''.join(side.removed)}" if side.removed else ""
+        lines.append(f"{name}  {side.path} ({side.format}{removed})")
+
+    def some(keys: list[str]) -> str:
+        return ", ".join(keys[:6]) + (f" (+{len(keys) - 6} more)" if len(keys) > 6 else "")
+
+    if report.only_a:
+        lines.append(f"only in A    {len(report.only_a)}: {some(report.only_a)}")
+    if report.only_b:
+        lines.append(f"only in B    {len(report.only_b)}: {some(report.only_b)}")
+    for key, ia, ib in report.mismatched:
+        lines.append(
+            f"mismatch     {key}: {list(ia.shape)} {ia.dtype} vs {list(ib.shape)} {ib.dtype}"
+        )
+    for t in report.retyped:
+        lines.append(
+            f"dtype        {t.key}: {t.dtypes[0]} vs {t.dtypes[1]} (values compared as float64)"
+        )
+    if report.keys_only:
+        lines.append(f"headers      {report.common} common keys compared (no data read)")
+    else:
+        counts = {
+            s: sum(1 for t in report.tensors if t.status == s)
+            for s in ("equal", "close", "different")
+        }
+        lines.append(f"values       {counts['equal']} bit-equal, {counts['close']} within "
+                     f"tolerance, {counts['different']} different")  # fmt: skip
+        for t in report.different[:10]:
+            lines.append(f"  {t.key}: {t.differing} elements differ, max abs {t.max_abs:.3g}, "
+                         f"max rel {t.max_rel:.3g}")  # fmt: skip
+    lines.append("equal" if report.equal else "differ")
+    return lines
+
+
+def train_lines(result: Any, mode: str) -> list[str]:
+    """``train``'s closing lines."""
+    last = result.metrics[-1] if result.metrics else None
+    done = f"; last epoch loss {last['loss']:.4f}, accuracy {last['accuracy']:.3f}" if last else ""
+    return [
+        f"Trained {plural(result.epochs_run, 'epoch')} in {mode} mode{done}",
+        f"Checkpoint {result.checkpoint}" if result.checkpoint else "No checkpoint written",
+    ]
