@@ -264,7 +264,9 @@ def _write(
     src: Path,
 ) -> None:
     """Write every output file to a temp file, verify it, and only then put them all in place."""
-    bar = progress_bar(report.nbytes, "convert") if progress else None
+    # Writing, then checking what was written: both count, so the bar does not stall at the end.
+    total = report.nbytes * (2 if verify else 1)
+    bar = progress_bar(total, "convert") if progress else None
     transfer = Transfer(source, progress=bar.update if bar else lambda nbytes: None)
     try:
         # In order, or none: the index (last) appears only once every shard is in place.

@@ -52,7 +52,8 @@ class Summary:
 
     @property
     def nbytes(self) -> int:
-        return sum(info.nbytes for _, info in self.tensors)
+        aliases = self.aliases
+        return sum(info.nbytes for key, info in self.tensors if key not in aliases)
 
     @property
     def bytes_by_dtype(self) -> dict[str, int]:

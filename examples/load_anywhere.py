@@ -38,4 +38,6 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: python3 {sys.argv[0]} CHECKPOINT  (e.g. runs/demo/latest checkpoint)")
     main(sys.argv[1])

@@ -275,3 +275,31 @@ def test_round_trips_are_bit_exact(tmp_path_factory, state, legacy):
     for key, tensor in state.items():
         assert bit_equal(safe[key], tensor.contiguous()), key
         assert bit_equal(back[key], tensor.contiguous()), key
+
+
+class _Bar:
+    def __init__(self, total, desc):
+        self.total, self.done = total, 0
+
+    def update(self, nbytes):
+        self.done += nbytes
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_progress_reaches_its_total_through_verification(tmp_path, monkeypatch, suffix, dtype):
+    convert_module = importlib.import_module("ckptkit.convert")
+    bars = []
+    monkeypatch.setattr(
+        convert_module,
+        "progress_bar",
+        lambda total, desc: bars.append(_Bar(total, desc)) or bars[-1],
+    )
+    ckptkit.convert(
+        FIXTURE_DIR / "training.pt", tmp_path / f"o{suffix}", dtype=dtype, progress=True
+    )
+    (bar,) = bars
+    assert bar.total > 0 and bar.done == bar.total

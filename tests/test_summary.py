@@ -173,3 +173,13 @@ def test_tree_keeps_file_order_for_unfolded_keys():
         ("a", "1", "weight"),
         ("a", "1", "bias"),
     ]
+
+
+def test_tied_bytes_count_once_and_shards_are_in_order(tmp_path):
+    tied = summarize(FIXTURE_DIR / "tied.pt")
+    (alias,) = tied.aliases
+    assert tied.nbytes == sum(i.nbytes for k, i in tied.tensors if k != alias)
+    out = tmp_path / "s.safetensors"
+    ckptkit.convert(FIXTURE_DIR / "single.pt", out, max_shard_size="200B")
+    shards = list(summarize(tmp_path / "s.safetensors.index.json").shards)
+    assert shards == sorted(shards) and len(shards) > 1

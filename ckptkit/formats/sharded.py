@@ -56,7 +56,9 @@ class ShardedSource(Source):
         self.shards: dict[str, Source] = {}
         self._where: dict[str, Source] = {}
         try:
-            for name in dict.fromkeys(weight_map.values()):
+            for name in sorted(set(weight_map.values())):  # model-00001-of-... first
+                if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+                    raise FormatError(f"{index} names a shard outside its folder: {name!r}")
                 shard_path = index.parent / name
                 if not shard_path.exists():
                     raise FormatError(f"shard {name} named by {index} is missing", "copy it there")

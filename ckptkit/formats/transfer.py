@@ -192,11 +192,14 @@ class Transfer:
             check = self._checks.pop(key, None)
             if check is None:
                 via_torch.append((item, data_start + begin))
-            elif not check.result():  # compared as it was written
+                continue
+            if not check.result():  # compared as it was written
                 raise _differs(key, shown)
+            self.progress(item.spec.nbytes)
         for item, offset in via_torch:
             if not self._same_as_pieces(self._fd(path), offset, item):
                 raise _differs(item.spec.key, shown)
+            self.progress(item.spec.nbytes)
 
     def _same_as_pieces(self, fd: int, offset: int, item: Item) -> bool:
         """True when the file holds, from ``offset``, the output bytes of ``item`` made anew."""
@@ -238,6 +241,7 @@ class Transfer:
         for item in items:
             if not bit_equal(state[item.spec.key], self.tensor(item)):
                 raise _differs(item.spec.key, shown)
+            self.progress(item.spec.nbytes)
 
 
 def _differs(key: str, shown: Path) -> VerificationError:
