@@ -201,9 +201,9 @@ def convert(
             # Widest dtypes first, so every tensor's data stays aligned for memory mapping.
             items.sort(key=lambda item: -DTYPES[item.spec.dtype].itemsize)
         aliases = {
-            plan.mapping[a]: plan.mapping[b]
+            new_a: new_b
             for a, b in source.aliases().items()
-            if plan.mapping.get(a) and plan.mapping.get(b)
+            if (new_a := plan.mapping.get(a)) and (new_b := plan.mapping.get(b))
         }
         shards = _shards(items, aliases, shard_limit) if fmt == "safetensors" else [items]
         outputs = _output_paths(dst, len(shards))

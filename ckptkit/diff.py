@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -159,7 +160,7 @@ def diff(
         if sum(new in keys_b for new in match.mapping.values()) > len(
             keys_a.keys() & keys_b.keys()
         ):
-            keys_a = {match.mapping[k]: old for k, old in keys_a.items() if match.mapping[k]}
+            keys_a = {new: old for k, old in keys_a.items() if (new := match.mapping[k])}
             removed_a += match.removed
             removed_b += match.added
         info_a, info_b = dict(src_a.entries()), dict(src_b.entries())
@@ -244,10 +245,9 @@ class _Reader:
             make = functools.partial(torch.frombuffer, dtype=torch_dtype(info.dtype))
         path, offset, length = span
         step = PIECE * DTYPES[info.dtype].itemsize
-        buf = bytearray(min(step, length))
         for start in range(0, length, step):
-            n = min(step, length - start)
-            view = buf if n == len(buf) else bytearray(n)
+            # A buffer each: pieces may be compared on two threads at once.
+            view = bytearray(min(step, length - start))
             if not read_into(self._fd(path), view, offset + start):
                 raise FormatError(f"{path} is truncated", "copy or download it again")
             yield make(view)
@@ -286,14 +286,13 @@ def compare_pieces(
     rtol: float,
 ) -> TensorDiff:
     """Compare two tensors given as matching 1-D pieces (NumPy arrays or tensors, the same kind
-    on both sides): bit-equal, within tolerance, or not. Values are compared in float64
-    (complex128 for complex), NaN equal to NaN."""
+    on both sides): bit-equal, within tolerance, or not. Values are compared in the wider of
+    the two dtypes (at least float32; float64 through torch or with integers), NaN equal to
+    NaN."""
     max_abs = max_rel = 0.0
     differing = 0
     bit_equal = True
-    for a, b in zip(_even(pieces_a), _even(pieces_b), strict=True):
-        stats = _numpy_stats if type(a).__module__ == "numpy" else _torch_stats
-        same, bad, most_abs, most_rel = stats(a, b, atol, rtol)
+    for same, bad, most_abs, most_rel in _stats_of(_even(pieces_a), _even(pieces_b), atol, rtol):
         if same:
             continue
         bit_equal = False
@@ -306,6 +305,31 @@ def compare_pieces(
     if not differing and not max_abs:  # other dtypes, the very same values
         return TensorDiff(key, "equal")
     return TensorDiff(key, "close" if not differing else "different", max_abs, max_rel, differing)
+
+
+def _stats_of(
+    pieces_a: Iterator[Any], pieces_b: Iterator[Any], atol: float, rtol: float
+) -> Iterator[tuple[bool, int, float, float]]:
+    """Each pair's stats; NumPy pairs two at a time on two threads (its loops release the GIL),
+    torch's one at a time (its memory beside torch's own is what must stay small)."""
+    pairs = zip(pieces_a, pieces_b, strict=True)
+    first = next(pairs, None)
+    if first is None:
+        return
+    if type(first[0]).__module__ != "numpy":
+        for a, b in itertools.chain([first], pairs):
+            yield _torch_stats(a, b, atol, rtol)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptkit-diff") as pool:
+        batch = [first]
+        for pair in itertools.chain(pairs, [None]):
+            if pair is not None and len(batch) < 2:
+                batch.append(pair)
+                continue
+            yield from pool.map(lambda ab: _numpy_stats(ab[0], ab[1], atol, rtol), batch)
+            batch = [pair] if pair is not None else []
 
 
 def _torch_stats(a: Any, b: Any, atol: float, rtol: float) -> tuple[bool, int, float, float]:
@@ -331,26 +355,36 @@ def _torch_stats(a: Any, b: Any, atol: float, rtol: float) -> tuple[bool, int, f
 def _numpy_stats(a: Any, b: Any, atol: float, rtol: float) -> tuple[bool, int, float, float]:
     import numpy as np
 
-    if a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+    # Bytes first (memcmp): most pieces of a changed checkpoint are unchanged.
+    if a.dtype == b.dtype and memoryview(a).cast("B") == memoryview(b).cast("B"):
         return True, 0, 0.0, 0.0
     if not a.size:
         return False, 0, 0.0, 0.0
-    wide = np.complex128 if a.dtype.kind == "c" or b.dtype.kind == "c" else np.float64
-    gap, scale = a.astype(wide), b.astype(wide)  # copies, worked on in place: few passes
+    wide = _numpy_wide(np, a.dtype, b.dtype)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        np.subtract(gap, scale, out=gap)
+        gap = np.subtract(a, b, dtype=wide)  # cast on the fly: one pass, one array
         gap = np.abs(gap, out=gap) if gap.dtype.kind == "f" else np.abs(gap)
-        scale = np.abs(scale, out=scale) if scale.dtype.kind == "f" else np.abs(scale)
-        nan = np.isnan(gap)
-        if nan.any():  # NaN equals NaN; any other NaN gap counts as different
-            gap[nan & np.isnan(a) & np.isnan(b)] = 0
+        scale = np.abs(b.astype(wide, copy=False))
+        most_abs = float(gap.max())  # NaN when any gap is: only then look for NaN
+        if most_abs != most_abs:
+            gap[np.isnan(a) & np.isnan(b)] = 0  # NaN equals NaN; other NaN gaps differ
+            most_abs = float(np.fmax.reduce(gap))  # fmax skips NaN
         limit = scale * rtol + atol if rtol else atol
         bad = int(gap.size - np.count_nonzero(gap <= limit))
-        most_abs = float(np.nanmax(gap)) if not np.isnan(gap).all() else 0.0
-        np.divide(gap, scale, out=gap, where=scale > 0)
-        gap[scale == 0] = 0
-        most_rel = float(np.nanmax(gap)) if not np.isnan(gap).all() else 0.0
+        np.divide(gap, scale, out=gap)
+        gap[np.isinf(gap)] = 0  # a zero scale has no ratio (0/0 is NaN, which fmax skips)
+        most_rel = float(np.fmax.reduce(gap))
     return False, bad, most_abs, most_rel
+
+
+def _numpy_wide(np: Any, a: Any, b: Any) -> Any:
+    """The wider of two dtypes to compare values in: at least float32 for floats (a float16
+    gap could overflow), float64 once an integer or bool is involved, complex for complex."""
+    if a.kind == "c" or b.kind == "c":
+        return np.result_type(a, b, np.complex64)
+    if a.kind == "f" and b.kind == "f":
+        return np.result_type(a, b, np.float32)
+    return np.float64
 
 
 # dtypes NumPy holds as they are on disk (little-endian); bf16 and float8 go through torch.

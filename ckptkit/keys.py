@@ -8,7 +8,7 @@ is dropped (only a wrapper's own bookkeeping keys are ever dropped).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -352,10 +352,10 @@ def match_keys(source_keys: Iterable[str], target_keys: Iterable[str]) -> KeyMat
     )
 
 
-def mismatch_message(head: str, match: KeyMatch, mismatched: list[str] = ()) -> str:
+def mismatch_message(head: str, match: KeyMatch, mismatched: Sequence[str] = ()) -> str:
     """One line naming the missing, unexpected and shape-mismatched keys (five of each)."""
 
-    def some(items: list[str]) -> str:
+    def some(items: Sequence[str]) -> str:
         shown = ", ".join(items[:5])
         return shown + (f" (+{len(items) - 5} more)" if len(items) > 5 else "")
 

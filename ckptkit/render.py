@@ -339,7 +339,8 @@ def diff_lines(report: Any) -> list[str]:
         )
     for t in report.retyped:
         lines.append(
-            f"dtype        {t.key}: {t.dtypes[0]} vs {t.dtypes[1]} (values compared as float64)"
+            f"dtype        {t.key}: {t.dtypes[0]} vs {t.dtypes[1]} "
+            "(values compared in the wider type)"
         )
     if report.keys_only:
         lines.append(f"headers      {report.common} common keys compared (no data read)")

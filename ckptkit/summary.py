@@ -129,8 +129,9 @@ def summarize(path: str | Path, *, select: str | None = None) -> Summary:
     # parse the reader made.
     with open_source(path, select=select, check_safety=False) as source:
         safety = None
-        if getattr(source, "readings", None):
-            safety = report_of(path, source.readings)
+        readings = getattr(source, "readings", None)
+        if readings:
+            safety = report_of(path, readings)
         elif source.format == "safetensors":
             safety = scan(path)
         entries = source.entries()
@@ -138,7 +139,7 @@ def summarize(path: str | Path, *, select: str | None = None) -> Summary:
             path=str(path),
             format=source.format
             if source.format != "sharded"
-            else f"sharded {source.shard_format}",
+            else f"sharded {getattr(source, 'shard_format', '?')}",
             file_size=_size_on_disk(source),
             selected=source.selected,
             selected_reason=source.selected_reason,

@@ -245,3 +245,20 @@ def test_scan_runs_no_code_even_in_a_subprocess_cli(corpus, tmp_path):
     doc = json.loads(out.stdout)
     assert {f["verdict"] for f in doc["files"]} == {"dangerous"}
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_zip_with_two_members_of_one_name_is_not_safe(tmp_path):
+    import warnings
+    import zipfile
+
+    path = tmp_path / "twice.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    with zipfile.ZipFile(path) as zf:
+        name = next(n for n in zf.namelist() if n.endswith("data.pkl"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns about the duplicate name
+        with zipfile.ZipFile(path, "a") as zf:
+            zf.writestr(name, pickle.dumps({"w": 1}, protocol=2))
+    report = scan(path)
+    assert report.verdict == "dangerous"
+    assert "a second member by this name" in json.dumps(report.to_dict())

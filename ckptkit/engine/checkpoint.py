@@ -93,7 +93,8 @@ class _RecordingFile:
     """A file whose write errors are kept: torch.save turns them into a bare RuntimeError."""
 
     def __init__(self, file: Any) -> None:
-        self.file, self.error = file, None
+        self.file = file
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -110,7 +111,7 @@ def _torch_save(payload: Any, path: Path) -> None:
     with open(path, "wb") as raw:
         target = _RecordingFile(raw)
         try:
-            torch.save(payload, target)
+            torch.save(payload, target)  # type: ignore[arg-type]  # any object with .write
         except RuntimeError:
             if target.error is not None:
                 raise target.error from None  # ENOSPC, EFBIG...: atomic_output names the file

@@ -144,7 +144,7 @@ class Engine:
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
         # One shuffling rule for every mode: DistributedSampler over the world (of 1 outside
         # DDP), so a global batch holds the same samples whatever the world size.
-        sampler = DistributedSampler(
+        sampler: DistributedSampler[Any] = DistributedSampler(
             dataset,
             num_replicas=ctx.world_size,
             rank=ctx.rank,

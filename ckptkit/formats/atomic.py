@@ -113,7 +113,7 @@ def remove_stale_temps(folder: Path) -> list[Path]:
     """Remove the temp files killed ckptkit runs left in ``folder``: only ckptkit's own, and
     only those whose writer is gone (the writer holds a lock on its temp file while it lives,
     and the kernel drops the lock when the process dies). Returns what was removed."""
-    removed = []
+    removed: list[Path] = []
     try:
         candidates = [
             p

@@ -31,6 +31,7 @@ from pathlib import Path
 from ckptkit.errors import FormatError
 from ckptkit.formats.pickle_scan import PickleFindings, scan_pickle
 from ckptkit.formats.pickle_vm import PickleRun
+from ckptkit.formats.static_unpickler import PickleScan
 
 _Scan = Callable[..., PickleFindings]
 
@@ -301,7 +302,7 @@ def _mark_hidden(reading: Reading) -> None:
 
 
 def _problem(label: str, text: str) -> PickleFindings:
-    return PickleFindings(label, PickleRun(damaged=None), extra_problems=[text])
+    return PickleFindings(label, PickleScan(None, PickleRun()), extra_problems=[text])
 
 
 def _tar_reading(tar: tarfile.TarFile, scan_pickle: _Scan) -> Reading:

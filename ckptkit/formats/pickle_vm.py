@@ -52,6 +52,7 @@ class Global:
     """A global the pickle names: only its dotted name, immutable."""
 
     __slots__ = ("name",)
+    name: str
 
     def __init__(self, name: str) -> None:
         object.__setattr__(self, "name", name)

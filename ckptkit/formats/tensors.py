@@ -36,7 +36,7 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError("as_bytes needs a contiguous CPU tensor")
     array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
-    array.owner = tensor  # the memoryview holds the array, the array holds the tensor
+    array.owner = tensor  # type: ignore[attr-defined]  # the view holds the array, it the tensor
     return memoryview(array).cast("B")
 
 

@@ -17,7 +17,7 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 from ckptkit.errors import FormatError, UnsafeCheckpointError
 from ckptkit.formats.bytecopy import preallocate, write_all
@@ -457,7 +457,7 @@ class TrustedTorchSource(Source):
                         dtype=dtype_name(t.dtype),
                         shape=tuple(t.shape),
                         storage=str(t.untyped_storage().data_ptr()),
-                        byte_range=(start, start + t.numel() * t.element_size()),
+                        byte_range=(int(start), int(start + t.numel() * t.element_size())),
                         contiguous=t.is_contiguous(),
                     ),
                 )
@@ -498,7 +498,7 @@ def write_torch(
     _RecordPickler(data, protocol=2).dump(state)
     unique = {storages[spec.key].key: spec.nbytes for spec in specs}
     with _Sink(dst, len(data.getvalue()) + sum(unique.values()) + 4096 * (len(unique) + 4)) as sink:
-        writer = torch._C.PyTorchFileWriter(sink)
+        writer = torch._C.PyTorchFileWriter(sink)  # type: ignore[call-overload]  # any .write
         for name, value in (("data.pkl", data.getvalue()), (".format_version", b"1"),
                             (".storage_alignment", b"64"), ("byteorder", b"little")):  # fmt: skip
             writer.write_record(name, value, len(value))
@@ -573,15 +573,16 @@ class _TensorRecord:
     def __init__(self, storage: _StorageRecord, spec: TensorSpec) -> None:
         self.storage, self.spec = storage, spec
 
-    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         import torch
 
         shape = tuple(self.spec.shape)
-        stride, step = [], 1
+        stride: list[int] = []
+        step = 1
         for size in reversed(shape):
             stride.insert(0, step)
             step *= size
-        args = (self.storage, 0, shape, tuple(stride), False, OrderedDict())
+        args: tuple[Any, ...] = (self.storage, 0, shape, tuple(stride), False, OrderedDict())
         if self.spec.dtype in _TYPED_STORAGES:
             return (torch._utils._rebuild_tensor_v2, args)
         return (torch._utils._rebuild_tensor_v3, (*args, torch_dtype(self.spec.dtype)))
