@@ -1,19 +1,28 @@
 """ckptkit: PyTorch checkpoints that move between single-device, DataParallel, DDP and safetensors.
 
-Importing the package is cheap: torch is imported only when a tensor is actually needed.
+Importing the package is cheap: each name below is imported on first use (PEP 562), so a command
+imports only what it uses, and torch only when a tensor is actually needed.
 """
 
 from __future__ import annotations
 
-from ckptkit.convert import ConvertReport, convert
-from ckptkit.diff import DiffReport, diff
-from ckptkit.errors import CkptkitError
-from ckptkit.formats import open_source
-from ckptkit.keys import detect_wrappers
-from ckptkit.load import LoadReport, load_into, load_state_dict
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from ckptkit.meta import VERSION as __version__
-from ckptkit.scan import ScanReport, scan
-from ckptkit.summary import Summary, summarize
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from ckptkit.convert import ConvertReport, convert
+    from ckptkit.diff import DiffReport, diff
+    from ckptkit.engine import Engine, TrainConfig, TrainResult, train
+    from ckptkit.errors import CkptkitError
+    from ckptkit.formats import open_source
+    from ckptkit.keys import detect_wrappers
+    from ckptkit.load import LoadReport, load_into, load_state_dict
+    from ckptkit.scan import ScanReport, scan
+    from ckptkit.summary import Summary, summarize
 
 __all__ = [
     "__version__",
@@ -34,15 +43,49 @@ __all__ = [
     "train",
     "Engine",
     "TrainConfig",
+    "TrainResult",
 ]
 
-# The training engine imports torch, so it loads on first use only (PEP 562).
-_ENGINE = {"train", "Engine", "TrainConfig", "TrainResult"}
+# Public name -> the module that defines it.
+_WHERE = {
+    "CkptkitError": "ckptkit.errors",
+    "convert": "ckptkit.convert",
+    "ConvertReport": "ckptkit.convert",
+    "load_state_dict": "ckptkit.load",
+    "load_into": "ckptkit.load",
+    "LoadReport": "ckptkit.load",
+    "open_source": "ckptkit.formats",
+    "detect_wrappers": "ckptkit.keys",
+    "summarize": "ckptkit.summary",
+    "Summary": "ckptkit.summary",
+    "diff": "ckptkit.diff",
+    "DiffReport": "ckptkit.diff",
+    "scan": "ckptkit.scan",
+    "ScanReport": "ckptkit.scan",
+    "train": "ckptkit.engine",  # imports torch
+    "Engine": "ckptkit.engine",
+    "TrainConfig": "ckptkit.engine",
+    "TrainResult": "ckptkit.engine",
+}
 
 
-def __getattr__(name: str) -> object:
-    if name in _ENGINE:
-        import ckptkit.engine
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    setattr(sys.modules[__name__], name, value)
+    return value
 
-        return getattr(ckptkit.engine, name)
-    raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
+
+class _Package(types.ModuleType):
+    """The package module, which keeps ``ckptkit.convert`` (and ``diff``, ``scan``) the
+    function: importing the submodule of the same name would otherwise bind the module
+    there (the submodule stays reachable in ``sys.modules``)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _WHERE and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

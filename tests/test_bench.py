@@ -6,9 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 
+@pytest.mark.slow
 def test_bench_quick_runs_and_reports_every_way():
     proc = subprocess.run([sys.executable, "bench/run.py", "--quick", "--json"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -358,3 +358,27 @@ def test_convert_notes_wrappers_it_keeps_and_accepts_ckpt_names(run, fixture_cop
     one = run("convert", "training.pt", "one.safetensors", "--strip-wrappers",
               "--rename", r"^(?!head\.bias).*=", "--dry-run")  # fmt: skip
     assert "Keys     1 tensor," in one.stdout or one.exit_code != 0
+
+
+def test_help_imports_only_the_cli():
+    code = (
+        "import sys; from ckptkit.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('ckptkit', 'torch', 'tqdm'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True)  # fmt: skip
+    assert (
+        out.stdout.strip().splitlines()[-1]
+        == "['ckptkit', 'ckptkit.cli', 'ckptkit.errors', 'ckptkit.meta']"
+    )
+
+
+def test_package_names_stay_functions_after_their_modules_load():
+    import importlib
+
+    import ckptkit
+
+    for name in ("convert", "diff", "scan"):
+        importlib.import_module(f"ckptkit.{name}")
+        assert callable(getattr(ckptkit, name)), name
