@@ -226,7 +226,10 @@ def convert(
             extras=sorted(source.extras),
             match=match,
             dry_run=dry_run,
-            kept_wrappers=[w.prefix for w in detect_wrappers(item.spec.key for item in items)],
+            # Wrappers the source had and the output still has, when none were asked for.
+            kept_wrappers=[]
+            if plan.added or plan.removed or match is not None
+            else [w.prefix for w in detect_wrappers(item.spec.key for item in items)],
         )
         if dry_run:
             return report
