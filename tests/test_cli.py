@@ -382,3 +382,10 @@ def test_package_names_stay_functions_after_their_modules_load():
     for name in ("convert", "diff", "scan"):
         importlib.import_module(f"ckptkit.{name}")
         assert callable(getattr(ckptkit, name)), name
+
+
+def test_load_anywhere_example_without_an_argument_prints_usage():
+    done = subprocess.run([sys.executable, "examples/load_anywhere.py"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("usage: python3 examples/load_anywhere.py CHECKPOINT")

@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 import struct
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from ckptkit.formats import dtypes
@@ -216,19 +217,21 @@ _REBUILDERS = {
 #: The calls of torch's safe set that mean something for the weights, as pure functions of their
 #: arguments. The pickle never holds these functions: it names globals, and the machine calls
 #: the handler with fresh values each time, so nothing it does can change them.
-TORCH_CALLS = {
-    **_REBUILDERS,
-    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
-    "collections.OrderedDict": _container(OrderedDict),
-    "collections.Counter": _container(Counter),
-    "builtins.set": _container(set),
-    "builtins.bytearray": _bytearray,
-    "builtins.complex": _complex,
-    "_codecs.encode": _latin1_encode,
-    "torch.Size": _container(tuple),
-    "torch.device": _device,
-    "torch.serialization._get_layout": lambda name: str(name),
-}
+TORCH_CALLS: Mapping[str, Callable[..., Any]] = MappingProxyType(
+    {
+        **_REBUILDERS,
+        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+        "collections.OrderedDict": _container(OrderedDict),
+        "collections.Counter": _container(Counter),
+        "builtins.set": _container(set),
+        "builtins.bytearray": _bytearray,
+        "builtins.complex": _complex,
+        "_codecs.encode": _latin1_encode,
+        "torch.Size": _container(tuple),
+        "torch.device": _device,
+        "torch.serialization._get_layout": lambda name: str(name),
+    }
+)
 
 _QUANTIZED_STORAGES = ("QInt8Storage", "QUInt8Storage", "QInt32Storage", "QUInt4x2Storage",
                        "QUInt2x4Storage", "TypedStorage", "UntypedStorage")  # fmt: skip
@@ -266,10 +269,12 @@ def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
 
 
 #: Globals outside the safe set whose value ckptkit decodes statically once they are admitted.
-DECODERS = {
-    "numpy.core.multiarray.scalar": _numpy_scalar,
-    "numpy._core.multiarray.scalar": _numpy_scalar,
-}
+DECODERS: Mapping[str, Callable[..., Any]] = MappingProxyType(
+    {
+        "numpy.core.multiarray.scalar": _numpy_scalar,
+        "numpy._core.multiarray.scalar": _numpy_scalar,
+    }
+)
 
 
 @dataclass
