@@ -53,3 +53,34 @@ def run(tmp_path, monkeypatch):
         return CliRunner().invoke(cli, [str(a) for a in args], prog_name="ckptkit")
 
     return invoke
+
+
+# Runs the CLI in a child that reports its own peak resident memory: VmHWM belongs to the
+# child's address space (ru_maxrss would start from this test process's size, through fork).
+_MEASURED = (
+    "import re, sys\n"
+    "from ckptkit.cli import main\n"
+    "code = 0\n"
+    "try:\n    main(sys.argv[1:])\n"
+    "except SystemExit as exc:\n    code = exc.code\n"
+    "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
+    "print('PEAK', hwm, file=sys.stderr)\n"
+    "sys.exit(code)\n"
+)
+
+
+def run_measured(args, cwd, timeout):
+    """``ckptkit ARGS`` in a child: (exit code, stdout, stderr, peak resident MB).
+
+    Raises:
+        subprocess.TimeoutExpired: the command ran past ``timeout`` seconds.
+    """
+    import os
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURED, *map(str, args)], cwd=cwd, capture_output=True,
+        text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    said, _, peak = done.stderr.rpartition("PEAK ")
+    return done.returncode, done.stdout, said, int(peak) / 1024

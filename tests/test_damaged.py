@@ -5,16 +5,14 @@ nothing written. Readers accept exactly what safetensors' own loader accepts."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, ROOT
+from conftest import FIXTURE_DIR, run_measured
 from damaged import corpus, must_fail
 from safetensors import safe_open
 
@@ -91,32 +89,12 @@ def test_every_damaged_input_gets_one_error_line(damaged, run, tmp_path, command
 )  # fmt: skip
 @pytest.mark.parametrize("command", ["inspect", "scan"])
 def test_bombs_stay_under_256_mb_and_10_s(damaged, name, command, tmp_path):
-    # The child reports its own peak: VmHWM belongs to its address space (ru_maxrss would
-    # start from this test process's size, inherited through fork).
-    script = (
-        "import re, sys\n"
-        "from ckptkit.cli import main\n"
-        "try:\n    main(sys.argv[1:])\n"
-        "except SystemExit as exc:\n    code = exc.code\n"
-        "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
-        "print('PEAK', hwm, file=sys.stderr)\n"
-        "sys.exit(code)\n"
-    )
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", script, command, str(damaged[name])],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
+        code, _, said, peak_mb = run_measured([command, damaged[name]], tmp_path, 10)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{command} {name} ran past 10 s")
-    peak_kb = int(done.stderr.rsplit("PEAK ", 1)[1])
-    said = done.stderr.rsplit("PEAK ", 1)[0]
-    assert done.returncode in (0, 1, 2) and "internal error" not in said
-    assert peak_kb / 1024 < 256, f"{command} {name} peaked at {peak_kb / 1024:.0f} MB"
+    assert code in (0, 1, 2) and "internal error" not in said
+    assert peak_mb < 256, f"{command} {name} peaked at {peak_mb:.0f} MB"
 
 
 def test_what_torch_loads_is_read_right(tmp_path):

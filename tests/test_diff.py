@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, FIXTURES, ROOT
+from conftest import FIXTURE_DIR, FIXTURES, ROOT, run_measured
 from safetensors.torch import save_file
 
 import ckptkit
@@ -159,23 +159,11 @@ def test_diff_memory_stays_flat_on_a_big_checkpoint(tmp_path):
     state["w3"] = state["w3"] + 1e-3
     torch.save(state, tmp_path / "b.pt")
     del state
-    script = (
-        "import re, sys\n"
-        "from ckptkit.cli import main\n"
-        "try:\n    main(sys.argv[1:])\n"
-        "except SystemExit as exc:\n    code = exc.code\n"
-        "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
-        "print('PEAK', hwm, file=sys.stderr)\n"
-        "sys.exit(code)\n"
+    code, stdout, said, peak_mb = run_measured(
+        ["diff", "a.safetensors", "b.pt", "--atol", "1e-2", "--json"], tmp_path, 300
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script, "diff", "a.safetensors", "b.pt", "--atol", "1e-2", "--json"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    doc = json.loads(done.stdout)
+    assert code == 0, said
+    doc = json.loads(stdout)
     assert doc["schema"] == 2 and doc["equal"]
     assert [t["key"] for t in doc["tensors"] if t["status"] == "close"] == ["w3"]
-    peak_mb = int(done.stderr.rsplit("PEAK ", 1)[1]) / 1024
     assert peak_mb < 256, f"diff peaked at {peak_mb:.0f} MB"
