@@ -443,8 +443,3 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 
     flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().reshape(-1)
     return flat.view(torch.uint8)
-
-
-def compare(key: str, a: torch.Tensor, b: torch.Tensor, *, atol: float, rtol: float) -> TensorDiff:
-    """Compare two tensors of one shape (any dtypes): bit-equal, within tolerance, or not."""
-    return compare_pieces(key, _flat_pieces(a), _flat_pieces(b), atol=atol, rtol=rtol)
