@@ -1,6 +1,6 @@
 """ckptkit scan beside picklescan, fickling and modelscan, on the peers' own test files.
 
-    python3 bench/scanners.py CORPUS_DIR... [--peers SITE_DIR] [--json]
+    python3 bench/scanners.py CORPUS_DIR... [--peers SITE_DIR] [--all-malicious] [--json]
 
 CORPUS_DIR: folders of files to scan (the peers' test data, exported from their repositories:
 picklescan's tests/data and tests/data2, modelscan's tests/data, fickling's test/fixtures);
@@ -9,10 +9,11 @@ nothing of theirs is kept in this repository. --peers: where the peers are insta
 
 A file counts as malicious or benign by its name, as the peers' own tests name them
 (``malicious*``, ``GHSA-*``, ``*exploit*``...; ``benign*``, plain arrays and models); others are
-"other". A scanner flags a file when its exit status says unsafe or it could not clear the file
-(ckptkit: any verdict but safe; picklescan, modelscan: status 1 or 2; fickling
---check-safety: non-zero). Per scanner the table gives malicious flagged, benign flagged, and
-the malicious files it let through.
+"other" (--all-malicious: every file is hostile, as in tests/hostile.py's corpus written out).
+A scanner flags a file when its exit status says unsafe or it could not clear the file
+(ckptkit: any verdict but safe; picklescan, modelscan: status 1 or 2; fickling --check-safety:
+non-zero). Per scanner the table gives malicious flagged, benign flagged, and the malicious
+files it let through.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def main() -> None:
     )
     parser.add_argument("corpus", nargs="+", type=Path)
     parser.add_argument("--peers", type=Path, help="site folder holding the peer scanners")
+    parser.add_argument(
+        "--all-malicious", action="store_true", help="every file is hostile (tests/hostile.py's)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     files = sorted(p for d in args.corpus for p in d.rglob("*") if p.is_file())
@@ -87,7 +91,7 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 code = 124
             results[name][str(path)] = flagged(name, code)
-    labels = {str(p): label(p) for p in files}
+    labels = {str(p): "malicious" if args.all_malicious else label(p) for p in files}
     if args.json:
         print(json.dumps({"labels": labels, "flagged": results}, indent=2))
         return
