@@ -152,6 +152,12 @@ def cli() -> None:
     metavar="SIZE",
     help="Shard safetensors output: 5GB, 500MB, 2GiB... (with a Hugging Face index).",
 )
+@click.option(
+    "--keep-tied-copies",
+    is_flag=True,
+    help="Write every name of a tied group to safetensors (default: one tensor, the others "
+    "named in the metadata, as safetensors' save_model does).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the key plan; write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
 @click.option(

@@ -30,6 +30,7 @@ from ckptkit.keys import (
     match_keys,
     mismatch_message,
     parse_rename_rule,
+    plan_ties,
 )
 from ckptkit.meta import CheckpointMeta
 from ckptkit.progress import progress_bar
@@ -63,6 +64,9 @@ class ConvertReport:
     through_torch: int = 0
     overflowed: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
+    # How tied tensors were written: "once" (safetensors: the others named in the metadata, as
+    # save_model does), "copies" (--keep-tied-copies) or "shared" (.pt: one storage).
+    ties: str = "once"
     dropped: list[DroppedPart] = field(default_factory=list)
     made_contiguous: list[str] = field(default_factory=list)
     extras: list[str] = field(default_factory=list)
@@ -95,6 +99,7 @@ class ConvertReport:
             "copied_as_bytes": self.copied,
             "through_torch": self.through_torch,
             "aliases": self.aliases,
+            "ties": self.ties,
             "dropped": [part.to_dict() for part in self.dropped],
             "made_contiguous": self.made_contiguous,
             "extras": self.extras,
@@ -120,6 +125,7 @@ def convert(
     keep_dtype: Iterable[str] = (),
     allow_overflow: bool = False,
     max_shard_size: int | str | None = None,
+    keep_tied_copies: bool = False,
     dry_run: bool = False,
     force: bool = False,
     verify: bool = True,
@@ -146,6 +152,9 @@ def convert(
         allow_overflow: let a cast turn finite values into infinities.
         max_shard_size: split safetensors output into shards of at most this many bytes
             (``"5GB"``, ``"2GiB"`` or an int), with a Hugging Face style index.
+        keep_tied_copies: write every name of a tied group to safetensors (by default one
+            tensor is written and the others are named in the metadata, as
+            ``safetensors.torch.save_model`` does; ``.pt`` output keeps one shared storage).
         dry_run: plan and report only; write nothing.
         force: replace existing outputs.
         verify: read the output back and compare every tensor bit-exact with the source.
@@ -205,6 +214,10 @@ def convert(
             for a, b in source.aliases().items()
             if (new_a := plan.mapping.get(a)) and (new_b := plan.mapping.get(b))
         }
+        ties = "shared" if fmt == "torch" else ("copies" if keep_tied_copies else "once")
+        if ties == "once":  # one tensor per tied group, the others named in the metadata
+            aliases = plan_ties(aliases)
+            items = [item for item in items if item.spec.key not in aliases]
         shards = _shards(items, aliases, shard_limit) if fmt == "safetensors" else [items]
         outputs = _output_paths(dst, len(shards))
         report = ConvertReport(
@@ -221,6 +234,7 @@ def convert(
             cast=[item.spec.key for item in items if item.cast],
             files=[str(p) for p in outputs],
             aliases=aliases,
+            ties=ties,
             dropped=list(source.dropped),
             made_contiguous=[item.spec.key for item in items if not entries[item.old].contiguous],
             extras=sorted(source.extras),
@@ -236,6 +250,8 @@ def convert(
         for path in outputs:
             check_output(path, force=force, inputs=[src])
         header = _metadata(source, report).to_header()
+        if ties == "once":  # as safetensors.torch.save_model records a removed name
+            header.update({k: v for k, v in aliases.items() if k not in header})
         _write(
             source,
             shards,
@@ -343,7 +359,13 @@ def _metadata(source: Source, report: ConvertReport) -> CheckpointMeta:
         | {key: "wrapper bookkeeping" for key in report.plan.dropped},
         extras={k: v for k, v in source.extras.items() if k != TRAINING_KEY} | inherited.extras,
         training=inherited.training or source.extras.get(TRAINING_KEY) or {},
-        other={k: v for k, v in source.metadata.items() if not k.startswith("ckptkit.")},
+        # The source's own header entries, less its tie records (written afresh for the keys
+        # as they are now).
+        other={
+            k: v
+            for k, v in source.metadata.items()
+            if not k.startswith("ckptkit.") and k not in source.aliases()
+        },
     )
 
 

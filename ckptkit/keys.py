@@ -15,6 +15,7 @@ from typing import TypeVar
 from ckptkit.errors import KeyTransformError, UsageError
 
 __all__ = [
+    "plan_ties",
     "Wrapper",
     "WRAPPERS",
     "KeyMap",
@@ -367,3 +368,25 @@ def mismatch_message(head: str, match: KeyMatch, mismatched: Sequence[str] = ())
     if mismatched:
         parts.append(f"{len(mismatched)} with other shapes: {some(mismatched)}")
     return "; ".join(parts)
+
+
+def plan_ties(aliases: Mapping[str, str]) -> dict[str, str]:
+    """Which names of each tied group to leave out, as ``safetensors.torch.save_model`` does.
+
+    Args:
+        aliases: alias -> the key it is the very same tensor as (any of its group).
+
+    Returns:
+        removed name -> the name kept for its group: the group's first name in sorted order,
+        the one ``save_model`` keeps (so its ``load_model`` and the metadata agree).
+    """
+    groups: dict[str, set[str]] = {}
+    for alias, target in aliases.items():
+        group = groups.get(alias, {alias}) | groups.get(target, {target})
+        for name in group:
+            groups[name] = group
+    removed: dict[str, str] = {}
+    for group in {id(g): g for g in groups.values()}.values():
+        kept = min(group)
+        removed.update({name: kept for name in sorted(group) if name != kept})
+    return removed

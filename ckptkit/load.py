@@ -71,6 +71,19 @@ class LoadReport:
         }
 
 
+def _model_ties(model: torch.nn.Module) -> dict[str, set[str]]:
+    """Each parameter or buffer name -> the other names of the very same tensor."""
+    import itertools
+
+    by_tensor: dict[int, set[str]] = {}
+    named = itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    for name, tensor in named:
+        by_tensor.setdefault(id(tensor), set()).add(name)
+    return {name: names - {name} for names in by_tensor.values() for name in names}
+
+
 def load_into(
     model: torch.nn.Module,
     path: str | Path,
@@ -104,6 +117,11 @@ def load_into(
     with open_source(path, select=select, trust=trust, allow_globals=allow_globals) as source:
         entries = dict(source.entries())
         match = match_keys(entries, target)
+        # A tied name the file left out (save_pretrained drops one) is filled by loading its
+        # twin: the model holds one tensor under both names.
+        loaded = set(match.mapping.values())
+        ties = _model_ties(model)
+        match.missing = [k for k in match.missing if not (ties.get(k, set()) & loaded)]
         mismatched = [
             (new, entries[old].shape, tuple(target[new].shape))
             for old, new in match.mapping.items()

@@ -251,11 +251,11 @@ def convert_lines(report: Any) -> list[str]:
         )
     for key in plan.dropped:
         lines.append(f"Dropped  {key} (wrapper bookkeeping)")
-    how = (
-        "one storage, as torch.save keeps it"
-        if report.output_format == "torch"
-        else "written twice, recorded in metadata"
-    )
+    how = {
+        "shared": "one storage, as torch.save keeps it",
+        "copies": "written twice, recorded in metadata",
+        "once": "written once, named in the metadata as save_model does",
+    }[report.ties]
     for alias, target in report.aliases.items():
         lines.append(f"Tied     {alias} = {target} ({how})")
     if report.cast:

@@ -84,3 +84,17 @@ def run_measured(args, cwd, timeout):
     )  # fmt: skip
     said, _, peak = done.stderr.rpartition("PEAK ")
     return done.returncode, done.stdout, said, int(peak) / 1024
+
+
+def load_with_ties(path):
+    """A safetensors file's tensors as safetensors' ``load_file`` reads them, plus each name its
+    metadata records as removed (``removed -> kept``, as ``save_model`` writes it) bound to the
+    kept tensor: what a model with those ties holds after ``load_model``."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    state = load_file(path)
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata() or {}
+    state.update({k: state[v] for k, v in metadata.items() if k not in state and v in state})
+    return state

@@ -10,9 +10,10 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, FIXTURES, NOT_IN_LEGACY, ROOT, TORCH_DTYPES
+from conftest import FIXTURE_DIR, FIXTURES, NOT_IN_LEGACY, ROOT, TORCH_DTYPES, load_with_ties
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 import ckptkit
@@ -85,7 +86,7 @@ def test_generated_state_dicts_fast_equals_torch(tmp_path_factory, monkeypatch, 
     torch.save(state, tmp / "src.pt", _use_new_zipfile_serialization=not legacy)
     _, a, b = convert_both_ways(monkeypatch, tmp / "src.pt", tmp)
     assert a == b
-    back = load_file(tmp / "fast.safetensors")
+    back = load_with_ties(tmp / "fast.safetensors")
     for key, tensor in state.items():
         assert bit_equal(back[key], tensor.contiguous()), key
 
@@ -251,11 +252,19 @@ def test_sharded_output_layout_and_round_trip(tmp_path):
         shards.setdefault(name, []).append(key)
     assert len(report.files) == len(shards) + 1
     assert all(name.startswith("model-000") and "-of-0000" in name for name in shards)
-    assert index["weight_map"]["embed"] == index["weight_map"]["head"]  # tied: one shard
+    # Tied: stored once, the other name recorded in that shard's metadata (as save_model does).
+    assert "head" not in index["weight_map"]
+    with safe_open(str(out / index["weight_map"]["embed"]), "pt") as f:
+        assert f.metadata()["head"] == "embed"
     assert shards[index["weight_map"]["huge"]] == ["huge"]  # larger than the limit: alone
     for name, keys in shards.items():
         sizes = sum(load_file(out / name)[k].numel() * 4 for k in keys if k != "steps")
-        assert sizes <= 5000 or keys in (["huge"], ["embed", "head"])  # one unit over the limit
+        assert sizes <= 5000 or keys in (["huge"], ["embed"])  # one unit over the limit
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    ckptkit.convert(src, copies / "model.safetensors", max_shard_size="5kB", keep_tied_copies=True)
+    kept = json.loads((copies / "model.safetensors.index.json").read_text())["weight_map"]
+    assert kept["embed"] == kept["head"]  # every name written, a tied group in one shard
     # Reading the shards back (folder or index), merging them, and diffing: all bit-exact.
     merged = tmp_path / "merged.safetensors"
     ckptkit.convert(out, merged)

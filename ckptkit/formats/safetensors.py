@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +20,7 @@ from ckptkit.formats.bytecopy import preallocate, write_all
 from ckptkit.formats.dtypes import DTYPES, from_safetensors, nbytes
 from ckptkit.formats.source import Source, TensorInfo
 from ckptkit.formats.tensors import as_bytes, dtype_name
-from ckptkit.meta import CheckpointMeta
+from ckptkit.meta import NAMESPACE, CheckpointMeta
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +29,7 @@ __all__ = [
     "SafetensorsSource",
     "TensorSpec",
     "read_header",
+    "tied_names",
     "header_bytes",
     "write_safetensors",
     "write_tensors",
@@ -140,40 +141,61 @@ class SafetensorsSource(Source):
         self.extras = dict(self.meta.extras)
         self._header = header
         self._handle: Any = None
+        self._ties = tied_names(self.metadata, header.keys())
+        # Names the file records as ties but does not store: read as their target.
+        self._virtual = {a: t for a, t in self._ties.items() if a not in header}
 
     def entries(self) -> list[tuple[str, TensorInfo]]:
         def offset(item: tuple[str, Any]) -> int:
             return item[1]["data_offsets"][0]
 
-        return [
-            (
-                key,
-                TensorInfo(
-                    from_safetensors(e["dtype"]).name,
-                    tuple(e["shape"]),
-                    byte_range=tuple(e["data_offsets"]),
-                ),
+        out = []
+        for key, e in sorted(self._header.items(), key=offset):
+            info = TensorInfo(
+                from_safetensors(e["dtype"]).name,
+                tuple(e["shape"]),
+                byte_range=(e["data_offsets"][0], e["data_offsets"][1]),
             )
-            for key, e in sorted(self._header.items(), key=offset)
-        ]
+            out.append((key, info))
+            # A recorded tie that is not stored comes right after its target, as one tensor.
+            out.extend((alias, info) for alias, target in self._virtual.items() if target == key)
+        return out
 
     def byte_span(self, key: str) -> tuple[Path, int, int] | None:
-        begin, end = self._header[key]["data_offsets"]
+        begin, end = self._header[self._virtual.get(key, key)]["data_offsets"]
         return self.path, self._data_start + begin, end - begin
 
     def aliases(self) -> dict[str, str]:
         # Each tensor owns its bytes here; ties survive only as recorded metadata.
-        return dict(self.meta.aliases)
+        return dict(self._ties)
 
     def load(self, key: str) -> torch.Tensor:
         if self._handle is None:
             from safetensors import safe_open
 
             self._handle = safe_open(str(self.path), framework="pt", device="cpu")
-        return self._handle.get_tensor(key)
+        return self._handle.get_tensor(self._virtual.get(key, key))
 
     def close(self) -> None:
         self._handle = None
+
+
+def tied_names(metadata: Mapping[str, str], stored: Iterable[str]) -> dict[str, str]:
+    """The ties a safetensors header records: alias -> the stored tensor it is.
+
+    Two forms: ckptkit's own (``ckptkit.aliases``, JSON) and ``safetensors.torch.save_model``'s,
+    which names each tensor it left out as a metadata entry ``removed name -> kept name``.
+    """
+    stored = set(stored) - {"__metadata__"}
+    ties = {
+        key: value
+        for key, value in metadata.items()
+        if key not in stored and value in stored and key != "format"
+        and not key.startswith(NAMESPACE)
+    }  # fmt: skip
+    recorded = CheckpointMeta.from_header(metadata).aliases
+    ties.update({a: t for a, t in recorded.items() if t in stored and a != t})
+    return ties
 
 
 @dataclass(frozen=True)

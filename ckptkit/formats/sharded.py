@@ -67,6 +67,10 @@ class ShardedSource(Source):
                 if key not in self.shards[name].keys():
                     raise FormatError(f"{index} puts '{key}' in {name}, which does not hold it")
                 self._where[key] = self.shards[name]
+            for shard in self.shards.values():  # ties a shard records beside what it stores
+                for alias, target in shard.aliases().items():
+                    if alias not in self._where and self._where.get(target) is shard:
+                        self._where[alias] = shard
         except BaseException:
             self.close()
             raise
