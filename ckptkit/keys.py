@@ -23,6 +23,8 @@ __all__ = [
     "KeyMatch",
     "wrapper_for",
     "detect_wrappers",
+    "inner_wrappers",
+    "strip_inner_wrappers",
     "strip_prefix",
     "add_prefix",
     "rename",
@@ -255,6 +257,11 @@ def build_plan(
                 f"strip {_describe(wrapper.prefix)}",
             )
             plan.removed.append(wrapper.prefix)
+        inner, found = strip_inner_wrappers(_live(plan.mapping))
+        if found:
+            plan.mapping = _then(plan.mapping, inner)
+            names = ", ".join(_describe(w.prefix) for w in found)
+            plan.steps.append(f"strip {names} inside keys")
     strips = ([MODULE_PREFIX] if strip_module else []) + list(strip_prefixes)
     for prefix in strips:
         step(lambda ks, p=prefix: strip_prefix(ks, p), f"strip {_describe(prefix)}")
@@ -270,6 +277,52 @@ def build_plan(
         )
     _check_collisions(plan.mapping)
     return plan
+
+
+def inner_wrappers(keys: Iterable[str]) -> list[tuple[str, Wrapper]]:
+    """Wrapper segments inside keys (``blocks.0._orig_mod.attn.w``): ``(parent, wrapper)`` for
+    each place where the wrapper's name is the only child of ``parent`` (its own bookkeeping
+    keys aside) and has children itself, so the keys show a wrapper there; a submodule merely
+    named ``module`` beside others is left alone. The top level is :func:`detect_wrappers`'s."""
+    children: dict[str, set[str]] = {}
+    inner: set[str] = set()  # paths that have children
+    for key in keys:
+        parts = key.split(".")
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i]) + "."
+            children.setdefault(parent, set()).add(parts[i])
+            if i < len(parts) - 1:
+                inner.add(parent + parts[i] + ".")
+    sites = []
+    for parent, names in children.items():
+        for wrapper in WRAPPERS:
+            name = wrapper.prefix[:-1]
+            if parent + wrapper.prefix in inner and names - {name} <= wrapper.own_keys:
+                sites.append((parent, wrapper))
+    return sorted(sites, key=lambda site: site[0])
+
+
+def strip_inner_wrappers(keys: Iterable[str]) -> tuple[KeyMap, list[Wrapper]]:
+    """Remove every wrapper segment inside the keys (see :func:`inner_wrappers`), repeatedly,
+    so nested ones go too; a wrapper's own keys there are dropped. Returns the key map and the
+    wrappers removed (one entry per kind)."""
+    mapping: KeyMap = {key: key for key in keys}
+    found: list[Wrapper] = []
+    while sites := inner_wrappers(_live(mapping)):
+        step: KeyMap = {}
+        for key in _live(mapping):
+            new: str | None = key
+            for parent, wrapper in sites:
+                if key.startswith(parent + wrapper.prefix):
+                    new = parent + key[len(parent) + len(wrapper.prefix) :]
+                    break
+                if key[len(parent) :] in wrapper.own_keys and key.startswith(parent):
+                    new = None
+                    break
+            step[key] = new
+        mapping = _then(mapping, step)
+        found.extend(w for _, w in sites if w not in found)
+    return mapping, found
 
 
 def _leading_layers(keys: list[str]) -> list[str]:

@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import KeyMatchError
 from ckptkit.formats import open_source
-from ckptkit.keys import KeyMatch, build_plan, match_keys, mismatch_message
+from ckptkit.keys import (
+    KeyMatch,
+    build_plan,
+    inner_wrappers,
+    match_keys,
+    mismatch_message,
+    strip_inner_wrappers,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -116,6 +123,13 @@ def load_into(
     target = model.state_dict()
     with open_source(path, select=select, trust=trust, allow_globals=allow_globals) as source:
         entries = dict(source.entries())
+        # Wrappers inside the checkpoint's keys (blocks compiled one by one) that the model
+        # does not have: matched without them, read under their own names.
+        in_file: dict[str, str] = {}
+        if inner_wrappers(entries) and not inner_wrappers(target):
+            inner, _ = strip_inner_wrappers(entries)
+            in_file = {new: old for old, new in inner.items() if new is not None}
+            entries = {new: entries[old] for new, old in in_file.items()}
         match = match_keys(entries, target)
         # A tied name the file left out (save_pretrained drops one) is filled by loading its
         # twin: the model holds one tensor under both names.
@@ -135,7 +149,7 @@ def load_into(
             )
         bad = {k for k, _, _ in mismatched}
         state = {
-            new: source.load(old)
+            new: source.load(in_file.get(old, old))
             for old, new in match.mapping.items()
             if new in target and new not in bad
         }

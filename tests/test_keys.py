@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from ckptkit.errors import KeyTransformError, UsageError
@@ -17,6 +17,7 @@ from ckptkit.keys import (
     match_keys,
     parse_rename_rule,
     rename,
+    strip_inner_wrappers,
     strip_prefix,
 )
 
@@ -184,3 +185,49 @@ def test_match_keys_reports_missing_and_unexpected():
     assert match.missing == ["c"]
     assert match.unexpected == ["module.extra"]
     assert not match.exact
+
+
+def test_inner_wrapper_segments_are_stripped_where_the_keys_show_them():
+    keys = ["blocks.0._orig_mod.attn.w", "blocks.1._orig_mod.attn.w", "head.w"]
+    mapping, found = strip_inner_wrappers(keys)
+    assert mapping == {keys[0]: "blocks.0.attn.w", keys[1]: "blocks.1.attn.w", "head.w": "head.w"}
+    assert [w.prefix for w in found] == ["_orig_mod."]
+    # A submodule merely named `module` beside a sibling stays; an only child is a wrapper.
+    assert strip_inner_wrappers(["head.module.w", "head.b"])[0] == {
+        "head.module.w": "head.module.w", "head.b": "head.b"
+    }  # fmt: skip
+    assert strip_inner_wrappers(["enc.module.w", "x"])[0] == {"enc.module.w": "enc.w", "x": "x"}
+    # AveragedModel inside: its n_averaged goes with it; nested wrappers all go.
+    assert strip_inner_wrappers(["ema.module.w", "ema.n_averaged"])[0] == {
+        "ema.module.w": "ema.w", "ema.n_averaged": None
+    }  # fmt: skip
+    nested = [
+        "a._orig_mod._checkpoint_wrapped_module.x",
+        "a._orig_mod._checkpoint_wrapped_module.y",
+    ]
+    assert list(strip_inner_wrappers(nested)[0].values()) == ["a.x", "a.y"]
+
+
+def test_strip_wrappers_composes_with_strip_prefix():
+    plan = build_plan(["model._orig_mod.l.w", "model._orig_mod.l.b"], strip_wrappers=True,
+                      strip_prefixes=["model."])  # fmt: skip
+    assert list(plan.mapping.values()) == ["l.w", "l.b"]
+    assert plan.steps == ["strip '_orig_mod.' (torch.compile) inside keys", "strip 'model.'"]
+
+
+_names = st.from_regex(r"[a-z][a-z0-9]{0,4}", fullmatch=True)
+
+
+@given(
+    st.lists(st.lists(_names, min_size=2, max_size=4).map(".".join), min_size=1, max_size=12,
+             unique=True),
+    st.sampled_from([w.prefix for w in WRAPPERS]),
+)  # fmt: skip
+def test_strip_inner_undoes_inserting_a_wrapper_under_a_subtree(keys, prefix):
+    # Insert the wrapper after the first segment of every key under one subtree: all keys
+    # under it get it, so the keys show a wrapper there.
+    parent = keys[0].split(".")[0] + "."
+    wrapped = {k: parent + prefix + k[len(parent) :] if k.startswith(parent) else k for k in keys}
+    assume(not any(seg + "." in {w.prefix for w in WRAPPERS} for k in keys for seg in k.split(".")))
+    mapping, _ = strip_inner_wrappers(wrapped.values())
+    assert {old: mapping[new] for old, new in wrapped.items()} == {k: k for k in keys}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import FIXTURE_DIR, FIXTURES, reference_model, sample_input
+from safetensors.torch import load_model
 from torch import nn
 
 import ckptkit
@@ -67,3 +68,62 @@ def test_strict_load_names_what_does_not_fit(tmp_path):
     assert report.missing == ["head.bias"] and report.unexpected == ["module.extra.w"]
     assert [k for k, _, _ in report.mismatched] == ["head.weight"]
     assert report.loaded == 7
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Linear(4, 4)
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, wrap=lambda block: block):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(wrap(_Block()) for _ in range(2))
+        self.head = torch.nn.Linear(4, 2)
+
+
+class _LightningLike(torch.nn.Module):
+    """A compiled model held as `.model`, as a LightningModule holds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = torch.compile(_Blocks())
+
+
+def _wrapper_cases():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    compiled = _Blocks(torch.compile)
+    checkpointed = _Blocks(checkpoint_wrapper)
+    lightning = _LightningLike()
+    return {
+        # torch.compile block by block: blocks.0._orig_mod.attn.weight
+        "compiled blocks": (compiled.state_dict(), ()),
+        # activation checkpointing, as a trainer that saves named_parameters() writes it
+        # (checkpoint_wrapper's own state_dict hook removes the segment)
+        "checkpointed": ({k: p.detach() for k, p in checkpointed.named_parameters()}, ()),
+        # a compiled model under Lightning: model._orig_mod.blocks.0...
+        "lightning compiled": (lightning.state_dict(), ("model.",)),
+    }
+
+
+@pytest.mark.parametrize("case", ["compiled blocks", "checkpointed", "lightning compiled"])
+def test_wrappers_inside_keys_need_no_other_option(tmp_path, case):
+    state, strip = _wrapper_cases()[case]
+    assert any("._orig_mod." in k or "._checkpoint_wrapped_module." in k for k in state)
+    src = tmp_path / "src.pt"
+    torch.save(state, src)
+    dst = tmp_path / "plain.safetensors"
+    ckptkit.convert(src, dst, strip_wrappers=True, strip_prefixes=strip)
+    plain = _Blocks()
+    load_model(plain, str(dst), strict=True)
+    loaded = ckptkit.load_state_dict(src, strip_wrappers=True)
+    if strip:
+        loaded = {k.removeprefix("model."): v for k, v in loaded.items()}
+    assert set(loaded) == set(plain.state_dict())
+    if not strip:  # load_into maps them too, and diff sees through them
+        fresh = _Blocks()
+        assert ckptkit.load_into(fresh, src).loaded == len(fresh.state_dict())
+        assert ckptkit.diff(src, dst).equal
