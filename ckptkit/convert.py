@@ -170,6 +170,8 @@ def convert(
             written whenever the problem can be seen from headers.
     """
     src, dst = Path(src), Path(dst)
+    if dst.is_dir():  # a model folder: save_pretrained's names
+        dst = dst / "model.safetensors"
     fmt = output_format(dst)
     rules = [parse_rename_rule(r) if isinstance(r, str) else r for r in renames]
     target = _cast_target(dtype)
@@ -265,7 +267,22 @@ def convert(
             progress=progress,
             src=src,
         )
+        if force:
+            _remove_stale_shards(dst, outputs)
     return report
+
+
+def _remove_stale_shards(dst: Path, outputs: list[Path]) -> None:
+    """After a forced re-run, the shards and index of an earlier run into the same place that
+    this run did not write (a model now in 3 shards, not 5; or in one file): loaders would
+    otherwise find a stale index or a mix of runs."""
+    stem = dst.name.removesuffix(".safetensors")
+    shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
+    stale = [p for p in dst.parent.iterdir() if shard.fullmatch(p.name)]
+    stale.append(dst.with_name(dst.name + ".index.json"))
+    for path in stale:
+        if path not in outputs and path.is_file():
+            path.unlink()
 
 
 def _write(

@@ -133,7 +133,7 @@ def summarize(path: str | Path, *, select: str | None = None) -> Summary:
         if readings:
             safety = report_of(path, readings)
         elif source.format == "safetensors":
-            safety = scan(path)
+            safety = scan(source.path)  # the file itself (path may be its model folder)
         entries = source.entries()
         summary = Summary(
             path=str(path),

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.detect import detect_format
+from ckptkit.formats.detect import detect_format, model_file_in
 from ckptkit.formats.source import Source, TensorInfo
 
 __all__ = [
@@ -68,6 +68,8 @@ def open_source(
     """
     path = Path(path)
     index = checkpoint_index(path)
+    if index is None and path.is_dir() and (model_file := model_file_in(path)) is not None:
+        path = model_file  # a Hugging Face model folder: its one weights file
     if index is not None:
         from ckptkit.formats.sharded import ShardedSource
 

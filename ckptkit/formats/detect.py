@@ -37,6 +37,8 @@ _Scan = Callable[..., PickleFindings]
 
 __all__ = [
     "detect_format",
+    "model_file_in",
+    "MODEL_FILES",
     "regular_file",
     "readings",
     "starts_as_pickle",
@@ -76,13 +78,26 @@ def regular_file(path: Path) -> int:
     except OSError as exc:
         raise FormatError(f"cannot read {path}: {exc.strerror}") from None
     if stat.S_ISDIR(info.st_mode):
-        raise FormatError(f"{path} is a folder", "give the checkpoint file inside it")
+        raise FormatError(
+            f"{path} is a folder with no sharded index, {' or '.join(MODEL_FILES)}",
+            "give the checkpoint file inside it",
+        )
     if not stat.S_ISREG(info.st_mode):
         kind = "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device or socket"
         raise FormatError(f"{path} is {kind}, not a regular file", "give a checkpoint file")
     if not os.access(path, os.R_OK):
         raise FormatError(f"cannot read {path}: permission denied")
     return info.st_size
+
+
+# The weights file of a Hugging Face model folder (save_pretrained), in transformers' order.
+MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def model_file_in(folder: Path) -> Path | None:
+    """The weights file of a model folder (``save_pretrained``'s ``model.safetensors`` or
+    ``pytorch_model.bin``, safetensors first, as transformers reads them), or None."""
+    return next((folder / n for n in MODEL_FILES if (folder / n).is_file()), None)
 
 
 def _looks_like_safetensors(head: bytes, size: int) -> bool:

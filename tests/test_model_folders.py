@@ -1,0 +1,73 @@
+"""Hugging Face model folders: read without naming the file, written with save_pretrained's
+names, and a forced re-run leaves no stale shard behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptkit
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=500, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    folder = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(folder)  # config.json + model.safetensors
+    return transformers, model, folder
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(torch.arange(12).unsqueeze(0)).logits
+
+
+def test_a_model_folder_is_read_without_naming_the_file(gpt2, tmp_path):
+    _, model, folder = gpt2
+    summary = ckptkit.summarize(folder)
+    assert summary.path == str(folder) and len(summary.tensors) > 0
+    assert ckptkit.diff(folder, folder / "model.safetensors").equal
+    state = ckptkit.load_state_dict(folder)
+    assert set(state) >= {k for k in model.state_dict() if k != "lm_head.weight"}
+    report = ckptkit.convert(folder, tmp_path / "out.pt")
+    assert report.source.endswith(str(folder))
+
+
+def test_sharded_output_into_a_folder_loads_with_from_pretrained(gpt2, tmp_path, run):
+    transformers, model, folder = gpt2
+    out = tmp_path / "sharded"
+    out.mkdir()
+    (out / "config.json").write_bytes((folder / "config.json").read_bytes())
+    result = run("convert", folder, out, "--max-shard-size", "40kB")
+    assert result.exit_code == 0, result.stderr
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors.index.json" in names
+    shards = [n for n in names if n.startswith("model-0")]
+    assert len(shards) > 2 and all("-of-" in n and n.endswith(".safetensors") for n in shards)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    assert torch.equal(_logits(loaded), _logits(model))
+    # A forced re-run in fewer shards removes the earlier run's extra shards...
+    again = run("convert", folder, out, "--max-shard-size", "80kB", "--force")
+    assert again.exit_code == 0, again.stderr
+    fewer = sorted(p.name for p in out.iterdir() if p.name.startswith("model-0"))
+    assert 1 < len(fewer) < len(shards)
+    assert all(f"-of-{len(fewer):05d}" in n for n in fewer)
+    # ...and one written whole removes the index too.
+    whole = run("convert", folder, out, "--force")
+    assert whole.exit_code == 0, whole.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    assert torch.equal(_logits(loaded), _logits(model))
+
+
+def test_a_folder_without_weights_says_so(run, tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = run("inspect", "empty")
+    assert result.exit_code == 1
+    assert result.stderr == (
+        "Error: empty is a folder with no sharded index, model.safetensors or "
+        "pytorch_model.bin; give the checkpoint file inside it\n"
+    )
