@@ -362,7 +362,7 @@ def scan(paths: tuple[str, ...], allow_global: tuple[str, ...], as_json: bool, q
 
     \b
     ckptkit scan downloads/*.pt
-    ckptkit scan model.pt --allow-global argparse.Namespace
+    ckptkit scan model.pt --allow-global fractions.Fraction
     """
     from ckptkit.render import scan_lines
     from ckptkit.scan import overall_verdict, scan_many

@@ -136,7 +136,7 @@ FIXTURE_ERRORS = [
         "unsafe_global.pt",
         [],
         "Error: unsafe_global.pt names globals outside torch's safe set: "
-        "argparse.Namespace; if you trust the file, admit each with --allow-global NAME (or load it fully "
+        "fractions.Fraction; if you trust the file, admit each with --allow-global NAME (or load it fully "
         "with --trust)",
     ),
     (
@@ -217,10 +217,10 @@ def test_usage_errors_are_one_line_with_exit_2(run):
 def test_allow_global_and_trust(run, tmp_path, fixture_copy):
     fixture_copy("unsafe_global.pt")
     result = run(
-        "convert", "unsafe_global.pt", "a.safetensors", "--allow-global", "argparse.Namespace"
+        "convert", "unsafe_global.pt", "a.safetensors", "--allow-global", "fractions.Fraction"
     )
     assert result.exit_code == 0, result.stderr
-    assert "Kept     args in the metadata" in result.stdout
+    assert "Kept     ratio in the metadata" in result.stdout
     assert run("convert", "unsafe_global.pt", "b.safetensors", "--trust").exit_code == 0
 
 

@@ -126,11 +126,11 @@ def test_scan_cli_exit_codes_and_json(run, fixture_copy):
     assert bad.exit_code == 1
     assert "  dangerous builtins.exec" in bad.stdout.splitlines()
     assert "  call      builtins.exec(...) in malicious/data.pkl" in bad.stdout.splitlines()
-    allowed = run("scan", "unsafe_global.pt", "--allow-global", "argparse.Namespace", "--json")
+    allowed = run("scan", "unsafe_global.pt", "--allow-global", "fractions.Fraction", "--json")
     assert allowed.exit_code == 0
     doc = json.loads(allowed.stdout)
     assert doc["schema"] == 2 and doc["verdict"] == "safe"
-    assert doc["files"][0]["globals"]["argparse.Namespace"] == "allowed"
+    assert doc["files"][0]["globals"]["fractions.Fraction"] == "allowed"
     missing = run("scan", "nope.pt")
     assert (
         missing.exit_code == 2
@@ -180,12 +180,12 @@ def test_safe_set_is_torchs_own_allow_list():
 
 
 def test_names_registered_with_torch_count_as_safe():
-    import argparse
+    import fractions
 
     from ckptkit.formats.torch_safe_globals import safe_globals
 
-    assert "argparse.Namespace" not in safe_globals()
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        assert "argparse.Namespace" in safe_globals()
+    assert "fractions.Fraction" not in safe_globals()
+    with torch.serialization.safe_globals([fractions.Fraction]):
+        assert "fractions.Fraction" in safe_globals()
         assert scan(FIXTURE_DIR / "unsafe_global.pt").verdict == "safe"
     assert scan(FIXTURE_DIR / "unsafe_global.pt").verdict == "unknown"
