@@ -199,9 +199,16 @@ def _safety_lines(report: Any) -> list[str]:
     if not report.pickles:
         return ["safety      safe: no pickle (safetensors holds only data)"]
     names = report.globals()
-    odd = {name: cls for name, cls in names.items() if cls != "safe"}
-    if not odd:
-        return [f"safety      safe: {len(names)} globals, all in torch's weights_only set"]
+    odd = {name: cls for name, cls in names.items() if cls not in ("safe", "data")}
+    data = [name for name, cls in names.items() if cls == "data"]
+    if not odd and not report.problems and not report.damaged:
+        if not data:
+            return [f"safety      safe: {len(names)} globals, all in torch's weights_only set"]
+        count = plural(len(names) - len(data), "global")
+        return [
+            f"safety      safe: {count} in torch's weights_only set, and plain data decoded "
+            f"statically: {', '.join(data)}"
+        ]
     listed = ", ".join(f"{name} ({cls})" for name, cls in odd.items())
     return [f"safety      {report.verdict}: {listed}; `ckptkit scan` explains"]
 
@@ -306,10 +313,14 @@ def scan_lines(report: Any) -> list[str]:
     lines.extend(f"  problem   {problem}" for problem in report.problems)
     lines.extend(f"  damaged   {damage}" for damage in report.damaged)
     classes = report.globals()
-    lines.extend(f"  {cls:<9} {name}" for name, cls in classes.items() if cls != "safe")
+    for name, cls in classes.items():
+        if cls == "data":
+            lines.append(f"  data      {name} (plain data, decoded statically, never imported)")
+        elif cls != "safe":
+            lines.append(f"  {cls:<9} {name}")
     for findings in report.pickles:
         for name, count in findings.calls.items():
-            if name not in report.allowed and classes.get(name) != "safe":
+            if name not in report.allowed and classes.get(name) not in ("safe", "data"):
                 times = f" x{count}" if count > 1 else ""
                 lines.append(f"  call      {name}(...){times} in {findings.label}")
         lines.extend(f"  problem   {p} in {findings.label}" for p in findings.problems)

@@ -170,8 +170,8 @@ def test_benign_fixtures_that_torch_accepts_are_not_flagged(fx):
         return
     try:
         torch.load(path, weights_only=True, map_location="cpu")
-    except Exception:
-        assert scan(path).verdict != "safe"  # torch refuses it: we need not call it safe
+    except Exception:  # torch refuses it: plain data (NumPy scalars) may still be safe to read
+        assert scan(path).verdict in ("safe", "unknown")
         return
     assert scan(path).verdict == "safe"
 

@@ -18,13 +18,16 @@ from ckptkit.formats import detect_format, open_source
 from ckptkit.formats.safetensors import TensorSpec, header_bytes, write_tensors
 from ckptkit.formats.static_unpickler import OpaqueObject, TensorStub, read_pickle
 from ckptkit.formats.tensors import bit_equal, dtype_name
+from ckptkit.scan import scan
 
 TORCH_FIXTURES = [f for f in FIXTURES if not f.name.endswith(".safetensors")]
 
 
 def torch_reference(fx):
-    """The selected state dict as torch.load gives it (our own fixtures, so trusted)."""
-    obj = torch.load(FIXTURE_DIR / fx.name, map_location="cpu", weights_only=not fx.allow)
+    """The selected state dict as torch.load gives it (our own fixtures, so trusted; NumPy
+    scalars need the full unpickler)."""
+    trusted = bool(fx.allow) or fx.name == "numpy_scalar.pt"
+    obj = torch.load(FIXTURE_DIR / fx.name, map_location="cpu", weights_only=not trusted)
     for part in filter(None, fx.selected.split(".")):
         obj = obj[part]
     return obj
@@ -63,11 +66,8 @@ def test_tied_weights_are_aliases():
         assert source.aliases() == {"head.weight": "embed.weight"}
 
 
-def test_numpy_scalars_are_refused_then_decoded_without_numpy():
-    with pytest.raises(UnsafeCheckpointError, match="numpy._core.multiarray.scalar, numpy.dtype"):
-        open_source(FIXTURE_DIR / "numpy_scalar.pt")
-    allow = ["numpy._core.multiarray.scalar", "numpy.dtype"]
-    with open_source(FIXTURE_DIR / "numpy_scalar.pt", allow_globals=allow) as source:
+def test_numpy_scalars_are_decoded_without_numpy_or_flags():
+    with open_source(FIXTURE_DIR / "numpy_scalar.pt") as source:  # plain data: no flag needed
         assert source.extras == {"best_acc": 0.93, "epochs": 7}
 
 
@@ -219,3 +219,56 @@ def test_safetensors_whose_length_looks_like_a_pickle_opcode(tmp_path, header_le
         == b"\x80" + bytes([header_length >> 8])
     )
     assert detect_format(path) == "safetensors"
+
+
+def test_plain_data_objects_are_decoded_without_flags(tmp_path, monkeypatch):
+    """A timm-style training checkpoint: args as argparse.Namespace, NumPy values, a path, a
+    time, collections: read without --allow-global, nothing imported or run."""
+    import argparse
+    import collections
+    import datetime
+    import pathlib
+
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    weights = {"w": torch.arange(4.0)}
+    checkpoint = {
+        "state_dict": weights,
+        "state_dict_ema": {"w": torch.arange(4.0) * 2},
+        "args": argparse.Namespace(model="resnet50", lr=0.1, output=pathlib.PurePosixPath("out")),
+        "best": np.float64(0.75),
+        "arr": np.arange(6, dtype=np.int32).reshape(2, 3),
+        "when": datetime.datetime(2026, 11, 23, 5, 30),
+        "took": datetime.timedelta(seconds=90),
+        "counts": collections.defaultdict(int, {"a": 2}),
+        "recent": collections.deque([1, 2], maxlen=3),
+        "tags": frozenset({"x"}),
+    }
+    path = tmp_path / "timm.pth.tar"
+    torch.save(checkpoint, path)
+    with pytest.raises(pickle.UnpicklingError):  # torch's own weights_only loader refuses it
+        torch.load(path, weights_only=True)
+    with open_source(path) as source:
+        assert source.selected == "state_dict" and torch.equal(source.load("w"), weights["w"])
+        extras = source.extras
+    assert extras["args"]["__class__"] == "argparse.Namespace" and extras["args"]["lr"] == 0.1
+    assert extras["args"]["output"] == "out"
+    assert extras["best"] == 0.75
+    assert extras["arr"] == {"__class__": "numpy.ndarray", "shape": [2, 3], "dtype": "i4"}
+    assert extras["when"] == "2026-11-23T05:30:00" and extras["took"] == "0:01:30"
+    assert extras["counts"] == {"a": 2} and extras["recent"] == [1, 2]
+    report = scan(path)
+    assert report.verdict == "safe"
+    assert report.globals()["argparse.Namespace"] == "data"
+    assert report.globals()["pathlib.PurePosixPath"] == "data"
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_data_classes_are_names_not_modules(tmp_path):
+    """Only the exact data classes decode: pathlib's functions stay dangerous."""
+    from ckptkit.formats.pickle_scan import classify
+
+    assert classify("pathlib.PosixPath") == "data"
+    assert classify("pathlib.Path.write_text") == "dangerous"
+    assert classify("argparse.ArgumentParser") == "unknown"

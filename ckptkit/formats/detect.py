@@ -16,7 +16,6 @@ another runs. Stdlib only.
 
 from __future__ import annotations
 
-import functools
 import io
 import mmap
 import os
@@ -24,7 +23,7 @@ import stat
 import struct
 import tarfile
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,10 +183,8 @@ def _did_something(run: PickleRun) -> bool:
     return run.damaged is None or bool(run.globals) or bool(run.problems)
 
 
-def readings(path: str | Path, *, allow_globals: Iterable[str] = ()) -> list[Reading]:
+def readings(path: str | Path) -> list[Reading]:
     """Every reading loaders would make of a file, the way each would make it.
-
-    ``allow_globals`` only lets the reader decode admitted values it knows (NumPy scalars).
 
     Returns:
         The readings in the order ``torch.load`` tries them, then the others; empty when no
@@ -198,7 +195,7 @@ def readings(path: str | Path, *, allow_globals: Iterable[str] = ()) -> list[Rea
     """
     path = Path(path)
     size = regular_file(path)
-    scan = functools.partial(scan_pickle, allow_globals=frozenset(allow_globals))
+    scan = scan_pickle
     found: list[Reading] = []
     with open(path, "rb") as raw:
         head = raw.read(16)

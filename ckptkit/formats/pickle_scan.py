@@ -14,11 +14,12 @@ from typing import Any
 
 from ckptkit.errors import UsageError
 from ckptkit.formats.pickle_vm import FRAME_PROBLEM, PickleRun
-from ckptkit.formats.static_unpickler import PickleScan, read_pickle
+from ckptkit.formats.static_unpickler import DATA_GLOBALS, PickleScan, read_pickle
 from ckptkit.formats.torch_safe_globals import safe_globals
 
 __all__ = [
     "SAFE",
+    "DATA",
     "UNKNOWN",
     "DAMAGED",
     "DANGEROUS",
@@ -31,6 +32,8 @@ __all__ = [
 ]
 
 SAFE, UNKNOWN, DAMAGED, DANGEROUS = "safe", "unknown", "damaged", "dangerous"
+# A plain-data class (argparse.Namespace, NumPy values, paths...) decoded without import: safe.
+DATA = "data"
 _RANK = {SAFE: 0, UNKNOWN: 1, DAMAGED: 2, DANGEROUS: 3}
 
 # Modules whose callables can run code, import, touch files or processes, or reach the network.
@@ -82,9 +85,11 @@ def worst_of(verdicts: Iterable[str]) -> str:
 
 
 def classify(name: str, safe: frozenset[str] | None = None) -> str:
-    """``safe``, ``dangerous`` or ``unknown`` for a global named ``module.name``."""
+    """``safe``, ``data``, ``dangerous`` or ``unknown`` for a global named ``module.name``."""
     if name in (safe if safe is not None else safe_globals()):
         return SAFE
+    if name in DATA_GLOBALS:
+        return DATA
     return DANGEROUS if is_dangerous(name) else UNKNOWN
 
 
@@ -120,7 +125,7 @@ class PickleFindings:
         """The worst of: each global's class (``allowed`` ones count as safe), ``dangerous`` for
         any problem, ``damaged`` when the pickle cannot be read to its end."""
         safe = safe_globals() | allowed
-        verdicts = [classify(g, safe) for g in self.globals]
+        verdicts = [SAFE if (c := classify(g, safe)) == DATA else c for g in self.globals]
         if self.problems:
             verdicts.append(DANGEROUS)
         if self.damaged:
@@ -150,7 +155,6 @@ def scan_pickle(
     start: int = 0,
     *,
     legacy: bool = False,
-    allow_globals: Iterable[str] = (),
 ) -> PickleFindings:
     """Scan one pickle starting at ``data[start]``; never raises on bad input.
 
@@ -158,11 +162,9 @@ def scan_pickle(
     its opcodes, ``pickle.loads`` reads other opcodes from the same bytes, and what that reading
     would import and call is added.
     """
-    found = read_pickle(data, start, legacy=legacy, allow_globals=allow_globals)
+    found = read_pickle(data, start, legacy=legacy)
     if FRAME_PROBLEM in found.run.problems:
-        other = read_pickle(
-            data, start, legacy=legacy, allow_globals=allow_globals, file_mode=False
-        )
+        other = read_pickle(data, start, legacy=legacy, file_mode=False)
         found.run.merge(other.run)
     return PickleFindings(label, found)
 

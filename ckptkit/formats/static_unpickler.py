@@ -10,11 +10,13 @@ a file before any tensor is read. Stdlib only: no torch import.
 
 from __future__ import annotations
 
+import datetime
 import math
 import struct
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
@@ -30,6 +32,8 @@ __all__ = [
     "OpaqueObject",
     "PickleScan",
     "TORCH_CALLS",
+    "DATA_CALLS",
+    "DATA_GLOBALS",
     "read_pickle",
     "python3_name",
 ]
@@ -268,13 +272,80 @@ def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
     return f"<numpy scalar {code}>"
 
 
-#: Globals outside the safe set whose value ckptkit decodes statically once they are admitted.
-DECODERS: Mapping[str, Callable[..., Any]] = MappingProxyType(
-    {
-        "numpy.core.multiarray.scalar": _numpy_scalar,
-        "numpy._core.multiarray.scalar": _numpy_scalar,
-    }
-)
+class _ArrayRecord:
+    """A NumPy array as its pickle describes it (``_reconstruct`` then BUILD): shape and dtype,
+    never the object; its bytes stay unread."""
+
+    def __init__(self, *_args: Any) -> None:
+        self.shape: list[Any] = []
+        self.dtype = "?"
+
+    def __pickle_build__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) >= 4:
+            shape, dtype = state[1], state[2]
+            self.shape = list(shape) if isinstance(shape, tuple) else []
+            code = dtype.args[0] if isinstance(dtype, Opaque) and dtype.args else None
+            self.dtype = code if isinstance(code, str) else "?"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"__class__": "numpy.ndarray", "shape": self.shape, "dtype": self.dtype}
+
+
+def _path(*parts: Any) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise ValueError("path parts must be strings")
+    return str(PurePosixPath(*parts)) if parts else "."
+
+
+def _datetime(kind: type) -> Callable[..., str]:
+    # datetime's pickle is its packed bytes (and a tzinfo); the stdlib type parses them.
+    def decode(state: Any, *_tz: Any) -> str:
+        if not isinstance(state, bytes):
+            raise ValueError(f"{kind.__name__} state")
+        return str(kind(state).isoformat())
+
+    return decode
+
+
+def _timedelta(days: Any = 0, seconds: Any = 0, micro: Any = 0) -> str:
+    if not all(type(v) is int for v in (days, seconds, micro)):
+        raise ValueError("timedelta state")
+    return str(datetime.timedelta(days=days, seconds=seconds, microseconds=micro))
+
+
+def _deque(items: Any = (), maxlen: Any = None) -> list[Any]:
+    return list(items) if isinstance(items, (list, tuple)) else []
+
+
+#: Classes ordinary checkpoints hold as plain data (a training script's ``args``, NumPy values,
+#: paths, times): decoded from their pickled state by pure functions, never imported, so they
+#: are read without being admitted. Anything else outside the safe set is still refused.
+DATA_CALLS: Mapping[str, Callable[..., Any]] = MappingProxyType({
+    "numpy.core.multiarray.scalar": _numpy_scalar,
+    "numpy._core.multiarray.scalar": _numpy_scalar,
+    "numpy.core.multiarray._reconstruct": _ArrayRecord,
+    "numpy._core.multiarray._reconstruct": _ArrayRecord,
+    "pathlib.PosixPath": _path,
+    "pathlib.WindowsPath": _path,
+    "pathlib.PurePosixPath": _path,
+    "pathlib.PureWindowsPath": _path,
+    "pathlib.Path": _path,
+    "datetime.datetime": _datetime(datetime.datetime),
+    "datetime.date": _datetime(datetime.date),
+    "datetime.time": _datetime(datetime.time),
+    "datetime.timedelta": _timedelta,
+    "collections.defaultdict": lambda *args: {},
+    "collections.deque": _deque,
+    "builtins.frozenset": _container(frozenset),
+})  # fmt: skip
+#: Every data class: those decoded above, and those that only appear as values or are built
+#: by NEWOBJ and BUILD (their state recorded as it is).
+DATA_GLOBALS: frozenset[str] = frozenset(DATA_CALLS) | {
+    "argparse.Namespace", "numpy.dtype", "numpy.ndarray",
+    # plain types, named as values (a defaultdict's factory): recorded, never called
+    "builtins.int", "builtins.float", "builtins.str", "builtins.bool", "builtins.list",
+    "builtins.dict", "builtins.tuple", "builtins.bytes",
+}  # fmt: skip
 
 
 @dataclass
@@ -331,7 +402,6 @@ def read_pickle(
     start: int = 0,
     *,
     legacy: bool = False,
-    allow_globals: Iterable[str] = (),
     file_mode: bool = True,
 ) -> PickleScan:
     """Read one pickle statically.
@@ -340,17 +410,13 @@ def read_pickle(
         data: the bytes holding the pickle (a memory map is fine).
         start: where the pickle begins; the scan's ``run.end`` says where it ended.
         legacy: storage records use the legacy (non-zip) form.
-        allow_globals: names admitted beyond torch's safe set; their values are decoded where
-            ckptkit knows how (NumPy scalars), else recorded, never imported.
         file_mode: read as torch.load's unpickler reads (a file), not as ``pickle.loads``.
 
     Returns:
         The object tree with tensors as :class:`TensorStub`, the run's findings (``run.damaged``
         says when it could not be read to its end), the storages.
     """
-    allowed = set(allow_globals)
-    calls = dict(TORCH_CALLS)
-    calls.update({name: fn for name, fn in DECODERS.items() if name in allowed})
+    calls = {**TORCH_CALLS, **DATA_CALLS}
     loader = _StorageLoader(legacy)
     run = run_pickle(data, start, calls=calls, persistent_load=loader, file_mode=file_mode)
     return PickleScan(run.root, run, loader.storages, safe_globals())

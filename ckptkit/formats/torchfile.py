@@ -27,6 +27,7 @@ from ckptkit.formats.pickle_scan import check_allowed, is_dangerous
 from ckptkit.formats.safetensors import TensorSpec
 from ckptkit.formats.source import Source, TensorInfo
 from ckptkit.formats.static_unpickler import (
+    DATA_GLOBALS,
     PickleScan,
     StorageRef,
     TensorStub,
@@ -201,10 +202,10 @@ def checked_reading(
             writes, or a polyglot.
         FormatError: a damaged file.
     """
-    found = readings(path, allow_globals=allowed)
+    found = readings(path)
     if not found:
         raise FormatError(f"{path} is not a recognised checkpoint")
-    safe = safe_globals() | set(allowed)
+    safe = safe_globals() | DATA_GLOBALS | set(allowed)
     unsafe: dict[str, None] = {}
     problems: list[str] = []
     if len(found) > 1:
