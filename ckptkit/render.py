@@ -151,6 +151,12 @@ def summary_lines(summary: Any) -> list[str]:
         lines.append(f"wrappers    {chain}; `ckptkit convert --strip-wrappers` removes them")
     else:
         lines.append("wrappers    none")
+    if summary.common_prefix:
+        prefix = summary.common_prefix
+        lines.append(
+            f"prefix      every key starts with '{prefix}'; "
+            f"`ckptkit convert --strip-prefix {prefix}` removes it"
+        )
     for alias, target in summary.aliases.items():
         lines.append(f"tied        {alias} = {target}")
     for group in summary.shared:

@@ -17,7 +17,7 @@ from typing import Any
 from ckptkit.convert import TRAINING_KEY
 from ckptkit.formats import TensorInfo, open_source
 from ckptkit.formats.tree import DroppedPart
-from ckptkit.keys import Wrapper, detect_wrappers
+from ckptkit.keys import Wrapper, build_plan, detect_wrappers
 from ckptkit.meta import NAMESPACE, CheckpointMeta
 from ckptkit.scan import ScanReport, report_of, scan
 
@@ -63,6 +63,16 @@ class Summary:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     @property
+    def common_prefix(self) -> str | None:
+        """A first name every key shares once wrappers are stripped (Lightning's ``model.``),
+        which ``--strip-prefix`` removes; None when the keys do not all share one."""
+        keys = list(build_plan([k for k, _ in self.tensors], strip_wrappers=True).mapping.values())
+        heads = {k.split(".", 1)[0] for k in keys if k}
+        if len(keys) < 2 or len(heads) != 1 or not all(k and "." in k for k in keys):
+            return None
+        return heads.pop() + "."
+
+    @property
     def non_contiguous(self) -> list[str]:
         return [key for key, info in self.tensors if not info.contiguous]
 
@@ -94,6 +104,7 @@ class Summary:
             "bytes_by_dtype": self.bytes_by_dtype,
             "wrappers": [{"prefix": w.prefix, "added_by": w.added_by} for w in self.wrappers],
             "convert_strips": "".join(w.prefix for w in self.wrappers),
+            "common_prefix": self.common_prefix,
             "aliases": self.aliases,
             "shared_storage": self.shared,
             "non_contiguous": self.non_contiguous,

@@ -183,3 +183,15 @@ def test_tied_bytes_count_once_and_shards_are_in_order(tmp_path):
     ckptkit.convert(FIXTURE_DIR / "single.pt", out, max_shard_size="200B")
     shards = list(summarize(tmp_path / "s.safetensors.index.json").shards)
     assert shards == sorted(shards) and len(shards) > 1
+
+
+def test_inspect_suggests_a_prefix_every_key_shares(run, fixture_copy):
+    assert summarize(FIXTURE_DIR / "lightning.ckpt").common_prefix == "model."
+    assert summarize(FIXTURE_DIR / "single.pt").common_prefix is None
+    assert summarize(FIXTURE_DIR / "ddp_compiled.pt").common_prefix is None  # wrappers aside
+    fixture_copy("lightning.ckpt")
+    lines = run("inspect", "lightning.ckpt").stdout.splitlines()
+    assert (
+        "prefix      every key starts with 'model.'; `ckptkit convert --strip-prefix model.` "
+        "removes it" in lines
+    )
