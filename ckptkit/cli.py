@@ -110,6 +110,11 @@ def cli() -> None:
     help="Where the state dict is in a training checkpoint (default: found).",
 )
 @click.option(
+    "--ema",
+    is_flag=True,
+    help="Take the EMA copy of the weights (state_dict_ema, model_ema, ema...).",
+)
+@click.option(
     "--strip-module", is_flag=True, help="Strip one leading 'module.' (DataParallel / DDP)."
 )
 @click.option(

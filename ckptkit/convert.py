@@ -114,6 +114,7 @@ def convert(
     dst: str | Path,
     *,
     select: str | None = None,
+    ema: bool = False,
     strip_wrappers: bool = False,
     strip_module: bool = False,
     strip_prefixes: Iterable[str] = (),
@@ -139,6 +140,8 @@ def convert(
         src: the checkpoint to read (torch zip or legacy, safetensors, or sharded).
         dst: the output; its suffix picks the format (``.safetensors``, ``.pt``).
         select: dotted path of the state dict in a training checkpoint (default: found).
+        ema: take a training checkpoint's EMA copy of the weights (timm's ``state_dict_ema``,
+            ``model_ema``, ``ema``...); the report says which part was taken and why.
         strip_wrappers: strip the whole detected wrapper chain (``module._orig_mod.`` ...).
         strip_module: strip one leading ``module.`` (DataParallel / DDP).
         strip_prefixes: further prefixes to strip, such as Lightning's ``model.``.
@@ -178,7 +181,9 @@ def convert(
     shard_limit = parse_size(max_shard_size) if max_shard_size is not None else None
     if shard_limit is not None and fmt != "safetensors":
         raise UsageError("--max-shard-size writes safetensors shards", "give a .safetensors DST")
-    with open_source(src, select=select, trust=trust, allow_globals=allow_globals) as source:
+    with open_source(
+        src, select=select, trust=trust, allow_globals=allow_globals, ema=ema
+    ) as source:
         entries = dict(source.entries())
         for key, info in entries.items():
             if info.kind != "dense":

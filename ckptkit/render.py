@@ -140,6 +140,12 @@ def summary_lines(summary: Any) -> list[str]:
         lines.append(f"shards      {len(summary.shards)}: {', '.join(summary.shards)}")
     where = f"'{summary.selected}'" if summary.selected else "the top level"
     lines.append(f"state dict  {where} ({summary.selected_reason})")
+    if len(summary.candidates) > 1:
+        shown = []
+        for c in summary.candidates:
+            taken = "taken" if c.path == summary.selected else ("--ema" if c.is_ema else "--select")
+            shown.append(f"'{c.path}' ({c.why}, {plural(c.tensors, 'tensor')}; {taken})")
+        lines.append(f"weights     {'; '.join(shown)}")
     by_dtype = ", ".join(
         f"{DTYPES[d].short if d in DTYPES else d} {human_size(n)}"
         for d, n in summary.bytes_by_dtype.items()

@@ -16,7 +16,7 @@ from typing import Any
 
 from ckptkit.convert import TRAINING_KEY
 from ckptkit.formats import TensorInfo, open_source
-from ckptkit.formats.tree import DroppedPart
+from ckptkit.formats.tree import Candidate, DroppedPart
 from ckptkit.keys import Wrapper, build_plan, detect_wrappers
 from ckptkit.meta import NAMESPACE, CheckpointMeta
 from ckptkit.scan import ScanReport, report_of, scan
@@ -43,6 +43,7 @@ class Summary:
     shared: list[list[str]] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
     safety: ScanReport | None = None
+    candidates: list[Candidate] = field(default_factory=list)  # every tensor map that could be it
     shards: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -104,6 +105,7 @@ class Summary:
             "bytes_by_dtype": self.bytes_by_dtype,
             "wrappers": [{"prefix": w.prefix, "added_by": w.added_by} for w in self.wrappers],
             "convert_strips": "".join(w.prefix for w in self.wrappers),
+            "weights_candidates": [c.to_dict() for c in self.candidates],
             "common_prefix": self.common_prefix,
             "aliases": self.aliases,
             "shared_storage": self.shared,
@@ -162,6 +164,7 @@ def summarize(path: str | Path, *, select: str | None = None) -> Summary:
             shared=_shared_groups(entries, source.aliases()),
             metadata=dict(source.metadata),
             safety=safety,
+            candidates=list(source.candidates),
             shards={
                 name: shard.path.stat().st_size
                 for name, shard in getattr(source, "shards", {}).items()

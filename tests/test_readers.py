@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import FIXTURE_DIR, FIXTURES, ROOT
 
+import ckptkit
 from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError, UsageError
 from ckptkit.formats import detect_format, open_source
 from ckptkit.formats.safetensors import TensorSpec, header_bytes, write_tensors
@@ -272,3 +273,35 @@ def test_data_classes_are_names_not_modules(tmp_path):
     assert classify("pathlib.PosixPath") == "data"
     assert classify("pathlib.Path.write_text") == "dangerous"
     assert classify("argparse.ArgumentParser") == "unknown"
+
+
+def test_ema_copies_are_listed_and_taken_with_ema(tmp_path, run, fixture_copy):
+    summary = ckptkit.summarize(FIXTURE_DIR / "ema.pt")
+    assert [(c.path, c.is_ema) for c in summary.candidates] == [
+        ("model", False),
+        ("model_ema", True),
+    ]
+    assert summary.selected_reason == (
+        "found by its name; an EMA copy is at 'model_ema' (--ema takes it)"
+    )
+    report = ckptkit.convert(FIXTURE_DIR / "ema.pt", tmp_path / "e.safetensors", ema=True)
+    assert report.selected == "model_ema" and "--ema" in report.selected_reason
+    # timm: state_dict and state_dict_ema beside each other.
+    timm = tmp_path / "timm.pth.tar"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "state_dict_ema": {"w": torch.zeros(2)},
+                "epoch": 3}, timm)  # fmt: skip
+    with open_source(timm, ema=True) as source:
+        assert source.selected == "state_dict_ema" and torch.equal(source.load("w"), torch.zeros(2))
+    fixture_copy("single.pt")
+    result = run("convert", "single.pt", "x.safetensors", "--ema")
+    assert result.exit_code == 1
+    assert result.stderr == (
+        "Error: single.pt holds no EMA copy of the weights (weights found: the top level); "
+        "drop --ema, or name the part with --select DOTTED.PATH\n"
+    )
+    fixture_copy("ema.pt")
+    lines = run("inspect", "ema.pt").stdout.splitlines()
+    assert (
+        "weights     'model' (main weights, by name, 9 tensors; taken); 'model_ema' (an EMA "
+        "copy, 10 tensors; --ema)" in lines
+    )

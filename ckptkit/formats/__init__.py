@@ -48,6 +48,7 @@ def open_source(
     trust: bool = False,
     allow_globals: Iterable[str] = (),
     check_safety: bool = True,
+    ema: bool = False,
 ) -> Source:
     """Open a checkpoint for reading, without executing any of its code.
 
@@ -60,6 +61,7 @@ def open_source(
             still never imported, only recorded. Names that execute or import are refused.
         check_safety: False reads a torch file whatever its safety verdict (for ``inspect``:
             the reading is static, nothing in the file runs).
+        ema: take a training checkpoint's EMA copy of the weights (``state_dict_ema``...).
 
     Raises:
         FormatError: the file is not a readable checkpoint.
@@ -84,9 +86,9 @@ def open_source(
     from ckptkit.formats.torchfile import TorchFileSource, TrustedTorchSource
 
     if trust:
-        return TrustedTorchSource(path, select=select)
+        return TrustedTorchSource(path, select=select, ema=ema)
     return TorchFileSource(
-        path, select=select, allow_globals=allow_globals, check_safety=check_safety
+        path, select=select, allow_globals=allow_globals, check_safety=check_safety, ema=ema
     )
 
 

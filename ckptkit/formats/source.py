@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.formats import dtypes
-from ckptkit.formats.tree import DroppedPart
+from ckptkit.formats.tree import Candidate, DroppedPart
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +55,7 @@ class Source(ABC):
     selected_reason: str = ""
     extras: dict[str, Any] = field(default_factory=dict)
     dropped: list[DroppedPart] = field(default_factory=list)
+    candidates: list[Candidate] = field(default_factory=list)  # every tensor map that could be it
     globals: list[str] = field(default_factory=list)
 
     @abstractmethod

@@ -324,6 +324,7 @@ class TorchFileSource(Source):
         select: str | None = None,
         allow_globals: Iterable[str] = (),
         check_safety: bool = True,
+        ema: bool = False,
     ) -> None:
         allowed = check_allowed(allow_globals)
         scan, self._layout, self._raw, self.readings = scan_torch_file(
@@ -334,13 +335,13 @@ class TorchFileSource(Source):
         self.scan = scan
         try:
             sel = select_state_dict(
-                scan.root, _is_stub, _stub_nbytes, select=select, source=str(path)
+                scan.root, _is_stub, _stub_nbytes, select=select, ema=ema, source=str(path)
             )
         except BaseException:
             self.close()
             raise
         self.selected, self.selected_reason = sel.path, sel.reason
-        self.extras, self.dropped = sel.extras, sel.dropped
+        self.extras, self.dropped, self.candidates = sel.extras, sel.dropped, sel.candidates
         self._stubs: dict[str, Any] = dict(sel.state_dict)
         self._bases: dict[str, torch.Tensor] = {}
         try:
@@ -424,7 +425,7 @@ class TrustedTorchSource(Source):
     ckptkit scans the pickle statically first, so the globals it imports are known and reported.
     """
 
-    def __init__(self, path: Path, *, select: str | None = None) -> None:
+    def __init__(self, path: Path, *, select: str | None = None, ema: bool = False) -> None:
         import torch
 
         scan, layout, raw, _ = scan_torch_file(path, check_safety=False)
@@ -441,10 +442,11 @@ class TrustedTorchSource(Source):
             torch.is_tensor,
             lambda t: t.numel() * t.element_size(),
             select=select,
+            ema=ema,
             source=str(path),
         )
         self.selected, self.selected_reason = sel.path, sel.reason
-        self.extras, self.dropped = sel.extras, sel.dropped
+        self.extras, self.dropped, self.candidates = sel.extras, sel.dropped, sel.candidates
         self._tensors: dict[str, torch.Tensor] = dict(sel.state_dict)
 
     def entries(self) -> list[tuple[str, TensorInfo]]:

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from ckptkit.errors import SelectError
 from ckptkit.meta import jsonable
 
-__all__ = ["Selection", "DroppedPart", "select_state_dict", "is_state_dict"]
+__all__ = [
+    "Selection",
+    "Candidate",
+    "DroppedPart",
+    "candidates",
+    "select_state_dict",
+    "is_state_dict",
+]
 
 # Where training code keeps the weights, most specific first. Each name is tried at the top
 # level and one level further down (`{"model": {"state_dict": ...}}`).
@@ -47,6 +54,22 @@ class DroppedPart:
         return {"path": self.path, "tensors": self.tensors, "bytes": self.nbytes}
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A tensor map that could be the weights: where, why, and how many tensors."""
+
+    path: str
+    why: str
+    tensors: int
+
+    @property
+    def is_ema(self) -> bool:
+        return self.why.startswith("an EMA")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "why": self.why, "tensors": self.tensors}
+
+
 @dataclass
 class Selection:
     """The chosen state dict, where it was and why, and the rest of the checkpoint."""
@@ -56,9 +79,31 @@ class Selection:
     reason: str
     extras: dict[str, Any] = field(default_factory=dict)
     dropped: list[DroppedPart] = field(default_factory=list)
+    candidates: list[Candidate] = field(default_factory=list)
 
 
-def is_state_dict(node: Any, is_tensor: IsTensor) -> bool:
+def candidates(root: Any, is_tensor: IsTensor) -> list[Candidate]:
+    """Every tensor map found by a known name (main weights first, then EMA copies), at the
+    top level or one level down, or the top level itself when it is a flat state dict."""
+    if is_state_dict(root, is_tensor):
+        return [Candidate("", "the file is a flat state dict", len(root))]
+    if not isinstance(root, Mapping):
+        return []
+    found: list[Candidate] = []
+    for names, why in ((STATE_DICT_NAMES, "main weights, by name"), (EMA_NAMES, "an EMA copy")):
+        for name in names:
+            child = root.get(name)
+            if is_state_dict(child, is_tensor):
+                found.append(Candidate(name, why, len(child)))
+            elif isinstance(child, Mapping):
+                for inner in STATE_DICT_NAMES:
+                    grandchild = child.get(inner)
+                    if is_state_dict(grandchild, is_tensor):
+                        found.append(Candidate(f"{name}.{inner}", why, len(grandchild)))
+    return found
+
+
+def is_state_dict(node: Any, is_tensor: IsTensor) -> TypeGuard[Mapping[str, Any]]:
     """A non-empty mapping of string keys to tensors only."""
     return (
         isinstance(node, Mapping)
@@ -159,6 +204,7 @@ def select_state_dict(
     nbytes: Callable[[Any], int],
     *,
     select: str | None = None,
+    ema: bool = False,
     source: str = "the checkpoint",
 ) -> Selection:
     """Find the state dict in a checkpoint tree (or take the one ``select`` names).
@@ -168,6 +214,7 @@ def select_state_dict(
         is_tensor: tells tensors from other values.
         nbytes: a tensor's size in bytes.
         select: dotted path of the state dict, overriding the search.
+        ema: take the EMA copy (timm's ``state_dict_ema``, ``model_ema``, ``ema``...).
         source: the file name, for messages.
 
     Returns:
@@ -177,7 +224,17 @@ def select_state_dict(
     Raises:
         SelectError: nothing that looks like a state dict, or ``select`` names no tensor map.
     """
-    if select is not None:
+    options = candidates(root, is_tensor)
+    emas = [c for c in options if c.is_ema]
+    if ema and select is None:
+        if not emas:
+            names = ", ".join(f"'{c.path}'" if c.path else "the top level" for c in options)
+            raise SelectError(
+                f"{source} holds no EMA copy of the weights (weights found: {names or 'none'})",
+                "drop --ema, or name the part with --select DOTTED.PATH",
+            )
+        path, reason = emas[0].path, "the EMA copy, chosen with --ema"
+    elif select is not None:
         path, reason = select, "chosen with --select"
     else:
         found = _find(root, is_tensor)
@@ -195,7 +252,9 @@ def select_state_dict(
             f"'{path}' in {source} is not a state dict (holds: {inside})",
             "--select must name a mapping of names to tensors",
         )
-    selection = Selection(state_dict=node, path=path, reason=reason)
+    if not ema and select is None and emas and emas[0].path != path:
+        reason += f"; an EMA copy is at '{emas[0].path}' (--ema takes it)"
+    selection = Selection(state_dict=node, path=path, reason=reason, candidates=options)
     # Everything beside the path: plain values become extras, parts with tensors are dropped.
     prefix = ""
     for parent, chosen in parents:
