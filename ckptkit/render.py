@@ -138,6 +138,12 @@ def summary_lines(summary: Any) -> list[str]:
     lines = [f"{summary.path}  ({summary.format}, {human_size(summary.file_size)} on disk)"]
     if summary.shards:
         lines.append(f"shards      {len(summary.shards)}: {', '.join(summary.shards)}")
+    width = max((len(p["name"]) for p in summary.parts), default=0)
+    for part in summary.parts:
+        lines.append(
+            f"part        {part['name']:<{width}}  {part['kind']}, {human_size(part['bytes'])}, "
+            f"{part['verdict']}"
+        )
     where = f"'{summary.selected}'" if summary.selected else "the top level"
     lines.append(f"state dict  {where} ({summary.selected_reason})")
     if len(summary.candidates) > 1:

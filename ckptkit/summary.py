@@ -44,6 +44,9 @@ class Summary:
     metadata: dict[str, str] = field(default_factory=dict)
     safety: ScanReport | None = None
     candidates: list[Candidate] = field(default_factory=list)  # every tensor map that could be it
+    # A folder's files (an Accelerate save_state folder, a model folder): name, what it is,
+    # bytes, and its scan verdict.
+    parts: list[dict[str, Any]] = field(default_factory=list)
     shards: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -106,6 +109,7 @@ class Summary:
             "wrappers": [{"prefix": w.prefix, "added_by": w.added_by} for w in self.wrappers],
             "convert_strips": "".join(w.prefix for w in self.wrappers),
             "weights_candidates": [c.to_dict() for c in self.candidates],
+            "parts": self.parts,
             "common_prefix": self.common_prefix,
             "aliases": self.aliases,
             "shared_storage": self.shared,
@@ -165,12 +169,26 @@ def summarize(path: str | Path, *, select: str | None = None) -> Summary:
             metadata=dict(source.metadata),
             safety=safety,
             candidates=list(source.candidates),
+            parts=_folder_parts(path) if path.is_dir() and source.format != "sharded" else [],
             shards={
                 name: shard.path.stat().st_size
                 for name, shard in getattr(source, "shards", {}).items()
             },
         )
     return summary
+
+
+def _folder_parts(folder: Path) -> list[dict[str, Any]]:
+    from ckptkit.formats.detect import folder_parts
+    from ckptkit.scan import scan_many
+
+    named = folder_parts(folder)
+    reports = scan_many(folder / name for name, _ in named)
+    return [
+        {"name": name, "kind": kind, "bytes": (folder / name).stat().st_size,
+         "verdict": report.verdict if report.error is None else "not a checkpoint"}
+        for (name, kind), report in zip(named, reports, strict=True)
+    ]  # fmt: skip
 
 
 def _size_on_disk(source: Any) -> int:

@@ -71,3 +71,43 @@ def test_a_folder_without_weights_says_so(run, tmp_path):
         "Error: empty is a folder with no sharded index, model.safetensors or "
         "pytorch_model.bin; give the checkpoint file inside it\n"
     )
+
+
+class _Tracker:
+    """A custom object registered for checkpointing; its state names a non-safe class."""
+
+    def state_dict(self):
+        import fractions
+
+        return {"ratio": fractions.Fraction(1, 3)}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_accelerate_save_state_folder(tmp_path, run):
+    accelerate = pytest.importorskip("accelerate")
+    acc = accelerate.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 2), torch.nn.Linear(3, 3)
+    opt = torch.optim.AdamW(first.parameters())
+    first, second, opt = acc.prepare(first, second, opt)
+    acc.register_for_checkpointing(_Tracker())
+    folder = tmp_path / "ckpt"
+    acc.save_state(folder)
+    summary = ckptkit.summarize(folder)
+    parts = {p["name"]: (p["kind"], p["verdict"]) for p in summary.parts}
+    assert parts["optimizer.bin"] == ("optimizer state", "safe")
+    assert parts["random_states_0.pkl"] == ("RNG states of one process", "safe")  # NumPy: data
+    assert parts["custom_checkpoint_0.pkl"] == ("a registered custom object", "unknown")
+    assert "--select model_1 for another" in summary.selected_reason
+    # The model converts whatever the other parts hold; --select takes another model.
+    out = tmp_path / "first.safetensors"
+    assert run("convert", folder, out).exit_code == 0
+    assert ckptkit.diff(out, folder / "model.safetensors").equal
+    second_out = tmp_path / "second.safetensors"
+    assert run("convert", folder, second_out, "--select", "model_1").exit_code == 0
+    state = ckptkit.load_state_dict(second_out)
+    assert torch.equal(state["weight"], second.weight.detach())
+    missing = run("inspect", folder, "--select", "model_7")
+    assert missing.exit_code == 1 and "holds no model file 'model_7'" in missing.stderr

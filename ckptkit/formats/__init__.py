@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from ckptkit.errors import FormatError
-from ckptkit.formats.detect import detect_format, model_file_in
+from ckptkit.errors import FormatError, SelectError
+from ckptkit.formats.detect import detect_format, folder_parts, model_file_in
 from ckptkit.formats.source import Source, TensorInfo
 
 __all__ = [
@@ -70,8 +70,24 @@ def open_source(
     """
     path = Path(path)
     index = checkpoint_index(path)
-    if index is None and path.is_dir() and (model_file := model_file_in(path)) is not None:
-        path = model_file  # a Hugging Face model folder: its one weights file
+    if index is None and path.is_dir():
+        model_file = model_file_in(path, select)
+        if model_file is None and select:
+            raise SelectError(
+                f"{path} holds no model file '{select}' (.safetensors or .bin)",
+                "name one of its model files without the suffix, e.g. --select model_1",
+            )
+        if model_file is not None:  # a model folder (save_pretrained, Accelerate save_state)
+            source = open_source(model_file, trust=trust, allow_globals=allow_globals)
+            others = [
+                name.split(".")[0]
+                for name, kind in folder_parts(path)
+                if kind == "model weights" and name != model_file.name
+            ]
+            source.selected_reason = f"{model_file.name} of the folder" + (
+                f"; --select {' or '.join(others)} for another" if others else ""
+            )
+            return source
     if index is not None:
         from ckptkit.formats.sharded import ShardedSource
 

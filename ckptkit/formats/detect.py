@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import re
 import stat
 import struct
 import tarfile
@@ -37,6 +38,7 @@ _Scan = Callable[..., PickleFindings]
 __all__ = [
     "detect_format",
     "model_file_in",
+    "folder_parts",
     "MODEL_FILES",
     "regular_file",
     "readings",
@@ -93,10 +95,38 @@ def regular_file(path: Path) -> int:
 MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-def model_file_in(folder: Path) -> Path | None:
+def model_file_in(folder: Path, select: str | None = None) -> Path | None:
     """The weights file of a model folder (``save_pretrained``'s ``model.safetensors`` or
-    ``pytorch_model.bin``, safetensors first, as transformers reads them), or None."""
-    return next((folder / n for n in MODEL_FILES if (folder / n).is_file()), None)
+    ``pytorch_model.bin``, safetensors first, as transformers reads them), or None. In an
+    Accelerate ``save_state`` folder ``select`` may name another model (``model_1``)."""
+    stems = [select] if select else ["model", "pytorch_model"]
+    names = [f"{stem}{ext}" for stem in stems for ext in (".safetensors", ".bin")]
+    if not select:
+        names = list(MODEL_FILES)
+    return next((folder / n for n in names if (folder / n).is_file()), None)
+
+
+# Accelerate's save_state names its parts (accelerate/checkpointing.py); N counts models,
+# optimizers and processes.
+_PARTS = (
+    (re.compile(r"(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)"), "model weights"),
+    (re.compile(r"optimizer(_\d+)?\.bin"), "optimizer state"),
+    (re.compile(r"scheduler(_\d+)?\.bin"), "scheduler state"),
+    (re.compile(r"sampler(_\d+)?\.bin"), "sampler state"),
+    (re.compile(r"dl_state_dict(_\d+)?\.bin"), "dataloader state"),
+    (re.compile(r"random_states_\d+\.pkl"), "RNG states of one process"),
+    (re.compile(r"custom_checkpoint_\d+\.pkl"), "a registered custom object"),
+    (re.compile(r"scaler\.pt"), "gradient scaler state"),
+)
+
+
+def folder_parts(folder: Path) -> list[tuple[str, str]]:
+    """The files of a checkpoint folder and what each is (Accelerate's names), sorted."""
+    out = []
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        kind = next((what for rx, what in _PARTS if rx.fullmatch(path.name)), "other file")
+        out.append((path.name, kind))
+    return out
 
 
 def _looks_like_safetensors(head: bytes, size: int) -> bool:
