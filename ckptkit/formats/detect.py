@@ -24,7 +24,6 @@ import stat
 import struct
 import tarfile
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,8 +31,6 @@ from ckptkit.errors import FormatError
 from ckptkit.formats.pickle_scan import PickleFindings, scan_pickle
 from ckptkit.formats.pickle_vm import PickleRun
 from ckptkit.formats.static_unpickler import PickleScan
-
-_Scan = Callable[..., PickleFindings]
 
 __all__ = [
     "detect_format",
@@ -225,26 +222,25 @@ def readings(path: str | Path) -> list[Reading]:
     """
     path = Path(path)
     size = regular_file(path)
-    scan = scan_pickle
     found: list[Reading] = []
     with open(path, "rb") as raw:
         head = raw.read(16)
         if head.startswith(ZIP_MAGIC):
-            return [_zip_reading(raw, "torch-zip", "torch.load", scan)]
+            return [_zip_reading(raw, "torch-zip", "torch.load")]
         tar = _open_tar(raw)
         if tar is not None:
-            found.append(_tar_reading(tar, scan))
+            found.append(_tar_reading(tar))
         if size:
             # Mapped, not read: a legacy checkpoint's storages may be gigabytes after its pickles.
             with mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                stream = _pickle_stream(data, scan)
+                stream = _pickle_stream(data)
             if stream is not None:
                 found.append(stream)
     if _looks_like_safetensors(head, size):
         found.append(Reading("safetensors", "safetensors loaders"))
     if size and zipfile.is_zipfile(path):
         with open(path, "rb") as raw:
-            found.append(_zip_reading(raw, "zip", "Python's zipfile (at the end)", scan))
+            found.append(_zip_reading(raw, "zip", "Python's zipfile (at the end)"))
     return found
 
 
@@ -253,7 +249,7 @@ def starts_as_pickle(head: bytes) -> bool:
     return head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
 
 
-def _pickle_stream(data: mmap.mmap, scan_pickle: _Scan) -> Reading | None:
+def _pickle_stream(data: mmap.mmap) -> Reading | None:
     """The pickles ``torch.load``'s legacy path and ``pickle.load`` run from byte 0."""
     first = scan_pickle(data, "pickle 1")
     if not _did_something(first.run) and not starts_as_pickle(data[:2]):
@@ -279,7 +275,7 @@ def _pickle_stream(data: mmap.mmap, scan_pickle: _Scan) -> Reading | None:
     return reading
 
 
-def _zip_reading(raw: io.BufferedReader, kind: str, reader: str, scan_pickle: _Scan) -> Reading:
+def _zip_reading(raw: io.BufferedReader, kind: str, reader: str) -> Reading:
     reading = Reading(kind, reader)
     try:
         raw.seek(0)
@@ -347,7 +343,7 @@ def _problem(label: str, text: str) -> PickleFindings:
     return PickleFindings(label, PickleScan(None, PickleRun()), extra_problems=[text])
 
 
-def _tar_reading(tar: tarfile.TarFile, scan_pickle: _Scan) -> Reading:
+def _tar_reading(tar: tarfile.TarFile) -> Reading:
     """A legacy tar checkpoint: torch unpickles its 'storages', 'tensors' and 'pickle' members;
     every member's pickles are scanned, following the storage records between them."""
     reading = Reading("legacy-tar", "torch.load")
@@ -361,13 +357,13 @@ def _tar_reading(tar: tarfile.TarFile, scan_pickle: _Scan) -> Reading:
                     continue
                 member = tar.extractfile(info)
                 data = member.read() if member else b""
-                reading.pickles.extend(_tar_member_pickles(info.name, data, scan_pickle))
+                reading.pickles.extend(_tar_member_pickles(info.name, data))
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
         reading.damaged = f"{type(exc).__name__}: {exc}"
     return reading
 
 
-def _tar_member_pickles(name: str, data: bytes, scan_pickle: _Scan) -> list[PickleFindings]:
+def _tar_member_pickles(name: str, data: bytes) -> list[PickleFindings]:
     """A member's pickles: one count, then (for storages and tensors) a record pickle followed
     by raw bytes whose length the record gives."""
     from ckptkit.formats.dtypes import DTYPES

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkit.errors import UsageError
-from ckptkit.formats.pickle_vm import FRAME_PROBLEM, PickleRun
+from ckptkit.formats.pickle_vm import FRAME_PROBLEM, PickleData, PickleRun
 from ckptkit.formats.static_unpickler import DATA_GLOBALS, PickleScan, read_pickle
 from ckptkit.formats.torch_safe_globals import safe_globals
 
@@ -150,7 +150,7 @@ class PickleFindings:
 
 
 def scan_pickle(
-    data: bytes | memoryview,
+    data: PickleData,
     label: str = "pickle",
     start: int = 0,
     *,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import _compat_pickle
 import codecs
+import mmap
 import struct
 import sys
 from collections import OrderedDict
@@ -33,6 +34,7 @@ __all__ = [
     "python3_name",
     "MAX_OBJECT_BYTES",
     "FRAME_PROBLEM",
+    "PickleData",
 ]
 
 #: What the objects a pickle builds may cost, estimated, before it counts as a bomb.
@@ -145,12 +147,14 @@ def python3_name(module: str, name: str) -> str:
 FRAME_PROBLEM = "frame boundaries disagree with the opcodes (file and bytes readers differ)"
 _MARK = object()
 Handler = Callable[..., Any]
+#: What the machine reads from: anything indexable and sliceable as bytes (a memory map too).
+PickleData = bytes | bytearray | memoryview | mmap.mmap
 
 
 class _Machine:
     def __init__(
         self,
-        data: bytes | memoryview,
+        data: PickleData,
         pos: int,
         calls: Mapping[str, Handler],
         persistent_load: Callable[[Any], Any] | None,
@@ -752,7 +756,7 @@ _OPS: dict[int, Callable[[_Machine], None]] = {
 
 
 def run_pickle(
-    data: bytes | memoryview,
+    data: PickleData,
     start: int = 0,
     *,
     calls: Mapping[str, Handler] | None = None,

@@ -22,7 +22,14 @@ from typing import Any
 
 from ckptkit.formats import dtypes
 from ckptkit.formats.dtypes import DTYPES, STORAGE_DTYPES
-from ckptkit.formats.pickle_vm import Global, Opaque, PickleRun, python3_name, run_pickle
+from ckptkit.formats.pickle_vm import (
+    Global,
+    Opaque,
+    PickleData,
+    PickleRun,
+    python3_name,
+    run_pickle,
+)
 from ckptkit.formats.torch_safe_globals import safe_globals
 
 __all__ = [
@@ -398,7 +405,7 @@ class _StorageLoader:
 
 
 def read_pickle(
-    data: bytes | memoryview,
+    data: PickleData,
     start: int = 0,
     *,
     legacy: bool = False,
