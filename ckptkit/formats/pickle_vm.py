@@ -161,7 +161,10 @@ class _Machine:
         budget: int,
         file_mode: bool,
     ) -> None:
-        self.data, self.pos, self.size = data, pos, len(data)
+        # Read through find() and slices that give bytes: bytes and memory maps do; a memoryview
+        # or bytearray is copied once to bytes.
+        self.data: bytes | mmap.mmap = data if isinstance(data, (bytes, mmap.mmap)) else bytes(data)
+        self.pos, self.size = pos, len(data)
         self.file_mode = file_mode
         self.calls, self.persistent_load = calls, persistent_load
         self.budget = budget
@@ -177,6 +180,12 @@ class _Machine:
 
     def read(self, n: int) -> bytes:
         start = self.pos
+        end = start + n
+        if self.frame_end < 0 or not start < self.frame_end < end:  # the common case
+            if n < 0 or end > self.size:
+                raise self.fail("pickle data was truncated")
+            self.pos = end
+            return self.data[start:end]
         if self.frame_end >= 0 and start < self.frame_end < start + n:
             self.run.problem(FRAME_PROBLEM)
             if self.file_mode:
@@ -187,15 +196,16 @@ class _Machine:
         if n < 0 or start + n > self.size:
             raise self.fail("pickle data was truncated")
         self.pos = start + n
-        return bytes(self.data[start : self.pos])
+        return self.data[start : self.pos]
 
     def readline(self) -> bytes:
-        end = bytes(self.data[self.pos : self.pos + 65536]).find(b"\n")
+        # find() on the buffer itself: copying a window per line would be quadratic.
+        end = self.data.find(b"\n", self.pos, self.pos + 65536)
         if end < 0:
             if self.pos + 65536 < self.size:
                 raise self.fail("text argument longer than 64 KiB")
             raise self.fail("pickle data was truncated")
-        return self.read(end + 1)[:-1]
+        return self.read(end + 1 - self.pos)[:-1]
 
     def cost(self, nbytes: int) -> None:
         self.budget -= nbytes
@@ -206,7 +216,9 @@ class _Machine:
 
     # -- the stack ------------------------------------------------------------------------
     def push(self, value: Any, nbytes: int = 32) -> None:
-        self.cost(nbytes)
+        self.budget -= nbytes  # cost(), inlined: this is the hottest call
+        if self.budget < 0:
+            self.cost(0)
         self.stack.append(value)
 
     def pop(self) -> Any:
