@@ -148,7 +148,7 @@ def summarize(path: str | Path, *, select: str | None = None) -> Summary:
         safety = None
         readings = getattr(source, "readings", None)
         if readings:
-            safety = report_of(path, readings)
+            safety = report_of(source.path, readings)
         elif source.format == "safetensors":
             safety = scan(source.path)  # the file itself (path may be its model folder)
         entries = source.entries()
@@ -169,7 +169,9 @@ def summarize(path: str | Path, *, select: str | None = None) -> Summary:
             metadata=dict(source.metadata),
             safety=safety,
             candidates=list(source.candidates),
-            parts=_folder_parts(path) if path.is_dir() and source.format != "sharded" else [],
+            parts=_folder_parts(path, safety)
+            if path.is_dir() and source.format != "sharded"
+            else [],
             shards={
                 name: shard.path.stat().st_size
                 for name, shard in getattr(source, "shards", {}).items()
@@ -178,12 +180,16 @@ def summarize(path: str | Path, *, select: str | None = None) -> Summary:
     return summary
 
 
-def _folder_parts(folder: Path) -> list[dict[str, Any]]:
+def _folder_parts(folder: Path, opened: ScanReport | None) -> list[dict[str, Any]]:
+    """Each file of a folder, what it is and its verdict; the file already opened (and
+    scanned) as the folder's model is not scanned again."""
     from ckptkit.formats.detect import folder_parts
     from ckptkit.scan import scan_many
 
     named = folder_parts(folder)
-    reports = scan_many(folder / name for name, _ in named)
+    done = {Path(opened.path).name: opened} if opened is not None else {}
+    rest = iter(scan_many(folder / name for name, _ in named if name not in done))
+    reports = [done[name] if name in done else next(rest) for name, _ in named]
     return [
         {"name": name, "kind": kind, "bytes": (folder / name).stat().st_size,
          "verdict": report.verdict if report.error is None else "not a checkpoint"}

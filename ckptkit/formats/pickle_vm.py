@@ -180,23 +180,18 @@ class _Machine:
 
     def read(self, n: int) -> bytes:
         start = self.pos
-        end = start + n
-        if self.frame_end < 0 or not start < self.frame_end < end:  # the common case
-            if n < 0 or end > self.size:
-                raise self.fail("pickle data was truncated")
-            self.pos = end
-            return self.data[start:end]
-        if self.frame_end >= 0 and start < self.frame_end < start + n:
+        if 0 <= self.frame_end and start < self.frame_end < start + n:  # crosses a frame's end
             self.run.problem(FRAME_PROBLEM)
             if self.file_mode:
                 # Reading a file, CPython's C unpickler drops what is left of the frame and
                 # reads the argument afresh after it; reading bytes, it reads straight on.
                 start = self.frame_end
             self.frame_end = -1
-        if n < 0 or start + n > self.size:
+        end = start + n
+        if n < 0 or end > self.size:
             raise self.fail("pickle data was truncated")
-        self.pos = start + n
-        return self.data[start : self.pos]
+        self.pos = end
+        return self.data[start:end]
 
     def readline(self) -> bytes:
         # find() on the buffer itself: copying a window per line would be quadratic.

@@ -15,7 +15,7 @@ import pickle
 import struct
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
@@ -35,7 +35,7 @@ from ckptkit.formats.static_unpickler import (
 )
 from ckptkit.formats.tensors import dtype_name, from_buffer, torch_dtype
 from ckptkit.formats.torch_safe_globals import safe_globals
-from ckptkit.formats.tree import select_state_dict
+from ckptkit.formats.tree import nodes, select_state_dict
 
 if TYPE_CHECKING:
     import torch
@@ -240,17 +240,43 @@ def scan_torch_file(
     reading, found = checked_reading(path, allowed, check_safety=check_safety)
     raw = open(path, "rb")  # noqa: SIM115 - owned by the Source, closed in close()
     try:
-        if reading.kind == "torch-zip":
-            layout: _ZipLayout = _ZipLayout(path, raw)
-            main = next(p for p in reading.pickles if p.label == layout.pickle_name)
-            scan = main.scan
-        else:
-            layout = _LegacyLayout(path, raw, reading)
-            scan = layout.main
+        layout, scan = _layout_for(path, raw, reading)
     except BaseException:
         raw.close()
         raise
     return scan, layout, raw, found
+
+
+def _layout_for(path: Path, raw: Any, reading: Reading) -> tuple[_ZipLayout, PickleScan]:
+    """Where a torch file's storages lie, and its main pickle, from ``torch.load``'s reading."""
+    if reading.kind == "torch-zip":
+        layout = _ZipLayout(path, raw)
+        main = next((p for p in reading.pickles if p.label == layout.pickle_name), None)
+        if main is None:
+            raise FormatError(f"{path} is damaged: no {layout.pickle_name} was read")
+        return layout, main.scan
+    legacy = _LegacyLayout(path, raw, reading)
+    return legacy, legacy.main
+
+
+def _check_extents(
+    path: Path, layout: _ZipLayout, stubs: Iterable[tuple[str | None, TensorStub]]
+) -> None:
+    """Every tensor lies inside its storage, and every storage inside the file, from headers
+    alone.
+
+    Raises:
+        FormatError: naming the tensor (when its key is given).
+    """
+    checked: set[str] = set()
+    for key, stub in stubs:
+        if stub.numel and stub.byte_range()[1] > stub.storage.nbytes:
+            which = f"tensor '{key}'" if key is not None else "a tensor"
+            raise FormatError(f"{path} is damaged: {which} runs past its storage")
+        if stub.storage.key not in checked:
+            checked.add(stub.storage.key)
+            if stub.storage.nbytes:
+                layout.data_offset(stub.storage)  # raises when it does not fit
 
 
 def structure_damage(path: Path, found: list[Reading]) -> str | None:
@@ -263,39 +289,12 @@ def structure_damage(path: Path, found: list[Reading]) -> str | None:
         return None  # said already
     try:
         with open(path, "rb") as raw:
-            if reading.kind == "torch-zip":
-                layout: _ZipLayout = _ZipLayout(path, raw)
-                main = next(p for p in reading.pickles if p.label == layout.pickle_name).scan
-            else:
-                layout = _LegacyLayout(path, raw, reading)
-                main = layout.main
-            for stub in _stubs_in(main.root):
-                if stub.numel and stub.byte_range()[1] > stub.storage.nbytes:
-                    return "a tensor runs past its storage"
-            for ref in main.storages.values():
-                if ref.nbytes:
-                    layout.data_offset(ref)
+            layout, main = _layout_for(path, raw, reading)
+            stubs = (n for n in nodes(main.root) if isinstance(n, TensorStub))
+            _check_extents(path, layout, ((None, stub) for stub in stubs))
     except FormatError as exc:
         return exc.message
-    except StopIteration:
-        return "no data.pkl"
     return None
-
-
-def _stubs_in(root: Any) -> Iterator[TensorStub]:
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(node, TensorStub):
-            yield node
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
 
 
 def _unsafe_error(path: Path, unsafe: list[str]) -> UnsafeCheckpointError:
@@ -344,25 +343,12 @@ class TorchFileSource(Source):
         self.extras, self.dropped, self.candidates = sel.extras, sel.dropped, sel.candidates
         self._stubs: dict[str, Any] = dict(sel.state_dict)
         self._bases: dict[str, torch.Tensor] = {}
-        try:
-            self._check_extents()
+        try:  # a damaged file is refused before anything is read or written
+            stubs = ((k, s) for k, s in self._stubs.items() if isinstance(s, TensorStub))
+            _check_extents(path, self._layout, stubs)
         except BaseException:
             self.close()
             raise
-
-    def _check_extents(self) -> None:
-        """Every tensor lies inside its storage, and every storage inside the file: from the
-        headers alone, so a damaged file is refused before anything is read or written."""
-        checked: set[str] = set()
-        for key, stub in self._stubs.items():
-            if not isinstance(stub, TensorStub):
-                continue
-            if stub.numel and stub.byte_range()[1] > stub.storage.nbytes:
-                raise FormatError(f"{self.path} is damaged: tensor '{key}' runs past its storage")
-            if stub.storage.key not in checked:
-                checked.add(stub.storage.key)
-                if stub.storage.nbytes:
-                    self._layout.data_offset(stub.storage)  # raises when it does not fit
 
     def entries(self) -> list[tuple[str, TensorInfo]]:
         out = []

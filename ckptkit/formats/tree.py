@@ -7,7 +7,7 @@ so it needs no torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -19,6 +19,7 @@ __all__ = [
     "Candidate",
     "DroppedPart",
     "candidates",
+    "nodes",
     "select_state_dict",
     "is_state_dict",
 ]
@@ -120,22 +121,23 @@ def _children(node: Any) -> list[tuple[str, Any]]:
     return []
 
 
-def _tensors_in(node: Any, is_tensor: IsTensor, nbytes: Callable[[Any], int]) -> tuple[int, int]:
-    # Iterative and each object once: a pickle can make cycles and DAGs whose paths are
-    # exponential in number (torch loads those too).
-    count = size = 0
+def nodes(root: Any) -> Iterator[Any]:
+    """Every object of a tree, each once, iteratively: a pickle can make cycles and DAGs whose
+    paths are exponential in number (torch loads those too)."""
     seen: set[int] = set()
-    stack = [node]
+    stack = [root]
     while stack:
         item = stack.pop()
         if id(item) in seen:
             continue
         seen.add(id(item))
-        if is_tensor(item):
-            count, size = count + 1, size + nbytes(item)
-        else:
-            stack.extend(child for _, child in _children(item))
-    return count, size
+        yield item
+        stack.extend(child for _, child in _children(item))
+
+
+def _tensors_in(node: Any, is_tensor: IsTensor, nbytes: Callable[[Any], int]) -> tuple[int, int]:
+    tensors = [item for item in nodes(node) if is_tensor(item)]
+    return len(tensors), sum(nbytes(t) for t in tensors)
 
 
 def _join(path: str, name: str) -> str:
