@@ -20,6 +20,7 @@ from ckptkit.formats import Source, TensorInfo, open_source, output_format
 from ckptkit.formats.atomic import atomic_outputs, check_output, syncing
 from ckptkit.formats.dtypes import DTYPES
 from ckptkit.formats.safetensors import TensorSpec
+from ckptkit.formats.source import KINDS
 from ckptkit.formats.transfer import Item, Transfer
 from ckptkit.formats.tree import DroppedPart
 from ckptkit.keys import (
@@ -185,12 +186,7 @@ def convert(
         src, select=select, trust=trust, allow_globals=allow_globals, ema=ema
     ) as source:
         entries = dict(source.entries())
-        for key, info in entries.items():
-            if info.kind != "dense":
-                raise FormatError(
-                    f"tensor '{key}' in {src} is {info.kind}, which ckptkit cannot convert",
-                    "convert it to a dense tensor in PyTorch first",
-                )
+        _refuse_special(src, entries)
         plan = build_plan(
             entries,
             strip_wrappers=strip_wrappers,
@@ -275,6 +271,21 @@ def convert(
         if force:
             _remove_stale_shards(dst, outputs)
     return report
+
+
+def _refuse_special(src: Path, entries: dict[str, TensorInfo]) -> None:
+    """Refuse, naming the key, a tensor that is not plain data (never written as weights)."""
+    for key, info in entries.items():
+        if info.kind == "dense":
+            continue
+        hint = (
+            "convert the DeepSpeed checkpoint folder (the one holding 'latest'), "
+            "which rebuilds the weights"
+            if info.kind == "placeholder"
+            else "convert it to a dense tensor in PyTorch first"
+        )
+        what = KINDS.get(info.kind, info.kind)
+        raise FormatError(f"tensor '{key}' in {src} is {what}; ckptkit cannot convert it", hint)
 
 
 def _remove_stale_shards(dst: Path, outputs: list[Path]) -> None:

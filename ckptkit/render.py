@@ -12,7 +12,7 @@ from typing import Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.dtypes import DTYPES
-from ckptkit.formats.source import TensorInfo
+from ckptkit.formats.source import KINDS, TensorInfo
 from ckptkit.meta import NAMESPACE
 
 __all__ = [
@@ -69,6 +69,8 @@ def _describe(info: TensorInfo, count: int = 1) -> str:
     dtype = DTYPES[info.dtype].short if info.dtype in DTYPES else info.dtype
     shape = "[" + ", ".join(map(str, info.shape)) + "]"
     note = "" if info.contiguous else "  non-contiguous"
+    if info.kind != "dense":
+        note += f"  {KINDS.get(info.kind, info.kind)}"
     times = f"  x{count}" if count > 1 else ""
     return f"{shape} {dtype}{times}  {human_size(info.nbytes * count)}{note}"
 
@@ -90,7 +92,7 @@ def tree_lines(
 
     rows = [(k, i) for k, i in summary.tensors if keep(k, key_filter)]
     # Fold on what a tensor looks like, not on where its bytes live.
-    looks = {k: TensorInfo(i.dtype, i.shape, contiguous=i.contiguous) for k, i in rows}
+    looks = {k: TensorInfo(i.dtype, i.shape, contiguous=i.contiguous, kind=i.kind) for k, i in rows}
     folded = collapse([(k, looks[k]) for k, _ in rows])
     root: dict[str, Any] = {}
     for parts, info, count in folded:

@@ -62,8 +62,9 @@ class Summary:
     @property
     def bytes_by_dtype(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
-        for _, info in self.tensors:
-            out[info.dtype] += info.nbytes
+        for key, info in self.tensors:
+            if key not in self.aliases:
+                out[info.dtype] += info.nbytes
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     @property
@@ -198,10 +199,7 @@ def _folder_parts(folder: Path, opened: ScanReport | None) -> list[dict[str, Any
 
 
 def _size_on_disk(source: Any) -> int:
-    shards = getattr(source, "shards", None)
-    if shards:
-        return sum(os.path.getsize(shard.path) for shard in shards.values())
-    return os.path.getsize(source.path)
+    return sum(os.path.getsize(path) for path in source.files())
 
 
 def _shared_groups(

@@ -68,8 +68,8 @@ def test_a_folder_without_weights_says_so(run, tmp_path):
     result = run("inspect", "empty")
     assert result.exit_code == 1
     assert result.stderr == (
-        "Error: empty is a folder with no sharded index, model.safetensors or "
-        "pytorch_model.bin; give the checkpoint file inside it\n"
+        "Error: empty is a folder with no sharded index, model.safetensors, "
+        "pytorch_model.bin or DeepSpeed checkpoint; give the checkpoint file inside it\n"
     )
 
 

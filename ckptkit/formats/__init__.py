@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ckptkit.errors import FormatError, SelectError
-from ckptkit.formats.detect import detect_format, folder_parts, model_file_in
+from ckptkit.formats.detect import detect_format, find_deepspeed, folder_parts, model_file_in
 from ckptkit.formats.source import Source, TensorInfo
 
 __all__ = [
@@ -53,9 +53,11 @@ def open_source(
     """Open a checkpoint for reading, without executing any of its code.
 
     Args:
-        path: a torch zip or legacy file, a safetensors file, or a sharded checkpoint (its
-            ``*.index.json``, or the folder holding it).
-        select: dotted path of the state dict inside a training checkpoint (default: found).
+        path: a torch zip or legacy file, a safetensors file, a sharded checkpoint (its
+            ``*.index.json``, or the folder holding it), a model folder (``save_pretrained``,
+            Accelerate's ``save_state``) or a DeepSpeed checkpoint folder.
+        select: dotted path of the state dict inside a training checkpoint (default: found);
+            in a folder, the model file (``model_1``); for DeepSpeed ``fp32`` or ``module``.
         trust: load with torch's full unpickler, which can run code from the file.
         allow_globals: globals (``module.Name``) admitted beside torch's safe set; they are
             still never imported, only recorded. Names that execute or import are refused.
@@ -71,6 +73,11 @@ def open_source(
     path = Path(path)
     index = checkpoint_index(path)
     if index is None and path.is_dir():
+        tag = find_deepspeed(path)
+        if tag is not None:  # DeepSpeed's engine.save_checkpoint (Lightning's DeepSpeed too)
+            from ckptkit.formats.deepspeed import DeepSpeedSource
+
+            return DeepSpeedSource(path, tag, select=select)
         model_file = model_file_in(path, select)
         if model_file is None and select:
             raise SelectError(

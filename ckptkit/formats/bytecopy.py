@@ -209,7 +209,7 @@ def _compare_read(fd_a: int, at_a: int, fd_b: int, at_b: int, count: int) -> boo
     return True
 
 
-def read_into(fd: int, buf: bytearray, offset: int) -> bool:
+def read_into(fd: int, buf: bytearray | memoryview, offset: int) -> bool:
     """Fill ``buf`` from ``fd`` at ``offset``; False when the file ends first."""
     with memoryview(buf) as view:
         filled = 0

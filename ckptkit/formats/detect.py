@@ -36,6 +36,7 @@ __all__ = [
     "detect_format",
     "model_file_in",
     "folder_parts",
+    "find_deepspeed",
     "MODEL_FILES",
     "regular_file",
     "readings",
@@ -77,7 +78,8 @@ def regular_file(path: Path) -> int:
         raise FormatError(f"cannot read {path}: {exc.strerror}") from None
     if stat.S_ISDIR(info.st_mode):
         raise FormatError(
-            f"{path} is a folder with no sharded index, {' or '.join(MODEL_FILES)}",
+            f"{path} is a folder with no sharded index, {', '.join(MODEL_FILES)} "
+            "or DeepSpeed checkpoint",
             "give the checkpoint file inside it",
         )
     if not stat.S_ISREG(info.st_mode):
@@ -117,13 +119,71 @@ _PARTS = (
 )
 
 
+# DeepSpeed's engine.save_checkpoint (deepspeed/runtime/engine.py names them).
+_DEEPSPEED_PARTS = (
+    (re.compile(r"latest"), "the tag of the latest checkpoint"),
+    (re.compile(r"mp_rank_\d+_model_states\.pt"), "model states: the module, shapes, ties"),
+    (re.compile(r"zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt"), "model states of one rank"),
+    (re.compile(r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt"),
+     "fp32 master weights and optimizer state of one rank"),
+)  # fmt: skip
+
+
 def folder_parts(folder: Path) -> list[tuple[str, str]]:
-    """The files of a checkpoint folder and what each is (Accelerate's names), sorted."""
+    """The files of a checkpoint folder and what each is (Accelerate's and DeepSpeed's names,
+    the latter's tag folder included as ``tag/name``), sorted."""
+    tag = find_deepspeed(folder)
+    known = _DEEPSPEED_PARTS if tag is not None else _PARTS
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    if tag is not None and tag != folder:
+        files += sorted(p for p in tag.iterdir() if p.is_file())
     out = []
-    for path in sorted(p for p in folder.iterdir() if p.is_file()):
-        kind = next((what for rx, what in _PARTS if rx.fullmatch(path.name)), "other file")
-        out.append((path.name, kind))
+    for path in files:
+        kind = next((what for rx, what in known if rx.fullmatch(path.name)), "other file")
+        out.append((path.relative_to(folder).as_posix(), kind))
     return out
+
+
+# DeepSpeed's engine.save_checkpoint: `latest` names the tag folder holding the model states.
+_DEEPSPEED_MODEL = re.compile(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
+
+
+def _holds_model_states(folder: Path) -> bool:
+    return folder.is_dir() and any(_DEEPSPEED_MODEL.fullmatch(p.name) for p in folder.iterdir())
+
+
+def find_deepspeed(folder: Path) -> Path | None:
+    """The tag folder of a DeepSpeed checkpoint (``folder`` itself, or the one ``latest``
+    names), or None when ``folder`` is not one.
+
+    Raises:
+        FormatError: ``latest`` names a folder that is missing or outside ``folder``.
+    """
+    if not folder.is_dir():
+        return None
+    if _holds_model_states(folder):
+        return folder
+    latest = folder / "latest"
+    if latest.is_file():
+        tag = latest.read_text(errors="replace").strip()
+        if not tag or Path(tag).name != tag or tag in (".", ".."):
+            raise FormatError(f"{latest} names no tag folder ({tag!r})")
+        if not _holds_model_states(folder / tag):
+            raise FormatError(
+                f"{folder} is a DeepSpeed checkpoint whose latest tag '{tag}' is missing",
+                "copy the tag folder there, or give another tag folder itself",
+            )
+        return folder / tag
+    tags = [p for p in sorted(folder.iterdir()) if p.is_dir() and _holds_model_states(p)]
+    if len(tags) == 1:
+        return tags[0]
+    if tags:
+        raise FormatError(
+            f"{folder} holds DeepSpeed checkpoints {', '.join(p.name for p in tags)} "
+            "and no 'latest'",
+            f"give one of them, e.g. {tags[-1]}",
+        )
+    return None
 
 
 def _looks_like_safetensors(head: bytes, size: int) -> bool:

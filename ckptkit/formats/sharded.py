@@ -108,6 +108,12 @@ class ShardedSource(Source):
     def byte_span(self, key: str) -> tuple[Path, int, int] | None:
         return self._where[key].byte_span(key)
 
+    def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:
+        return self._where[key].byte_pieces(key)
+
+    def files(self) -> list[Path]:
+        return [self.path] + [f for shard in self.shards.values() for f in shard.files()]
+
     def close(self) -> None:
         for shard in self.shards.values():
             shard.close()

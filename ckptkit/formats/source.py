@@ -14,7 +14,18 @@ from ckptkit.formats.tree import Candidate, DroppedPart
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TensorInfo", "Source"]
+__all__ = ["TensorInfo", "Source", "KINDS"]
+
+# What a tensor that is not a plain dense one is, for messages (``TensorInfo.kind``).
+KINDS = {
+    "placeholder": "an empty placeholder (DeepSpeed ZeRO-3 keeps the weights in the optimizer "
+    "states)",
+    "sparse": "a sparse tensor",
+    "quantized": "a quantized tensor",
+    "meta": "a meta tensor, which holds no data",
+    "nested": "a nested tensor",
+    "tensor subclass": "a tensor subclass (such as a DTensor)",
+}
 
 
 @dataclass(frozen=True)
@@ -30,7 +41,7 @@ class TensorInfo:
     storage: str | None = None
     byte_range: tuple[int, int] = (0, 0)
     contiguous: bool = True
-    kind: str = "dense"
+    kind: str = "dense"  # or a key of KINDS
 
     @property
     def numel(self) -> int:
@@ -41,7 +52,8 @@ class TensorInfo:
         return dtypes.nbytes(self.dtype, self.shape)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "bytes": self.nbytes}
+        out = {"dtype": self.dtype, "shape": list(self.shape), "bytes": self.nbytes}
+        return out if self.kind == "dense" else {**out, "kind": self.kind}
 
 
 @dataclass
@@ -70,6 +82,16 @@ class Source(ABC):
         """Where a tensor's bytes lie in a file, ready to copy as they are: (file, offset,
         length), or None when they must go through torch (strided, compressed, ...)."""
         return None
+
+    def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:
+        """A tensor's bytes as ranges of files whose concatenation is the tensor (a sharded
+        layout such as DeepSpeed's partitions), or None as for :meth:`byte_span`."""
+        span = self.byte_span(key)
+        return None if span is None else [span]
+
+    def files(self) -> list[Path]:
+        """Every file this Source reads."""
+        return [self.path]
 
     def keys(self) -> list[str]:
         return [key for key, _ in self.entries()]

@@ -9,6 +9,7 @@ a record after the legacy pickles), so each tensor is a view of a memory map, re
 from __future__ import annotations
 
 import io
+import math
 import mmap
 import os
 import pickle
@@ -343,6 +344,7 @@ class TorchFileSource(Source):
         self.extras, self.dropped, self.candidates = sel.extras, sel.dropped, sel.candidates
         self._stubs: dict[str, Any] = dict(sel.state_dict)
         self._bases: dict[str, torch.Tensor] = {}
+        self._placeholders = _placeholders(scan.root, self._stubs) if sel.path == "module" else {}
         try:  # a damaged file is refused before anything is read or written
             stubs = ((k, s) for k, s in self._stubs.items() if isinstance(s, TensorStub))
             _check_extents(path, self._layout, stubs)
@@ -355,6 +357,9 @@ class TorchFileSource(Source):
         for key, stub in self._stubs.items():
             if isinstance(stub, UnsupportedTensor):
                 out.append((key, TensorInfo("uint8", (0,), kind=stub.kind)))
+                continue
+            if key in self._placeholders:
+                out.append((key, TensorInfo(stub.dtype, stub.shape, kind="placeholder")))
                 continue
             out.append(
                 (
@@ -403,6 +408,32 @@ class TorchFileSource(Source):
     def close(self) -> None:
         self._bases = {}
         self._raw.close()
+
+
+def _placeholders(root: Any, stubs: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Empty tensors whose real shape the file records elsewhere: the parameters of a DeepSpeed
+    ZeRO-3 model-states file (``param_shapes``), whose weights are in the optimizer states."""
+    recorded: dict[str, Any] = {}
+    if isinstance(root, dict):
+        for group in root.get("param_shapes") or ():
+            if isinstance(group, dict):
+                recorded.update(group)
+        if isinstance(root.get("frozen_param_shapes"), dict):
+            recorded.update(root["frozen_param_shapes"])
+        if isinstance(root.get("shared_params"), dict):  # tied: alias -> the parameter it is
+            recorded.update({a: recorded.get(t) for a, t in root["shared_params"].items()})
+    out = {}
+    for key, stub in stubs.items():
+        shape = recorded.get(key)
+        if (
+            isinstance(stub, TensorStub)
+            and stub.numel == 0
+            and isinstance(shape, tuple)
+            and all(type(n) is int for n in shape)
+            and math.prod(shape)
+        ):
+            out[key] = shape
+    return out
 
 
 class TrustedTorchSource(Source):

@@ -55,7 +55,7 @@ class Transfer:
     through_torch: int = 0
     overflowed: list[str] = field(default_factory=list)
     _fds: dict[Path, int] = field(default_factory=dict)
-    _checks: dict[str, Future[bool]] = field(default_factory=dict)
+    _checks: dict[str, list[Future[bool]]] = field(default_factory=dict)
     _checker: ThreadPoolExecutor | None = None
     _flushing: deque[tuple[int, int, int]] = field(default_factory=deque)  # fd, offset, count
     _flushing_bytes: int = 0
@@ -75,7 +75,7 @@ class Transfer:
             self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptkit-verify")
         done = self._checker.submit(self._settle, source, self._fd(dst), start, count)
         if source is not None:
-            self._checks[key] = done
+            self._checks.setdefault(key, []).append(done)
 
     def _settle(self, source: tuple[int, int] | None, fd: int, start: int, count: int) -> bool:
         """In the worker thread: compare a written range with its ``source`` range (fd, offset)
@@ -137,15 +137,16 @@ class Transfer:
     ) -> Callable[[int, TensorSpec], None]:
         def write(fd: int, spec: TensorSpec) -> None:
             item = items[spec.key]
-            span = None if item.cast else self.source.byte_span(item.old)
-            start = os.lseek(fd, 0, os.SEEK_CUR)
-            if span is not None:
-                path, offset, length = span
-                copy_range(self._fd(path), offset, length, fd)
-                compare = (self._fd(path), offset) if verify else None
-                self._written(spec.key, dst, start, length, compare)
+            pieces = None if item.cast else self.source.byte_pieces(item.old)
+            if pieces is not None:
+                for path, offset, length in pieces:  # one range, or a sharded layout's several
+                    start = os.lseek(fd, 0, os.SEEK_CUR)
+                    copy_range(self._fd(path), offset, length, fd)
+                    compare = (self._fd(path), offset) if verify else None
+                    self._written(spec.key, dst, start, length, compare)
                 self.copied += 1
             else:
+                start = os.lseek(fd, 0, os.SEEK_CUR)
                 overflowed = False
                 for before, after in self._pieces(item):
                     overflowed = overflowed or (item.cast and _overflows(before, after))
@@ -189,11 +190,11 @@ class Transfer:
                 or end - begin != item.spec.nbytes
             ):
                 raise VerificationError(f"tensor '{key}' in {shown} has the wrong shape or dtype")
-            check = self._checks.pop(key, None)
-            if check is None:
+            checks = self._checks.pop(key, None)
+            if checks is None:
                 via_torch.append((item, data_start + begin))
                 continue
-            if not check.result():  # compared as it was written
+            if not all(check.result() for check in checks):  # compared as it was written
                 raise _differs(key, shown)
             self.progress(item.spec.nbytes)
         for item, offset in via_torch:

@@ -1,0 +1,173 @@
+"""DeepSpeed ZeRO folders (stages 1, 2 and 3, Lightning's DeepSpeed strategy): the fp32 master
+weights rebuilt bit-exact against DeepSpeed's own ``zero_to_fp32``, copied as bytes from the
+partitions, and damaged folders refused.
+
+The folders under ``fixtures/deepspeed`` were written by DeepSpeed itself (``make_deepspeed.py``);
+beside each, ``<name>.fp32.safetensors`` is what ``get_fp32_state_dict_from_zero_checkpoint``
+rebuilt from it. Where DeepSpeed is installed, it is also run here on the same folders.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+
+import pytest
+import torch
+from conftest import FIXTURE_DIR, load_with_ties
+from safetensors import safe_open
+from safetensors.torch import load_file, load_model
+
+import ckptkit
+from ckptkit.errors import FormatError, SelectError
+
+DS = FIXTURE_DIR / "deepspeed"
+RUNS = ["zero1_bf16", "zero2_fp16", "zero2_bf16", "zero3_bf16", "zero3_fp32"]
+LIGHTNING = DS / "lightning" / "epoch=0-step=3.ckpt"
+
+
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    """What zero_to_fp32 rebuilt, tied names included (recorded in the file's metadata)."""
+    path = DS / f"{name}.fp32.safetensors"
+    state = load_file(path)
+    with safe_open(str(path), "pt") as f:
+        ties = ast.literal_eval(f.metadata()["tied"])
+    return state | {alias: state[target] for alias, target in ties.items()}
+
+
+def _bits(t: torch.Tensor) -> tuple:
+    return t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).tolist()
+
+
+def _model():
+    from make_deepspeed import build_model
+
+    return build_model()
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_rebuilt_weights_equal_zero_to_fp32_bit_for_bit(name, tmp_path):
+    out = tmp_path / "out.safetensors"
+    report = ckptkit.convert(DS / name, out)
+    assert report.verified and report.copied == report.tensors  # bytes, never through torch
+    written = load_with_ties(out)
+    reference = _reference(name)
+    for key, tensor in reference.items():
+        assert _bits(written[key]) == _bits(tensor), key
+    # bf16 ZeRO-1 keeps no fp32 copy of frozen parameters (zero_to_fp32 drops them): the
+    # module's copy is taken and said so; nothing else is added.
+    extra = set(written) - set(reference)
+    assert extra == ({"frozen.weight", "frozen.bias"} if name == "zero1_bf16" else set())
+    # And the file loads into the model with safetensors' own loader.
+    missing, unexpected = load_model(_model(), out, strict=True)
+    assert not missing and not unexpected
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_equal_to_deepspeed_itself_where_it_is_installed(name):
+    zero_to_fp32 = pytest.importorskip("deepspeed.utils.zero_to_fp32")
+    theirs = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(DS / name))
+    ours = ckptkit.load_state_dict(DS / name)
+    for key, tensor in theirs.items():
+        assert _bits(ours[key]) == _bits(tensor), key
+
+
+def test_inspect_says_the_stage_the_ranks_and_the_dtypes(run):
+    summary = ckptkit.summarize(DS / "zero3_bf16")
+    info = summary.extras["deepspeed"]
+    assert (info["zero_stage"], info["world_size"], info["module_dtype"]) == (3, 2, "bfloat16")
+    assert summary.selected == "fp32" and "ZeRO-3 partitions of 2 ranks" in summary.selected_reason
+    assert summary.aliases == {"tied.weight": "emb.weight"}
+    kinds = {p["name"]: p["kind"] for p in summary.parts}
+    assert kinds["global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"].startswith("fp32")
+    result = run("inspect", DS / "zero3_bf16")
+    assert result.exit_code == 0, result.output
+    assert "rebuilt from ZeRO-3 partitions of 2 ranks" in result.output
+    assert "trained in bfloat16" in result.output
+
+
+def test_select_module_takes_the_training_dtype_copy(tmp_path):
+    name = "zero2_fp16"
+    out = tmp_path / "module.pt"
+    report = ckptkit.convert(DS / name, out, select="module")
+    assert report.selected == "module"
+    written = torch.load(out, weights_only=True)
+    module = torch.load(DS / name / "global_step3" / "mp_rank_00_model_states.pt",
+                        weights_only=False)["module"]  # fmt: skip
+    assert written.keys() == module.keys()
+    for key in module:
+        assert _bits(written[key]) == _bits(module[key]), key
+    assert written["tied.weight"].data_ptr() == written["emb.weight"].data_ptr()
+
+
+def test_zero3_module_states_are_placeholders_and_never_written(tmp_path, run):
+    with pytest.raises(SelectError, match="placeholders"):
+        ckptkit.convert(DS / "zero3_bf16", tmp_path / "x.safetensors", select="module")
+    states = DS / "zero3_bf16" / "global_step3" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    kinds = {k: i.kind for k, i in ckptkit.summarize(states).tensors}
+    assert kinds["emb.weight"] == "placeholder" and kinds["seen"] == "dense"
+    result = run("convert", states, "x.safetensors")
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: tensor 'emb.weight' in ")
+    assert "placeholder" in result.output and "'latest'" in result.output
+    assert not (tmp_path / "x.safetensors").exists()
+    inspected = run("inspect", states)
+    assert "placeholder" in inspected.output
+
+
+def test_lightning_deepspeed_folder_loads_after_stripping_model(tmp_path, run):
+    summary = ckptkit.summarize(LIGHTNING)
+    assert summary.common_prefix == "model."
+    assert summary.extras["pytorch-lightning_version"] and summary.extras["global_step"] == 3
+    result = run("convert", LIGHTNING, "lit.safetensors", "--strip-prefix", "model.")
+    assert result.exit_code == 0, result.output
+    reference = _reference("lightning")
+    written = load_with_ties(tmp_path / "lit.safetensors")
+    assert {k: _bits(v) for k, v in written.items()} == {
+        k.removeprefix("model."): _bits(v) for k, v in reference.items()
+    }
+    report = ckptkit.load_into(_model(), LIGHTNING)
+    assert report.loaded == len(_model().state_dict())
+
+
+@pytest.fixture
+def folder(tmp_path):
+    copy = tmp_path / "zero3"
+    shutil.copytree(DS / "zero3_bf16", copy)
+    return copy
+
+
+def test_a_missing_rank_is_named_and_nothing_is_written(folder, tmp_path, run):
+    (folder / "global_step3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    result = run("convert", folder, "out.safetensors")
+    assert result.exit_code == 1
+    assert "optimizer states of ranks [0] but the run had 2" in result.output
+    assert list(tmp_path.glob("out*")) == []
+
+
+def test_a_truncated_partition_is_refused(folder, tmp_path):
+    optim = folder / "global_step3" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    optim.write_bytes(optim.read_bytes()[:-2000])
+    with pytest.raises(FormatError):
+        ckptkit.convert(folder, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_latest_naming_a_missing_tag_is_refused(folder, tmp_path):
+    (folder / "latest").write_text("global_step9")
+    with pytest.raises(FormatError, match="latest tag 'global_step9' is missing"):
+        ckptkit.summarize(folder)
+    (folder / "latest").write_text("../../etc")
+    with pytest.raises(FormatError, match="names no tag folder"):
+        ckptkit.summarize(folder)
+
+
+def test_the_tag_folder_itself_is_read_too(tmp_path):
+    whole = ckptkit.load_state_dict(DS / "zero2_bf16")
+    tag = ckptkit.load_state_dict(DS / "zero2_bf16" / "global_step3")
+    assert {k: _bits(v) for k, v in whole.items()} == {k: _bits(v) for k, v in tag.items()}
+
+
+def test_fixtures_hold_no_deepspeed_script():
+    """make_deepspeed.py removes the zero_to_fp32.py DeepSpeed copies into every folder."""
+    assert not list(DS.rglob("*.py"))
