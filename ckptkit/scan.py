@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import CkptkitError, FormatError
-from ckptkit.formats.detect import Reading, readings
+from ckptkit.formats.detect import Reading, folder_parts, readings
 from ckptkit.formats.pickle_scan import (
     DAMAGED,
     DANGEROUS,
@@ -134,6 +134,8 @@ def scan_many(
     paths: Iterable[str | Path], *, allow_globals: Iterable[str] = ()
 ) -> list[ScanReport]:
     """Scan each file; a file that cannot be scanned gets a report whose ``error`` says why.
+    A folder (Accelerate, DeepSpeed, a model folder) stands for every file in it that a loader
+    would read (a DeepSpeed tag folder's too); its other files (JSON, text) are passed over.
 
     Raises:
         UsageError: a dangerous name in ``allow_globals`` (before any file is read).
@@ -142,9 +144,23 @@ def scan_many(
     reports = []
     for path in paths:
         try:
-            reports.append(scan(path, allow_globals=allowed))
+            if Path(path).is_dir():
+                reports.extend(_scan_folder(Path(path), allowed))
+            else:
+                reports.append(scan(path, allow_globals=allowed))
         except CkptkitError as exc:
             reports.append(ScanReport(str(path), "unknown", allowed=allowed, error=exc.cli_text))
+    return reports
+
+
+def _scan_folder(folder: Path, allowed: frozenset[str]) -> list[ScanReport]:
+    reports = []
+    for name, _ in folder_parts(folder):
+        found = readings(folder / name)
+        if found:
+            reports.append(report_of(folder / name, found, allowed))
+    if not reports:
+        raise FormatError(f"{folder} holds no file that a loader would read")
     return reports
 
 

@@ -10,7 +10,9 @@ rebuilt from it. Where DeepSpeed is installed, it is also run here on the same f
 from __future__ import annotations
 
 import ast
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,7 +84,7 @@ def test_inspect_says_the_stage_the_ranks_and_the_dtypes(run):
     assert kinds["global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"].startswith("fp32")
     result = run("inspect", DS / "zero3_bf16")
     assert result.exit_code == 0, result.output
-    assert "rebuilt from ZeRO-3 partitions of 2 ranks" in result.output
+    assert "rebuilt from the ZeRO-3 partitions of 2 ranks" in result.output
     assert "trained in bfloat16" in result.output
 
 
@@ -171,3 +173,15 @@ def test_the_tag_folder_itself_is_read_too(tmp_path):
 def test_fixtures_hold_no_deepspeed_script():
     """make_deepspeed.py removes the zero_to_fp32.py DeepSpeed copies into every folder."""
     assert not list(DS.rglob("*.py"))
+
+
+def test_scan_of_a_folder_scans_every_file_a_loader_reads(run):
+    result = run("scan", "--json", DS / "zero3_bf16")
+    doc = json.loads(result.output)
+    names = sorted(Path(f["path"]).name for f in doc["files"])
+    assert names == sorted(p.name for p in (DS / "zero3_bf16" / "global_step3").iterdir())
+    verdicts = {Path(f["path"]).name: f["verdict"] for f in doc["files"]}
+    assert verdicts["zero_pp_rank_0_mp_rank_00_model_states.pt"] == "safe"
+    # DeepSpeed's own classes are not torch's: reported as they are, read as data by convert.
+    assert verdicts["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"] == "unknown"
+    assert doc["verdict"] == "unknown" and result.exit_code == 1

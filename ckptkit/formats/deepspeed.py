@@ -206,7 +206,7 @@ class DeepSpeedSource(Source):
         }
         tensors = [n for f in optim_files for n in nodes(f.root) if isinstance(n, TensorStub)]
         self.dropped = [
-            DroppedPart(f"optimizer states ({len(optim_files)} files)", len(tensors),
+            DroppedPart(f"optimizer states of {len(optim_files)} ranks", len(tensors),
                         sum(t.nbytes for t in tensors))
         ] if optim_files else []  # fmt: skip
         if select == "module" or stage == 0:
@@ -224,9 +224,9 @@ class DeepSpeedSource(Source):
         self._rebuild(stage, world, optim_files, osd, models, module)
         self.selected = "fp32"
         self.selected_reason = (
-            f"fp32 master weights rebuilt from ZeRO-{stage} partitions of {world} ranks, "
-            f"as zero_to_fp32 does (trained in {module_dtype}"
-            + ("; --select module for those weights)" if stage < 3 else ")")
+            f"the fp32 master weights, rebuilt from the ZeRO-{stage} partitions of {world} ranks "
+            f"as zero_to_fp32 does; trained in {module_dtype}"
+            + (", --select module for those weights" if stage < 3 else "")
         )
 
     def _add(self, key: str, piece: Piece | list[Piece], stub: Any, dtype: str = "") -> None:
