@@ -20,7 +20,7 @@ from ckptkit.formats import Source, TensorInfo, open_source, output_format
 from ckptkit.formats.atomic import atomic_outputs, check_output, syncing
 from ckptkit.formats.dtypes import DTYPES
 from ckptkit.formats.safetensors import TensorSpec
-from ckptkit.formats.source import KINDS
+from ckptkit.formats.source import KEPT_IN_TORCH, KINDS
 from ckptkit.formats.transfer import Item, Transfer
 from ckptkit.formats.tree import DroppedPart
 from ckptkit.keys import (
@@ -186,7 +186,7 @@ def convert(
         src, select=select, trust=trust, allow_globals=allow_globals, ema=ema
     ) as source:
         entries = dict(source.entries())
-        _refuse_special(src, entries)
+        _refuse_special(src, entries, fmt)
         plan = build_plan(
             entries,
             strip_wrappers=strip_wrappers,
@@ -202,7 +202,11 @@ def convert(
             Item(
                 old,
                 TensorSpec(
-                    new, _out_dtype(entries[old].dtype, new, target, keep), entries[old].shape
+                    new,
+                    _out_dtype(entries[old].dtype, new, target, keep)
+                    if entries[old].kind == "dense"
+                    else entries[old].dtype,  # kept as it is
+                    entries[old].shape,
                 ),
                 entries[old].dtype,
             )
@@ -273,18 +277,26 @@ def convert(
     return report
 
 
-def _refuse_special(src: Path, entries: dict[str, TensorInfo]) -> None:
-    """Refuse, naming the key, a tensor that is not plain data (never written as weights)."""
+def _refuse_special(src: Path, entries: dict[str, TensorInfo], fmt: str) -> None:
+    """Refuse, naming the key, what the output cannot hold as it is: a placeholder or a meta
+    tensor is never written as weights; sparse and quantized tensors and packed parameters go
+    only to ``.pt`` output, which keeps them (safetensors stores dense tensors only)."""
     for key, info in entries.items():
-        if info.kind == "dense":
+        if info.kind == "dense" or (info.kind in KEPT_IN_TORCH and fmt == "torch"):
             continue
-        hint = (
-            "convert the DeepSpeed checkpoint folder (the one holding 'latest'), "
-            "which rebuilds the weights"
-            if info.kind == "placeholder"
-            else "convert it to a dense tensor in PyTorch first"
-        )
         what = KINDS.get(info.kind, info.kind)
+        if info.kind == "placeholder":
+            hint = (
+                "convert the DeepSpeed checkpoint folder (the one holding 'latest'), "
+                "which rebuilds the weights"
+            )
+        elif info.kind in KEPT_IN_TORCH:
+            raise FormatError(
+                f"'{key}' in {src} is {what}, which safetensors cannot store (dense tensors only)",
+                "write a .pt output, which keeps it, or make it dense in PyTorch first",
+            )
+        else:
+            hint = "convert it to a dense tensor in PyTorch first"
         raise FormatError(f"tensor '{key}' in {src} is {what}; ckptkit cannot convert it", hint)
 
 
@@ -320,11 +332,15 @@ def _write(
     total = report.nbytes * (2 if verify else 1)
     bar = progress_bar(total, "convert") if progress else None
     transfer = Transfer(source, progress=bar.update if bar else lambda nbytes: None)
+    kinds = dict(source.entries())
+    special = {old for old, info in kinds.items() if info.kind != "dense"}
     try:
         # In order, or none: the index (last) appears only once every shard is in place.
         with atomic_outputs(outputs, force=force, inputs=[src]) as temps:
             for shard, tmp, path in zip(shards, temps, outputs, strict=False):
-                if report.output_format == "torch":
+                if report.output_format == "torch" and special:
+                    transfer.save_values(tmp, shard, aliases, special)
+                elif report.output_format == "torch":
                     transfer.write_torch(tmp, shard, aliases)
                 else:
                     transfer.write_safetensors(tmp, shard, header, verify=verify)
@@ -337,7 +353,7 @@ def _write(
                 if verify:
                     with syncing(tmp):  # the disk write-back overlaps the read-back
                         if report.output_format == "torch":
-                            transfer.verify_torch(tmp, shard, path)
+                            transfer.verify_torch(tmp, shard, path, special)
                         else:
                             transfer.verify_safetensors(tmp, shard, header, path)
             if len(outputs) > len(shards):  # the index of a sharded output

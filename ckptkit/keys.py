@@ -443,3 +443,20 @@ def plan_ties(aliases: Mapping[str, str]) -> dict[str, str]:
         kept = min(group)
         removed.update({name: kept for name in sorted(group) if name != kept})
     return removed
+
+
+def module_prefixes(prefixes: Iterable[str], mapping: Mapping[str, str | None]) -> KeyMap:
+    """Where each module of a state dict's ``_metadata`` (``""``, ``"0"``, ``"blocks.1"``: the
+    version records torch keeps per module) ends up under a key mapping, read from the keys
+    that live below it: ``{"module.0": "0"}`` after stripping ``module.``. A module none of whose
+    keys survive maps to None."""
+    out: dict[str, str | None] = {}
+    for prefix in prefixes:
+        head = f"{prefix}." if prefix else ""
+        out[prefix] = None
+        for old, new in mapping.items():
+            rest = old[len(head) :]
+            if new is not None and old.startswith(head) and new.endswith(rest):
+                out[prefix] = new[: len(new) - len(rest)].removesuffix(".")
+                break
+    return out

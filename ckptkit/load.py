@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,13 @@ def load_state_dict(
     with open_source(path, select=select, trust=trust, allow_globals=allow_globals) as source:
         keys = source.keys()
         plan = build_plan(keys, strip_wrappers=strip_wrappers)
-        return {new: source.load(old) for old, new in plan.mapping.items() if new is not None}
+        state = OrderedDict(
+            (new, source.value(old)) for old, new in plan.mapping.items() if new is not None
+        )
+        versions = source.module_versions(plan.mapping)
+        if versions is not None:  # quantized modules need torch's per-module version records
+            state._metadata = versions  # type: ignore[attr-defined]
+        return state
 
 
 @dataclass
@@ -139,7 +146,9 @@ def load_into(
         mismatched = [
             (new, entries[old].shape, tuple(target[new].shape))
             for old, new in match.mapping.items()
-            if new in target and entries[old].shape != tuple(target[new].shape)
+            if new in target
+            and entries[old].kind == "dense"
+            and entries[old].shape != tuple(getattr(target[new], "shape", ()))
         ]
         if strict and (not match.exact or mismatched):
             text = [f"{k} {list(a)} vs model {list(b)}" for k, a, b in mismatched]
@@ -149,9 +158,13 @@ def load_into(
             )
         bad = {k for k, _, _ in mismatched}
         state = {
-            new: source.load(in_file.get(old, old))
+            new: source.value(in_file.get(old, old))
             for old, new in match.mapping.items()
             if new in target and new not in bad
         }
+        versions = source.module_versions({in_file.get(o, o): n for o, n in match.mapping.items()})
+        if versions is not None:
+            state = OrderedDict(state)
+            state._metadata = versions  # type: ignore[attr-defined]
         model.load_state_dict(state, strict=False)
     return LoadReport(match=match, loaded=len(state), mismatched=mismatched)

@@ -70,7 +70,9 @@ def _describe(info: TensorInfo, count: int = 1) -> str:
     shape = "[" + ", ".join(map(str, info.shape)) + "]"
     note = "" if info.contiguous else "  non-contiguous"
     if info.kind != "dense":
-        note += f"  {KINDS.get(info.kind, info.kind)}"
+        note += f"  {KINDS.get(info.kind, info.kind)}" + (
+            f" ({info.detail})" if info.detail else ""
+        )
     times = f"  x{count}" if count > 1 else ""
     return f"{shape} {dtype}{times}  {human_size(info.nbytes * count)}{note}"
 
@@ -92,7 +94,10 @@ def tree_lines(
 
     rows = [(k, i) for k, i in summary.tensors if keep(k, key_filter)]
     # Fold on what a tensor looks like, not on where its bytes live.
-    looks = {k: TensorInfo(i.dtype, i.shape, contiguous=i.contiguous, kind=i.kind) for k, i in rows}
+    looks = {
+        k: TensorInfo(i.dtype, i.shape, contiguous=i.contiguous, kind=i.kind, detail=i.detail)
+        for k, i in rows
+    }
     folded = collapse([(k, looks[k]) for k, _ in rows])
     root: dict[str, Any] = {}
     for parts, info, count in folded:

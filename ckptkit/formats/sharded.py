@@ -93,6 +93,7 @@ class ShardedSource(Source):
                                 info.byte_range,
                                 info.contiguous,
                                 info.kind,
+                                info.detail,
                             ),
                         )
                     )

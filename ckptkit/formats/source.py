@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptkit.errors import FormatError
 from ckptkit.formats import dtypes
 from ckptkit.formats.tree import Candidate, DroppedPart
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TensorInfo", "Source", "KINDS"]
+__all__ = ["TensorInfo", "Source", "KINDS", "KEPT_IN_TORCH"]
 
 # What a tensor that is not a plain dense one is, for messages (``TensorInfo.kind``).
 KINDS = {
@@ -25,7 +27,11 @@ KINDS = {
     "meta": "a meta tensor, which holds no data",
     "nested": "a nested tensor",
     "tensor subclass": "a tensor subclass (such as a DTensor)",
+    "packed params": "a quantized module's packed weight and bias",
+    "value": "a value a quantized module keeps in its state dict",
 }
+# Kinds a ``.pt`` output keeps as they are (torch.save holds them; safetensors cannot).
+KEPT_IN_TORCH = frozenset({"sparse", "quantized", "packed params", "value"})
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class TensorInfo:
     byte_range: tuple[int, int] = (0, 0)
     contiguous: bool = True
     kind: str = "dense"  # or a key of KINDS
+    detail: str = ""  # what a tensor of another kind is ("COO, 7 stored values")
 
     @property
     def numel(self) -> int:
@@ -53,7 +60,7 @@ class TensorInfo:
 
     def to_dict(self) -> dict[str, Any]:
         out = {"dtype": self.dtype, "shape": list(self.shape), "bytes": self.nbytes}
-        return out if self.kind == "dense" else {**out, "kind": self.kind}
+        return out if self.kind == "dense" else {**out, "kind": self.kind, "detail": self.detail}
 
 
 @dataclass
@@ -77,6 +84,22 @@ class Source(ABC):
     @abstractmethod
     def load(self, key: str) -> torch.Tensor:
         """One tensor, on the CPU, memory-mapped where the format allows."""
+
+    def value(self, key: str) -> Any:
+        """What the state dict holds under ``key``: :meth:`load`'s tensor, or for a sparse or
+        quantized tensor or packed parameters, :meth:`load_value`'s."""
+        return self.load(key)
+
+    def module_versions(self, mapping: Mapping[str, str | None]) -> dict[str, Any] | None:
+        """The per-module version records torch keeps in a state dict's ``_metadata`` (quantized
+        modules need them to load), for the keys renamed by ``mapping``; None when there are
+        none to keep (only files with sparse, quantized or packed entries carry them over)."""
+        return None
+
+    def load_value(self, key: str) -> Any:
+        """An entry that is not a plain dense tensor (sparse, quantized, packed parameters),
+        as torch's own safe loader (``weights_only=True``) gives it."""
+        raise FormatError(f"'{key}' in {self.path} is not a plain tensor, which this reader keeps")
 
     def byte_span(self, key: str) -> tuple[Path, int, int] | None:
         """Where a tensor's bytes lie in a file, ready to copy as they are: (file, offset,

@@ -57,6 +57,7 @@ class StorageRef:
     dtype: str
     numel: int
     location: str
+    type_name: str = ""  # the storage class (``QInt8Storage``), when the pickle names one
 
     @property
     def itemsize(self) -> int:
@@ -109,9 +110,44 @@ class TensorStub:
 
 @dataclass
 class UnsupportedTensor:
-    """A tensor kind ckptkit cannot convert (sparse, quantized, nested, meta, subclasses)."""
+    """A tensor that is not one strided view of a storage (sparse, quantized, nested, meta,
+    subclasses): what the pickle says of it, for ``inspect`` and for messages."""
 
     kind: str
+    shape: tuple[int, ...] = ()
+    dtype: str = "uint8"  # of its elements (a quantized tensor's: its integer storage's)
+    detail: str = ""  # "COO, 7 stored values", "qint8, per_tensor_affine"
+
+
+def _rebuild_sparse(layout: Any = None, data: Any = None, *_ignored: Any) -> UnsupportedTensor:
+    """``_rebuild_sparse_tensor(layout, data)``: COO data is (indices, values, size, ...),
+    compressed layouts (CSR, CSC, BSR, BSC) (compressed, plain, values, size)."""
+    # The layout arrives as torch.serialization._get_layout's name ("torch.sparse_csr").
+    name = layout if isinstance(layout, str) else _torch_name(layout)
+    name = name.removeprefix("torch.").removeprefix("sparse_").upper() or "sparse"
+    items = data if isinstance(data, tuple) else ()
+    at = 1 if name == "COO" else 2
+    values = items[at] if len(items) > at else None
+    size = items[at + 1] if len(items) > at + 1 else ()
+    shape = size if isinstance(size, tuple) and all(type(n) is int for n in size) else ()
+    if not isinstance(values, TensorStub):
+        return UnsupportedTensor("sparse", shape, detail=name)
+    return UnsupportedTensor("sparse", shape, values.dtype, f"{name}, {values.numel} stored values")
+
+
+_QUANTIZED = {"QInt8Storage": ("int8", "qint8"), "QUInt8Storage": ("uint8", "quint8"),
+              "QInt32Storage": ("int32", "qint32"), "QUInt4x2Storage": ("uint8", "quint4x2"),
+              "QUInt2x4Storage": ("uint8", "quint2x4")}  # fmt: skip
+
+
+def _rebuild_qtensor(storage: Any = None, offset: Any = 0, size: Any = (), stride: Any = (),
+                     quantizer: Any = (), *_ignored: Any) -> UnsupportedTensor:  # fmt: skip
+    shape = size if isinstance(size, tuple) and all(type(n) is int for n in size) else ()
+    scheme = _torch_name(quantizer[0]) if isinstance(quantizer, tuple) and quantizer else ""
+    dtype, qdtype = "uint8", "quantized"
+    if isinstance(storage, StorageRef):
+        dtype, qdtype = _QUANTIZED.get(storage.type_name, (storage.dtype, "quantized"))
+    return UnsupportedTensor("quantized", shape, dtype, f"{qdtype}, {scheme or 'unknown scheme'}")
 
 
 def _dims(value: Any, what: str) -> tuple[int, ...]:
@@ -216,8 +252,8 @@ _REBUILDERS = {
     "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
     "torch._utils._rebuild_parameter": _rebuild_parameter,
     "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-    "torch._utils._rebuild_sparse_tensor": _unsupported("sparse"),
-    "torch._utils._rebuild_qtensor": _unsupported("quantized"),
+    "torch._utils._rebuild_sparse_tensor": _rebuild_sparse,
+    "torch._utils._rebuild_qtensor": _rebuild_qtensor,
     "torch._utils._rebuild_meta_tensor_no_storage": _unsupported("meta"),
     "torch._utils._rebuild_nested_tensor": _unsupported("nested"),
     "torch._utils._rebuild_wrapper_subclass": _unsupported("tensor subclass"),
@@ -397,7 +433,8 @@ class _StorageLoader:
             raise ValueError(f"storage of unknown type {storage_type!r}")
         if type(numel) is not int or numel < 0 or not isinstance(key, (str, int)):
             raise ValueError(f"storage record {pid[2:5]!r}")
-        ref = StorageRef(str(key), dtype, numel, str(location))
+        kind = storage_type.name.rsplit(".", 1)[-1] if isinstance(storage_type, Global) else ""
+        ref = StorageRef(str(key), dtype, numel, str(location), kind)
         known = self.storages.setdefault(ref.key, ref)
         if known != ref:
             raise ValueError(f"storage '{ref.key}' described twice, differently")

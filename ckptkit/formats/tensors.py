@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptkit.formats.dtypes import DTYPES
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["torch_dtype", "dtype_name", "as_bytes", "bit_equal", "from_buffer"]
+__all__ = ["torch_dtype", "dtype_name", "as_bytes", "bit_equal", "same_value", "from_buffer"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -49,6 +49,41 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0:
         return True
     return torch.equal(_raw(a), _raw(b))
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Bit-exact equality of what a state dict may hold beside dense tensors: sparse tensors
+    (layout, shape and every stored index and value), quantized ones (integer values and
+    quantizer), tuples of them (packed parameters), and plain values."""
+    import torch
+
+    if isinstance(a, tuple | list) or isinstance(b, tuple | list):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+        )
+    if not (torch.is_tensor(a) and torch.is_tensor(b)):
+        return bool(a == b) and type(a) is type(b)
+    if a.layout != b.layout or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_quantized:
+        scheme = a.qscheme()
+        if scheme != b.qscheme() or not bit_equal(a.int_repr(), b.int_repr()):
+            return False
+        if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            return (a.q_scale(), a.q_zero_point()) == (b.q_scale(), b.q_zero_point())
+        return (
+            bit_equal(a.q_per_channel_scales(), b.q_per_channel_scales())
+            and bit_equal(a.q_per_channel_zero_points(), b.q_per_channel_zero_points())
+            and a.q_per_channel_axis() == b.q_per_channel_axis()
+        )
+    if a.layout == torch.sparse_coo:
+        a, b = a.coalesce(), b.coalesce()
+        return bit_equal(a.indices(), b.indices()) and bit_equal(a.values(), b.values())
+    if a.layout != torch.strided:  # compressed layouts: compare the dense values they hold
+        return bit_equal(a.to_dense(), b.to_dense())
+    return bit_equal(a, b)
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:

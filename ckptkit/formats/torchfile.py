@@ -16,7 +16,7 @@ import pickle
 import struct
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
@@ -36,7 +36,8 @@ from ckptkit.formats.static_unpickler import (
 )
 from ckptkit.formats.tensors import dtype_name, from_buffer, torch_dtype
 from ckptkit.formats.torch_safe_globals import safe_globals
-from ckptkit.formats.tree import nodes, select_state_dict
+from ckptkit.formats.tree import node_at, nodes, select_state_dict
+from ckptkit.keys import module_prefixes
 
 if TYPE_CHECKING:
     import torch
@@ -356,7 +357,11 @@ class TorchFileSource(Source):
         out = []
         for key, stub in self._stubs.items():
             if isinstance(stub, UnsupportedTensor):
-                out.append((key, TensorInfo("uint8", (0,), kind=stub.kind)))
+                out.append((key, TensorInfo(stub.dtype, stub.shape, kind=stub.kind,
+                                            detail=stub.detail)))  # fmt: skip
+                continue
+            if not isinstance(stub, TensorStub):  # a quantized module's packed values
+                out.append((key, _module_value_info(stub)))
                 continue
             if key in self._placeholders:
                 out.append((key, TensorInfo(stub.dtype, stub.shape, kind="placeholder")))
@@ -374,6 +379,34 @@ class TorchFileSource(Source):
                 )
             )
         return out
+
+    def value(self, key: str) -> Any:
+        stub = self._stubs[key]
+        return self.load(key) if isinstance(stub, TensorStub) else self.load_value(key)
+
+    def module_versions(self, mapping: Mapping[str, str | None]) -> dict[str, Any] | None:
+        if all(isinstance(stub, TensorStub) for stub in self._stubs.values()):
+            return None
+        self.load_value(next(iter(self._stubs)))  # reads the file with torch's safe loader
+        versions = getattr(self._whole, "_metadata", None)
+        if not isinstance(versions, dict):
+            return None
+        moved = module_prefixes(versions, mapping)
+        return {new: versions[old] for old, new in moved.items() if new is not None}
+
+    def load_value(self, key: str) -> Any:
+        """Through ``torch.load(weights_only=True)``: torch's own safe loader rebuilds sparse and
+        quantized tensors and packed parameters (the file passed the same checks already)."""
+        import warnings
+
+        import torch
+
+        if not hasattr(self, "_whole"):
+            with warnings.catch_warnings():  # torch's deprecation notes on quantized storages
+                warnings.simplefilter("ignore")
+                whole = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            self._whole = node_at(whole, self.selected)
+        return self._whole[key]
 
     def byte_span(self, key: str) -> tuple[Path, int, int] | None:
         stub = self._stubs[key]
@@ -410,6 +443,21 @@ class TorchFileSource(Source):
         self._raw.close()
 
 
+def _module_value_info(value: Any) -> TensorInfo:
+    """A quantized module's packed (weight, bias), or the dtype they were packed for."""
+    if isinstance(value, tuple):
+        parts = [v for v in value if isinstance(v, (TensorStub, UnsupportedTensor))]
+        what = ", ".join(f"{getattr(v, 'detail', '') or v.dtype} {list(v.shape)}" for v in parts)
+        first = parts[0] if parts else None
+        return TensorInfo(
+            first.dtype if first else "uint8",
+            first.shape if first else (),
+            kind="packed params",
+            detail=what,
+        )
+    return TensorInfo("uint8", (), kind="value", detail=getattr(value, "name", repr(value)))
+
+
 def _placeholders(root: Any, stubs: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Empty tensors whose real shape the file records elsewhere: the parameters of a DeepSpeed
     ZeRO-3 model-states file (``param_shapes``), whose weights are in the optimizer states."""
@@ -434,6 +482,9 @@ def _placeholders(root: Any, stubs: dict[str, Any]) -> dict[str, tuple[int, ...]
         ):
             out[key] = shape
     return out
+
+
+_QUANTIZED_AS = {"qint8": "int8", "quint8": "uint8", "qint32": "int32"}  # integer storage
 
 
 class TrustedTorchSource(Source):
@@ -465,10 +516,25 @@ class TrustedTorchSource(Source):
         self.selected, self.selected_reason = sel.path, sel.reason
         self.extras, self.dropped, self.candidates = sel.extras, sel.dropped, sel.candidates
         self._tensors: dict[str, torch.Tensor] = dict(sel.state_dict)
+        self._versions = getattr(sel.state_dict, "_metadata", None)
 
     def entries(self) -> list[tuple[str, TensorInfo]]:
+        import torch
+
         out = []
         for key, t in self._tensors.items():
+            if not torch.is_tensor(t):  # a quantized module's packed values
+                kind = "packed params" if isinstance(t, tuple) else "value"
+                out.append((key, TensorInfo("uint8", (), kind=kind, detail=repr(t)[:80])))
+                continue
+            if t.is_quantized or t.layout != torch.strided or t.is_meta:
+                kind = "quantized" if t.is_quantized else "meta" if t.is_meta else "sparse"
+                name = dtype_name(t.dtype)
+                detail = name if t.is_quantized else str(t.layout).removeprefix("torch.")
+                element = _QUANTIZED_AS.get(name, name if name in DTYPES else "uint8")
+                info = TensorInfo(element, tuple(t.shape), kind=kind, detail=detail)
+                out.append((key, info))
+                continue
             start = t.storage_offset() * t.element_size()
             out.append(
                 (
@@ -486,6 +552,18 @@ class TrustedTorchSource(Source):
 
     def load(self, key: str) -> torch.Tensor:
         return self._tensors[key].detach()
+
+    def value(self, key: str) -> Any:
+        return self._tensors[key]
+
+    def module_versions(self, mapping: Mapping[str, str | None]) -> dict[str, Any] | None:
+        if not isinstance(self._versions, dict):
+            return None
+        moved = module_prefixes(self._versions, mapping)
+        return {new: self._versions[old] for old, new in moved.items() if new is not None}
+
+    def load_value(self, key: str) -> Any:
+        return self._tensors[key]
 
 
 def write_torch(

@@ -10,8 +10,8 @@ output bytes made again from the source for the rest (``.pt`` output is reloaded
 from __future__ import annotations
 
 import os
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,16 +231,50 @@ class Transfer:
 
         write_torch(path, [item.spec for item in items], tensor_for, aliases)
 
-    def verify_torch(self, path: Path, items: list[Item], shown: Path) -> None:
+    def save_values(
+        self, path: Path, items: list[Item], aliases: dict[str, str], special: set[str]
+    ) -> None:
+        """Write items with ``torch.save``, which keeps what ``write_torch`` does not lay out
+        itself: sparse and quantized tensors and packed parameters (``special`` source keys),
+        as torch's safe loader read them. Such state dicts are small (quantized models, sparse
+        buffers), so all of it is in memory at once."""
         import torch
 
-        from ckptkit.formats.tensors import bit_equal
+        values: OrderedDict[str, Any] = OrderedDict()
+        for item in items:
+            target = aliases.get(item.spec.key, "")
+            if target in values:
+                values[item.spec.key] = values[target]
+            elif item.old in special:
+                values[item.spec.key] = self.source.load_value(item.old)
+            else:
+                values[item.spec.key] = self.tensor(item)
+            self.through_torch += 1
+            self.progress(item.spec.nbytes)
+        versions = self.source.module_versions({i.old: i.spec.key for i in items})
+        if versions is not None:  # as state_dict() leaves them: quantized modules read them
+            values._metadata = versions  # type: ignore[attr-defined]
+        with open(path, "r+b") as f:  # the temp file atomic_outputs made
+            torch.save(values, f)
 
+    def verify_torch(
+        self, path: Path, items: list[Item], shown: Path, special: Iterable[str] = ()
+    ) -> None:
+        import torch
+
+        from ckptkit.formats.tensors import bit_equal, same_value
+
+        special = set(special)
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         if set(state) != {i.spec.key for i in items}:
             raise VerificationError(f"{shown} would not hold the planned keys; nothing was written")
         for item in items:
-            if not bit_equal(state[item.spec.key], self.tensor(item)):
+            written = state[item.spec.key]
+            if item.old in special:
+                same = same_value(written, self.source.load_value(item.old))
+            else:
+                same = bit_equal(written, self.tensor(item))
+            if not same:
                 raise _differs(item.spec.key, shown)
             self.progress(item.spec.nbytes)
 

@@ -22,6 +22,8 @@ __all__ = [
     "nodes",
     "select_state_dict",
     "is_state_dict",
+    "is_module_value",
+    "node_at",
 ]
 
 # Where training code keeps the weights, most specific first. Each name is tried at the top
@@ -104,12 +106,27 @@ def candidates(root: Any, is_tensor: IsTensor) -> list[Candidate]:
     return found
 
 
+# A quantized module (torch.ao.nn.quantized Linear, ...) keeps two entries in its state dict
+# that are not tensors: its packed weight and bias, and the dtype they were packed for.
+PACKED_PARAMS = "_packed_params._packed_params"
+PACKED_DTYPE = "_packed_params.dtype"
+
+
+def is_module_value(key: str, value: Any, is_tensor: IsTensor) -> bool:
+    """An entry of a state dict that is not a tensor but is still the module's state."""
+    if key.endswith(PACKED_PARAMS):
+        return isinstance(value, tuple) and all(v is None or is_tensor(v) for v in value)
+    return key.endswith(PACKED_DTYPE) and not isinstance(value, (Mapping, list, tuple))
+
+
 def is_state_dict(node: Any, is_tensor: IsTensor) -> TypeGuard[Mapping[str, Any]]:
-    """A non-empty mapping of string keys to tensors only."""
-    return (
-        isinstance(node, Mapping)
-        and len(node) > 0
-        and all(isinstance(k, str) and is_tensor(v) for k, v in node.items())
+    """A non-empty mapping of string keys to tensors (a quantized module's packed parameters
+    and their dtype allowed beside them)."""
+    if not isinstance(node, Mapping) or not node or not all(isinstance(k, str) for k in node):
+        return False
+    tensors = sum(1 for v in node.values() if is_tensor(v))
+    return tensors > 0 and all(
+        is_tensor(v) or is_module_value(k, v, is_tensor) for k, v in node.items()
     )
 
 
@@ -198,6 +215,15 @@ def _resolve(root: Any, dotted: str) -> tuple[list[tuple[Any, str]], Any]:
         node = dict(_children(node))[match]
         rest = rest[len(match) + 1 :]
     return parents, node
+
+
+def node_at(root: Any, dotted: str) -> Any:
+    """The node a dotted path names ("" is the root).
+
+    Raises:
+        SelectError: no such path.
+    """
+    return _resolve(root, dotted)[1]
 
 
 def select_state_dict(
