@@ -84,7 +84,7 @@ BAD_INPUTS = [
         "folder.pt",
         lambda p: p.mkdir(),
         1,
-        "Error: folder.pt is a folder with no sharded index, model.safetensors, pytorch_model.bin or DeepSpeed checkpoint; give the checkpoint file inside it",
+        "Error: folder.pt is a folder with no sharded index, model.safetensors, pytorch_model.bin, DeepSpeed or DCP checkpoint; give the checkpoint file inside it",
     ),
     (
         "noise.bin",

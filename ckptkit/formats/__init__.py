@@ -9,7 +9,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ckptkit.errors import FormatError, SelectError
-from ckptkit.formats.detect import detect_format, find_deepspeed, folder_parts, model_file_in
+from ckptkit.formats.detect import (
+    detect_format,
+    find_dcp,
+    find_deepspeed,
+    folder_parts,
+    model_file_in,
+)
 from ckptkit.formats.source import Source, TensorInfo
 
 __all__ = [
@@ -55,7 +61,8 @@ def open_source(
     Args:
         path: a torch zip or legacy file, a safetensors file, a sharded checkpoint (its
             ``*.index.json``, or the folder holding it), a model folder (``save_pretrained``,
-            Accelerate's ``save_state``) or a DeepSpeed checkpoint folder.
+            Accelerate's ``save_state``), a DeepSpeed checkpoint folder or a DCP folder (or its
+            ``.metadata``).
         select: dotted path of the state dict inside a training checkpoint (default: found);
             in a folder, the model file (``model_1``); for DeepSpeed ``fp32`` or ``module``.
         trust: load with torch's full unpickler, which can run code from the file.
@@ -71,6 +78,11 @@ def open_source(
         SelectError: no state dict found, or ``select`` names none.
     """
     path = Path(path)
+    dcp = find_dcp(path)
+    if dcp is not None:  # torch.distributed.checkpoint (FSDP, Lightning's FSDP strategy)
+        from ckptkit.formats.dcp import DCPSource
+
+        return DCPSource(dcp, select=select, ema=ema)
     index = checkpoint_index(path)
     if index is None and path.is_dir():
         tag = find_deepspeed(path)

@@ -37,6 +37,7 @@ __all__ = [
     "model_file_in",
     "folder_parts",
     "find_deepspeed",
+    "find_dcp",
     "MODEL_FILES",
     "regular_file",
     "readings",
@@ -78,8 +79,8 @@ def regular_file(path: Path) -> int:
         raise FormatError(f"cannot read {path}: {exc.strerror}") from None
     if stat.S_ISDIR(info.st_mode):
         raise FormatError(
-            f"{path} is a folder with no sharded index, {', '.join(MODEL_FILES)} "
-            "or DeepSpeed checkpoint",
+            f"{path} is a folder with no sharded index, {', '.join(MODEL_FILES)}, "
+            "DeepSpeed or DCP checkpoint",
             "give the checkpoint file inside it",
         )
     if not stat.S_ISREG(info.st_mode):
@@ -129,11 +130,19 @@ _DEEPSPEED_PARTS = (
 )  # fmt: skip
 
 
+# torch.distributed.checkpoint's FileSystemWriter; meta.pt is Lightning's FSDP strategy's.
+_DCP_PARTS = (
+    (re.compile(r"\.metadata"), "DCP metadata: every key's shape, dtype and chunks"),
+    (re.compile(r"__\d+_\d+\.distcp"), "one writer's tensor chunks and values"),
+    (re.compile(r"meta\.pt"), "the trainer's state (Lightning)"),
+)
+
+
 def folder_parts(folder: Path) -> list[tuple[str, str]]:
     """The files of a checkpoint folder and what each is (Accelerate's and DeepSpeed's names,
     the latter's tag folder included as ``tag/name``), sorted."""
     tag = find_deepspeed(folder)
-    known = _DEEPSPEED_PARTS if tag is not None else _PARTS
+    known = _DEEPSPEED_PARTS if tag is not None else _DCP_PARTS if find_dcp(folder) else _PARTS
     files = sorted(p for p in folder.iterdir() if p.is_file())
     if tag is not None and tag != folder:
         files += sorted(p for p in tag.iterdir() if p.is_file())
@@ -184,6 +193,13 @@ def find_deepspeed(folder: Path) -> Path | None:
             f"give one of them, e.g. {tags[-1]}",
         )
     return None
+
+
+def find_dcp(path: Path) -> Path | None:
+    """The folder of a ``torch.distributed.checkpoint`` save (it, or its ``.metadata`` file)."""
+    if path.name == ".metadata" and path.is_file():
+        return path.parent
+    return path if path.is_dir() and (path / ".metadata").is_file() else None
 
 
 def _looks_like_safetensors(head: bytes, size: int) -> bool:
