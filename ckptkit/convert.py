@@ -295,6 +295,11 @@ def _refuse_special(src: Path, entries: dict[str, TensorInfo], fmt: str) -> None
                 f"'{key}' in {src} is {what}, which safetensors cannot store (dense tensors only)",
                 "write a .pt output, which keeps it, or make it dense in PyTorch first",
             )
+        elif info.kind == "DTensor":
+            hint = (
+                "save the ranks' shards with torch.distributed.checkpoint (dcp.save), whose "
+                "folder ckptkit converts, or gather a full state dict first"
+            )
         else:
             hint = "convert it to a dense tensor in PyTorch first"
         raise FormatError(f"tensor '{key}' in {src} is {what}; ckptkit cannot convert it", hint)

@@ -14,12 +14,13 @@ import sys
 import pytest
 import torch
 from conftest import FIXTURE_DIR, ROOT
-from safetensors.torch import load_file
+from safetensors.torch import load_file, load_model
 
 import ckptkit
 from ckptkit.errors import FormatError
 
 DCP = FIXTURE_DIR / "dcp"
+LIGHTNING = "lightning/epoch=0-step=3.ckpt"  # Lightning's FSDP strategy folder
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,8 @@ def reference(tmp_path_factory):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = {}
-    for name in ("fsdp2", "columns"):
-        path = tmp_path_factory.mktemp("ref") / f"{name}.pt"
+    for name in ("fsdp2", "columns", LIGHTNING):
+        path = tmp_path_factory.mktemp("ref") / "ref.pt"
         dcp_to_torch_save(DCP / name, path)
         out[name] = torch.load(path, weights_only=True)
     return out
@@ -131,3 +132,22 @@ def test_chunks_that_do_not_cover_or_overlap_are_refused(tmp_path):
     assert _contiguous_start((4, 6), rows) == 12 and _contiguous_start((4, 6), cols) is None
     one_row_part = _Chunk((1, 2), (1, 3), tmp_path, 0, 1)
     assert _contiguous_start((4, 6), one_row_part) == 8
+
+
+def test_lightning_fsdp_folder_converts_with_its_trainer_state(reference, tmp_path, run):
+    summary = ckptkit.summarize(DCP / LIGHTNING)
+    assert summary.common_prefix == "model."
+    assert summary.extras["global_step"] == 3 and summary.extras["hyper_parameters"] == {"lr": 0.01}
+    assert [part.path for part in summary.dropped] == ["optimizer_0"]
+    result = run("convert", DCP / LIGHTNING, "lit.safetensors", "--strip-prefix", "model.")
+    assert result.exit_code == 0, result.output
+    written = load_file(tmp_path / "lit.safetensors")
+    assert {k: _bits(v) for k, v in written.items()} == {
+        k.removeprefix("model."): _bits(v) for k, v in reference[LIGHTNING]["model"].items()
+    }
+    sys.path.insert(0, str(FIXTURE_DIR))
+    from make_dcp import lit_module
+
+    net = lit_module().model
+    missing, unexpected = load_model(net, tmp_path / "lit.safetensors")
+    assert not missing and not unexpected

@@ -31,6 +31,7 @@ from ckptkit.formats.source import Source, TensorInfo
 from ckptkit.formats.static_unpickler import DATA_GLOBALS, TensorStub
 from ckptkit.formats.torch_safe_globals import safe_globals
 from ckptkit.formats.tree import nodes, select_state_dict
+from ckptkit.meta import jsonable
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["DCPSource", "DCP_GLOBALS", "METADATA"]
 
 METADATA = ".metadata"
+LIGHTNING_META = "meta.pt"  # Lightning's FSDP strategy saves the trainer's state beside DCP
 _DCP = "torch.distributed.checkpoint."
 # DCP's own classes in .metadata: dataclasses of plain values, read as data, never imported.
 DCP_GLOBALS = frozenset(
@@ -164,6 +166,7 @@ class DCPSource(Source):
         self.selected, self.selected_reason = sel.path, sel.reason
         self.extras, self.dropped, self.candidates = sel.extras, sel.dropped, sel.candidates
         self._tensors: dict[str, _Tensor] = dict(sel.state_dict)
+        self.extras.update(_trainer_state(folder / LIGHTNING_META))
 
     def _tree(self, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
         items = meta.get("state_dict_metadata")
@@ -296,7 +299,8 @@ class DCPSource(Source):
 
     def files(self) -> list[Path]:
         names = {c.file for t in self._tensors.values() for c in t.chunks}
-        return [self.path / METADATA, *sorted(names)]
+        meta = [self.path / LIGHTNING_META] if (self.path / LIGHTNING_META).is_file() else []
+        return [self.path / METADATA, *sorted(names), *meta]
 
     def byte_pieces(self, key: str) -> list[Piece] | None:
         tensor = self._tensors[key]
@@ -338,6 +342,23 @@ class DCPSource(Source):
             os.close(fd)
         self._raws.clear()
         self._fds.clear()
+
+
+def _trainer_state(path: Path) -> dict[str, Any]:
+    """The plain values of Lightning's ``meta.pt`` (epoch, global_step, loops...), read
+    statically; empty when there is none."""
+    if not path.is_file():
+        return {}
+    from ckptkit.formats.torchfile import scan_torch_file
+
+    scan, _, raw, _ = scan_torch_file(path)
+    raw.close()
+    root = scan.root if isinstance(scan.root, dict) else {}
+    return {
+        str(k): jsonable(v)
+        for k, v in root.items()
+        if not any(isinstance(n, TensorStub) for n in nodes(v))
+    }
 
 
 def _contiguous_start(shape: tuple[int, ...], chunk: _Chunk) -> int | None:

@@ -26,7 +26,8 @@ KINDS = {
     "quantized": "a quantized tensor",
     "meta": "a meta tensor, which holds no data",
     "nested": "a nested tensor",
-    "tensor subclass": "a tensor subclass (such as a DTensor)",
+    "tensor subclass": "a tensor subclass",
+    "DTensor": "one rank's shard of a DTensor (its full shape shown)",
     "packed params": "a quantized module's packed weight and bias",
     "value": "a value a quantized module keeps in its state dict",
 }

@@ -135,6 +135,16 @@ def _rebuild_sparse(layout: Any = None, data: Any = None, *_ignored: Any) -> Uns
     return UnsupportedTensor("sparse", shape, values.dtype, f"{name}, {values.numel} stored values")
 
 
+def _rebuild_subclass(cls: Any = None, dtype: Any = None, size: Any = (), *_: Any) -> Any:
+    """``_rebuild_wrapper_subclass(cls, dtype, size, ...)``: a DTensor records its full shape
+    here (its local shard follows in BUILD state, which stays unread)."""
+    name = cls.name if isinstance(cls, Global) else "a tensor subclass"
+    shape = size if isinstance(size, tuple) and all(type(n) is int for n in size) else ()
+    element = _torch_name(dtype) if _torch_name(dtype) in DTYPES else "uint8"
+    kind = "DTensor" if name.endswith(".DTensor") else "tensor subclass"
+    return UnsupportedTensor(kind, shape, element, "" if kind == "DTensor" else name)
+
+
 _QUANTIZED = {"QInt8Storage": ("int8", "qint8"), "QUInt8Storage": ("uint8", "quint8"),
               "QInt32Storage": ("int32", "qint32"), "QUInt4x2Storage": ("uint8", "quint4x2"),
               "QUInt2x4Storage": ("uint8", "quint2x4")}  # fmt: skip
@@ -256,7 +266,7 @@ _REBUILDERS = {
     "torch._utils._rebuild_qtensor": _rebuild_qtensor,
     "torch._utils._rebuild_meta_tensor_no_storage": _unsupported("meta"),
     "torch._utils._rebuild_nested_tensor": _unsupported("nested"),
-    "torch._utils._rebuild_wrapper_subclass": _unsupported("tensor subclass"),
+    "torch._utils._rebuild_wrapper_subclass": _rebuild_subclass,
     "torch._utils._rebuild_device_tensor_from_numpy": _unsupported("device tensor from numpy"),
     "torch._utils._rebuild_device_tensor_from_cpu_tensor": _unsupported("device tensor"),
 }
