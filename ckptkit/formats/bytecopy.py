@@ -26,6 +26,7 @@ __all__ = [
     "preallocate",
     "release_pages",
     "CHUNK",
+    "RangeReader",
 ]
 
 CHUNK = 8 * 1024 * 1024
@@ -228,3 +229,33 @@ def read_into(fd: int, buf: bytearray | memoryview, offset: int) -> bool:
 
 # Tried in order; each goes on from where the one before stopped.
 _COPIERS = (_mapped_write, _copy_file_range, _read_write)
+
+
+class RangeReader:
+    """Reads byte ranges of several files (a sharded layout's pieces) into one buffer, each file
+    opened once and kept open until :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Any, int] = {}
+
+    def fd(self, path: Any) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def read(self, pieces: Any, buf: memoryview) -> None:
+        """Fill ``buf`` with the ``(path, offset, length)`` pieces, end to end.
+
+        Raises:
+            FormatError: a file ends before its piece does.
+        """
+        at = 0
+        for path, offset, length in pieces:
+            if length and not read_into(self.fd(path), buf[at : at + length], offset):
+                raise FormatError(f"{path} is truncated", "copy it again")
+            at += length
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, UnsafeCheckpointError
-from ckptkit.formats.bytecopy import read_into
+from ckptkit.formats.bytecopy import RangeReader
 from ckptkit.formats.dtypes import DTYPES
 from ckptkit.formats.pickle_scan import scan_pickle
 from ckptkit.formats.pickle_vm import Global, Opaque
@@ -152,7 +151,7 @@ class DCPSource(Source):
         super().__init__(path=folder, format="dcp")
         meta = read_metadata(folder / METADATA)
         self._raws: dict[Path, Any] = {}
-        self._fds: dict[Path, int] = {}
+        self._reader = RangeReader()
         self._layouts: dict[_Chunk, Piece] = {}
         try:
             tree = self._tree(folder, meta)
@@ -324,24 +323,16 @@ class DCPSource(Source):
         for chunk in tensor.chunks:
             path, offset, length = self._piece(tensor, chunk)
             part = torch.empty(chunk.sizes, dtype=out.dtype)
-            if length and not read_into(self._fd(path), as_bytes(part), offset):
-                raise FormatError(f"{path} is truncated", "copy it again")
+            self._reader.read([(path, offset, length)], as_bytes(part))
             index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
             out[index] = part
         return out
 
-    def _fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
-
     def close(self) -> None:
         for raw in self._raws.values():
             raw.close()
-        for fd in self._fds.values():
-            os.close(fd)
         self._raws.clear()
-        self._fds.clear()
+        self._reader.close()
 
 
 def _trainer_state(path: Path) -> dict[str, Any]:

@@ -20,14 +20,13 @@ ZeRO stage enum, the loss scaler) are admitted by name and never imported.
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, SelectError
-from ckptkit.formats.bytecopy import read_into
+from ckptkit.formats.bytecopy import RangeReader
 from ckptkit.formats.dtypes import DTYPES
 from ckptkit.formats.source import Source, TensorInfo
 from ckptkit.formats.static_unpickler import TensorStub
@@ -139,7 +138,7 @@ class DeepSpeedSource(Source):
         self._files: list[_TorchFile] = []
         self._parts: dict[str, _Part] = {}
         self._aliases: dict[str, str] = {}
-        self._fds: dict[Path, int] = {}
+        self._reader = RangeReader()
         try:
             self._read(select or "fp32")
         except BaseException:
@@ -325,23 +324,11 @@ class DeepSpeedSource(Source):
         numel = math.prod(part.shape)
         out = torch.empty(numel, dtype=torch_dtype(part.stored))
         if numel:
-            view = as_bytes(out)  # memory shared with ``out``
-            at = 0
-            for path, offset, length in part.pieces:
-                if not read_into(self._fd(path), view[at : at + length], offset):
-                    raise FormatError(f"{path} is truncated", "copy the whole folder again")
-                at += length
+            self._reader.read(part.pieces, as_bytes(out))  # memory shared with ``out``
         return out.to(torch_dtype(part.dtype)).reshape(part.shape)
 
-    def _fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
-
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._reader.close()
         for opened in self._files:
             opened.close()
 
