@@ -48,7 +48,10 @@ def _run_bounded(run, *args, seconds=10):
         signal.signal(signal.SIGALRM, old)
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+# inspect in the quick run; the other commands read the same corpus (6 s each) in the full one.
+@pytest.mark.parametrize(
+    "command", [c if c == "inspect" else pytest.param(c, marks=pytest.mark.slow) for c in COMMANDS]
+)
 def test_every_damaged_input_gets_one_error_line(damaged, run, tmp_path, command):
     problems = []
     for name, path in damaged.items():
