@@ -146,8 +146,8 @@ def test_lightning_fsdp_folder_converts_with_its_trainer_state(reference, tmp_pa
         k.removeprefix("model."): _bits(v) for k, v in reference[LIGHTNING]["model"].items()
     }
     sys.path.insert(0, str(FIXTURE_DIR))
-    from make_dcp import lit_module
+    from make_dcp import inner_model  # what the LightningModule holds; lightning not needed
 
-    net = lit_module().model
+    net = inner_model()
     missing, unexpected = load_model(net, tmp_path / "lit.safetensors")
     assert not missing and not unexpected
