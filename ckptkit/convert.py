@@ -266,6 +266,8 @@ def convert(
             header,
             aliases,
             report,
+            # Kept as they are in .pt output: sparse, quantized, packed parameters.
+            special={old for old, info in entries.items() if info.kind != "dense"},
             force=force,
             verify=verify,
             allow_overflow=allow_overflow,
@@ -326,6 +328,7 @@ def _write(
     aliases: dict[str, str],
     report: ConvertReport,
     *,
+    special: set[str],
     force: bool,
     verify: bool,
     allow_overflow: bool,
@@ -337,8 +340,6 @@ def _write(
     total = report.nbytes * (2 if verify else 1)
     bar = progress_bar(total, "convert") if progress else None
     transfer = Transfer(source, progress=bar.update if bar else lambda nbytes: None)
-    kinds = dict(source.entries())
-    special = {old for old, info in kinds.items() if info.kind != "dense"}
     try:
         # In order, or none: the index (last) appears only once every shard is in place.
         with atomic_outputs(outputs, force=force, inputs=[src]) as temps:

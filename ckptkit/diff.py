@@ -5,13 +5,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import FormatError
 from ckptkit.formats import Source, TensorInfo, open_source
 from ckptkit.formats.dtypes import DTYPES
 from ckptkit.keys import build_plan, match_keys
@@ -206,19 +204,16 @@ class _Reader:
     reused buffers per side, so nothing the size of a tensor is ever in memory."""
 
     def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
+        from ckptkit.formats.bytecopy import RangeReader
 
-    def _fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
+        self._files = RangeReader()
 
     def same_bytes(self, a: tuple[Path, int, int] | None, b: tuple[Path, int, int] | None) -> bool:
         if a is None or b is None or a[2] != b[2]:
             return False
         from ckptkit.formats.bytecopy import same_bytes
 
-        return same_bytes(self._fd(a[0]), a[1], self._fd(b[0]), b[1], a[2])
+        return same_bytes(self._files.fd(a[0]), a[1], self._files.fd(b[0]), b[1], a[2])
 
     def pieces(
         self,
@@ -230,8 +225,6 @@ class _Reader:
     ) -> Iterator[Any]:
         """The tensor's elements in order, ``PIECE`` at a time, as 1-D NumPy arrays (given the
         module) or tensors."""
-        from ckptkit.formats.bytecopy import read_into
-
         if span is None:  # strided or compressed: through the reader, a row block at a time
             yield from _flat_pieces(source.load(key))
             return
@@ -248,16 +241,14 @@ class _Reader:
         for start in range(0, length, step):
             # A buffer each: pieces may be compared on two threads at once.
             view = bytearray(min(step, length - start))
-            if not read_into(self._fd(path), view, offset + start):
-                raise FormatError(f"{path} is truncated", "copy or download it again")
+            self._files.read([(path, offset + start, len(view))], memoryview(view))
             yield make(view)
 
     def __enter__(self) -> _Reader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
+        self._files.close()
 
 
 def _flat_pieces(tensor: torch.Tensor) -> Iterator[torch.Tensor]:

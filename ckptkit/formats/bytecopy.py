@@ -252,7 +252,7 @@ class RangeReader:
         at = 0
         for path, offset, length in pieces:
             if length and not read_into(self.fd(path), buf[at : at + length], offset):
-                raise FormatError(f"{path} is truncated", "copy it again")
+                raise FormatError(f"{path} is truncated", "copy or download it again")
             at += length
 
     def close(self) -> None:

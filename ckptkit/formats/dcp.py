@@ -162,9 +162,7 @@ class DCPSource(Source):
         except BaseException:
             self.close()
             raise
-        self.selected, self.selected_reason = sel.path, sel.reason
-        self.extras, self.dropped, self.candidates = sel.extras, sel.dropped, sel.candidates
-        self._tensors: dict[str, _Tensor] = dict(sel.state_dict)
+        self._tensors: dict[str, _Tensor] = dict(self.adopt(sel))
         self.extras.update(_trainer_state(folder / LIGHTNING_META))
 
     def _tree(self, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
 from ckptkit.formats import dtypes
-from ckptkit.formats.tree import Candidate, DroppedPart
+from ckptkit.formats.tree import Candidate, DroppedPart, Selection
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +85,14 @@ class Source(ABC):
     @abstractmethod
     def load(self, key: str) -> torch.Tensor:
         """One tensor, on the CPU, memory-mapped where the format allows."""
+
+    def adopt(self, selection: Selection) -> Mapping[str, Any]:
+        """Take a training checkpoint's selection: where the state dict was and why, and the
+        rest of the checkpoint. Returns the state dict."""
+        self.selected, self.selected_reason = selection.path, selection.reason
+        self.extras, self.dropped = selection.extras, selection.dropped
+        self.candidates = selection.candidates
+        return selection.state_dict
 
     def value(self, key: str) -> Any:
         """What the state dict holds under ``key``: :meth:`load`'s tensor, or for a sparse or

@@ -341,9 +341,7 @@ class TorchFileSource(Source):
         except BaseException:
             self.close()
             raise
-        self.selected, self.selected_reason = sel.path, sel.reason
-        self.extras, self.dropped, self.candidates = sel.extras, sel.dropped, sel.candidates
-        self._stubs: dict[str, Any] = dict(sel.state_dict)
+        self._stubs: dict[str, Any] = dict(self.adopt(sel))
         self._bases: dict[str, torch.Tensor] = {}
         self._placeholders = _placeholders(scan.root, self._stubs) if sel.path == "module" else {}
         try:  # a damaged file is refused before anything is read or written
@@ -387,8 +385,7 @@ class TorchFileSource(Source):
     def module_versions(self, mapping: Mapping[str, str | None]) -> dict[str, Any] | None:
         if all(isinstance(stub, TensorStub) for stub in self._stubs.values()):
             return None
-        self.load_value(next(iter(self._stubs)))  # reads the file with torch's safe loader
-        versions = getattr(self._whole, "_metadata", None)
+        versions = getattr(self._whole_state(), "_metadata", None)
         if not isinstance(versions, dict):
             return None
         moved = module_prefixes(versions, mapping)
@@ -397,6 +394,10 @@ class TorchFileSource(Source):
     def load_value(self, key: str) -> Any:
         """Through ``torch.load(weights_only=True)``: torch's own safe loader rebuilds sparse and
         quantized tensors and packed parameters (the file passed the same checks already)."""
+        return self._whole_state()[key]
+
+    def _whole_state(self) -> Any:
+        """The selected state dict as torch's safe loader reads it (memory-mapped), once."""
         import warnings
 
         import torch
@@ -406,7 +407,7 @@ class TorchFileSource(Source):
                 warnings.simplefilter("ignore")
                 whole = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
             self._whole = node_at(whole, self.selected)
-        return self._whole[key]
+        return self._whole
 
     def byte_span(self, key: str) -> tuple[Path, int, int] | None:
         stub = self._stubs[key]
@@ -513,9 +514,7 @@ class TrustedTorchSource(Source):
             ema=ema,
             source=str(path),
         )
-        self.selected, self.selected_reason = sel.path, sel.reason
-        self.extras, self.dropped, self.candidates = sel.extras, sel.dropped, sel.candidates
-        self._tensors: dict[str, torch.Tensor] = dict(sel.state_dict)
+        self._tensors: dict[str, torch.Tensor] = dict(self.adopt(sel))
         self._versions = getattr(sel.state_dict, "_metadata", None)
 
     def entries(self) -> list[tuple[str, TensorInfo]]:

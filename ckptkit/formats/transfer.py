@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import VerificationError
-from ckptkit.formats.bytecopy import copy_range, read_into, release_pages, same_bytes, write_all
+from ckptkit.formats.bytecopy import (
+    RangeReader,
+    copy_range,
+    read_into,
+    release_pages,
+    same_bytes,
+    write_all,
+)
 from ckptkit.formats.dtypes import DTYPES
 from ckptkit.formats.safetensors import TensorSpec, read_header, write_safetensors
 from ckptkit.formats.source import Source
@@ -54,7 +61,7 @@ class Transfer:
     copied: int = 0
     through_torch: int = 0
     overflowed: list[str] = field(default_factory=list)
-    _fds: dict[Path, int] = field(default_factory=dict)
+    _files: RangeReader = field(default_factory=RangeReader)
     _checks: dict[str, list[Future[bool]]] = field(default_factory=dict)
     _checker: ThreadPoolExecutor | None = None
     _flushing: deque[tuple[int, int, int]] = field(default_factory=deque)  # fd, offset, count
@@ -63,9 +70,7 @@ class Transfer:
     def close(self) -> None:
         if self._checker is not None:
             self._checker.shutdown(wait=True)
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
 
     def _written(self, key: str, dst: Path, start: int, count: int,
                  source: tuple[int, int] | None) -> None:  # fmt: skip
@@ -97,9 +102,7 @@ class Transfer:
         return same
 
     def _fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
+        return self._files.fd(path)
 
     def tensor(self, item: Item) -> torch.Tensor:
         """The output tensor as torch sees it: loaded, cast if asked, contiguous."""
