@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CastError, FormatError, KeyMatchError, UsageError
 from ckptkit.formats import Source, TensorInfo, open_source, output_format
-from ckptkit.formats.atomic import atomic_outputs, check_output, syncing
+from ckptkit.formats.atomic import (
+    atomic_folder,
+    atomic_outputs,
+    check_folder_output,
+    check_output,
+    syncing,
+)
 from ckptkit.formats.dtypes import DTYPES
 from ckptkit.formats.safetensors import TensorSpec
 from ckptkit.formats.source import KEPT_IN_TORCH, KINDS
@@ -128,6 +134,7 @@ def convert(
     allow_overflow: bool = False,
     max_shard_size: int | str | None = None,
     keep_tied_copies: bool = False,
+    to: str | None = None,
     dry_run: bool = False,
     force: bool = False,
     verify: bool = True,
@@ -135,11 +142,13 @@ def convert(
     allow_globals: Iterable[str] = (),
     progress: bool = False,
 ) -> ConvertReport:
-    """Convert a checkpoint's state dict to safetensors or a plain ``.pt`` state dict.
+    """Convert a checkpoint's state dict to safetensors, a plain ``.pt`` state dict or a DCP
+    folder.
 
     Args:
         src: the checkpoint to read (torch zip or legacy, safetensors, or sharded).
-        dst: the output; its suffix picks the format (``.safetensors``, ``.pt``).
+        dst: the output; its suffix picks the format (``.safetensors``, ``.pt``) unless
+            ``to`` does.
         select: dotted path of the state dict in a training checkpoint (default: found).
         ema: take a training checkpoint's EMA copy of the weights (timm's ``state_dict_ema``,
             ``model_ema``, ``ema``...); the report says which part was taken and why.
@@ -156,6 +165,8 @@ def convert(
         allow_overflow: let a cast turn finite values into infinities.
         max_shard_size: split safetensors output into shards of at most this many bytes
             (``"5GB"``, ``"2GiB"`` or an int), with a Hugging Face style index.
+        to: the output format: ``safetensors``, ``pt``, or ``dcp`` (a folder that
+            ``torch.distributed.checkpoint.load`` reads, into a plain or a sharded model).
         keep_tied_copies: write every name of a tied group to safetensors (by default one
             tensor is written and the others are named in the metadata, as
             ``safetensors.torch.save_model`` does; ``.pt`` output keeps one shared storage).
@@ -174,9 +185,9 @@ def convert(
             written whenever the problem can be seen from headers.
     """
     src, dst = Path(src), Path(dst)
-    if dst.is_dir():  # a model folder: save_pretrained's names
+    if dst.is_dir() and to != "dcp":  # a model folder: save_pretrained's names
         dst = dst / "model.safetensors"
-    fmt = output_format(dst)
+    fmt = output_format(dst, to)
     rules = [parse_rename_rule(r) if isinstance(r, str) else r for r in renames]
     target = _cast_target(dtype)
     shard_limit = parse_size(max_shard_size) if max_shard_size is not None else None
@@ -221,7 +232,9 @@ def convert(
             for a, b in source.aliases().items()
             if (new_a := plan.mapping.get(a)) and (new_b := plan.mapping.get(b))
         }
-        ties = "shared" if fmt == "torch" else ("copies" if keep_tied_copies else "once")
+        ties = {"torch": "shared", "dcp": "chunk"}.get(fmt) or (
+            "copies" if keep_tied_copies else "once"
+        )
         if ties == "once":  # one tensor per tied group, the others named in the metadata
             aliases = plan_ties(aliases)
             items = [item for item in items if item.spec.key not in aliases]
@@ -255,7 +268,10 @@ def convert(
         if dry_run:
             return report
         for path in outputs:
-            check_output(path, force=force, inputs=[src])
+            if fmt == "dcp":
+                check_folder_output(path, force=force, inputs=[src])
+            else:
+                check_output(path, force=force, inputs=[src])
         header = _metadata(source, report).to_header()
         if ties == "once":  # as safetensors.torch.save_model records a removed name
             header.update({k: v for k, v in aliases.items() if k not in header})
@@ -274,7 +290,7 @@ def convert(
             progress=progress,
             src=src,
         )
-        if force:
+        if force and fmt == "safetensors":
             _remove_stale_shards(dst, outputs)
     return report
 
@@ -341,29 +357,33 @@ def _write(
     bar = progress_bar(total, "convert") if progress else None
     transfer = Transfer(source, progress=bar.update if bar else lambda nbytes: None)
     try:
-        # In order, or none: the index (last) appears only once every shard is in place.
-        with atomic_outputs(outputs, force=force, inputs=[src]) as temps:
-            for shard, tmp, path in zip(shards, temps, outputs, strict=False):
-                if report.output_format == "torch" and special:
-                    transfer.save_values(tmp, shard, aliases, special)
-                elif report.output_format == "torch":
-                    transfer.write_torch(tmp, shard, aliases)
-                else:
-                    transfer.write_safetensors(tmp, shard, header, verify=verify)
-                if transfer.overflowed and not allow_overflow:
-                    names = ", ".join(transfer.overflowed[:5])
-                    raise CastError(
-                        f"the cast turns finite values into inf in {names}; nothing was written",
-                        "keep them with --keep-dtype GLOB, or pass --allow-overflow",
-                    )
+        if report.output_format == "dcp":
+            with atomic_folder(outputs[0], force=force, inputs=[src]) as tmp:
+                transfer.write_dcp(tmp, shards[0], aliases, header, verify=verify)
+                _refuse_overflow(transfer, allow_overflow)
                 if verify:
-                    with syncing(tmp):  # the disk write-back overlaps the read-back
-                        if report.output_format == "torch":
-                            transfer.verify_torch(tmp, shard, path, special)
-                        else:
-                            transfer.verify_safetensors(tmp, shard, header, path)
-            if len(outputs) > len(shards):  # the index of a sharded output
-                _write_index(temps[-1], shards, outputs, header)
+                    transfer.verify_dcp(tmp, shards[0], aliases, header, outputs[0])
+        else:
+            # In order, or none: the index (last) appears only once every shard is in place.
+            with atomic_outputs(outputs, force=force, inputs=[src]) as temps:
+                for shard, tmp, path in zip(shards, temps, outputs, strict=False):
+                    if report.output_format == "torch" and special:
+                        transfer.save_values(tmp, shard, aliases, special)
+                    elif report.output_format == "torch":
+                        transfer.write_torch(tmp, shard, aliases, verify=verify)
+                    else:
+                        transfer.write_safetensors(tmp, shard, header, verify=verify)
+                    _refuse_overflow(transfer, allow_overflow)
+                    if verify:
+                        with syncing(tmp):  # the disk write-back overlaps the read-back
+                            if report.output_format == "torch" and special:
+                                transfer.verify_values(tmp, shard, path, special)
+                            elif report.output_format == "torch":
+                                transfer.verify_torch(tmp, shard, aliases, path)
+                            else:
+                                transfer.verify_safetensors(tmp, shard, header, path)
+                if len(outputs) > len(shards):  # the index of a sharded output
+                    _write_index(temps[-1], shards, outputs, header)
         report.verified = verify
         report.copied, report.through_torch = transfer.copied, transfer.through_torch
         report.overflowed = list(transfer.overflowed)
@@ -371,6 +391,15 @@ def _write(
         transfer.close()
         if bar:
             bar.close()
+
+
+def _refuse_overflow(transfer: Transfer, allow_overflow: bool) -> None:
+    if transfer.overflowed and not allow_overflow:
+        names = ", ".join(transfer.overflowed[:5])
+        raise CastError(
+            f"the cast turns finite values into inf in {names}; nothing was written",
+            "keep them with --keep-dtype GLOB, or pass --allow-overflow",
+        )
 
 
 def _match_reference(plan: KeyPlan, entries: dict[str, TensorInfo], ref_path: Path) -> KeyMatch:

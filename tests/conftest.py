@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_DIR = ROOT / "fixtures"
@@ -18,7 +19,15 @@ from make_fixtures import FIXTURES, reference_model, sample_input  # noqa: E402
 
 from ckptkit.cli import cli  # noqa: E402
 
-__all__ = ["FIXTURES", "FIXTURE_DIR", "ROOT", "TORCH_DTYPES", "reference_model", "sample_input"]
+__all__ = [
+    "FIXTURES",
+    "FIXTURE_DIR",
+    "ROOT",
+    "TORCH_DTYPES",
+    "reference_model",
+    "sample_input",
+    "state_dicts",
+]
 
 
 # Every dtype a state dict may hold that safetensors can store.
@@ -97,4 +106,31 @@ def load_with_ties(path):
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata() or {}
     state.update({k: state[v] for k, v in metadata.items() if k not in state and v in state})
+    return state
+
+
+@st.composite
+def state_dicts(draw):
+    """State dicts of every dtype, with 0-d, empty and strided tensors, sometimes a tie."""
+    state = {}
+    for i in range(draw(st.integers(1, 5))):
+        shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+        dtype = draw(st.sampled_from(TORCH_DTYPES))
+        raw = torch.randint(
+            0,
+            256,
+            (
+                max(1, int(torch.tensor(shape).prod()) if shape else 1)
+                * torch.empty((), dtype=dtype).element_size(),
+            ),
+            dtype=torch.uint8,
+        )
+        n = int(torch.tensor(shape).prod()) if shape else 1
+        tensor = raw[: n * torch.empty((), dtype=dtype).element_size()].view(dtype).reshape(shape)
+        if draw(st.booleans()) and tensor.dim() == 2:
+            tensor = tensor.t()  # a strided view
+        state[f"layer{i}.{draw(st.sampled_from(['weight', 'bias', 'step']))}"] = tensor
+    if draw(st.booleans()):
+        first = next(iter(state))
+        state["tied.alias"] = state[first]
     return state

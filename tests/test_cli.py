@@ -198,7 +198,7 @@ def test_output_errors(run, tmp_path, fixture_copy):
     result = run("convert", "single.pt", "out.onnx")
     assert (
         result.stderr
-        == "Error: cannot tell the output format of out.onnx; end the name with .safetensors, or .pt (.pth, .bin, .ckpt, .pth.tar)\n"
+        == "Error: cannot tell the output format of out.onnx; end the name with .safetensors, or .pt (.pth, .bin, .ckpt, .pth.tar), or pass --to dcp for a DCP folder\n"
     )
     result = run("convert", "single.pt", "o.pt", "--strip-module", "--strip-wrappers")
     assert result.exit_code == 2

@@ -11,10 +11,10 @@ from conftest import (
     FIXTURE_DIR,
     FIXTURES,
     NOT_IN_LEGACY,
-    TORCH_DTYPES,
     load_with_ties,
     reference_model,
     sample_input,
+    state_dicts,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -189,7 +189,8 @@ def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_verification_catches_a_corrupted_copy(tmp_path, monkeypatch):
+@pytest.mark.parametrize("out", ["o.safetensors", "o.pt"])
+def test_verification_catches_a_corrupted_copy(tmp_path, monkeypatch, out):
     real = transfer_module.copy_range
 
     def corrupting(src_fd, offset, count, dst_fd):
@@ -201,54 +202,26 @@ def test_verification_catches_a_corrupted_copy(tmp_path, monkeypatch):
     with pytest.raises(
         VerificationError, match="'head.bias' read back from .* differs from the source"
     ):
-        ckptkit.convert(FIXTURE_DIR / "single.pt", tmp_path / "o.safetensors")
+        ckptkit.convert(FIXTURE_DIR / "single.pt", tmp_path / out)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_verification_catches_a_corrupted_torch_write(tmp_path, monkeypatch):
-    import ckptkit.formats.torchfile as torchfile
+@pytest.mark.parametrize("out", ["o.safetensors", "o.pt"])
+def test_verification_catches_a_corrupted_cast(tmp_path, monkeypatch, out):
+    """Tensors made by torch (a cast) are compared with their bytes made again."""
+    real = transfer_module.write_all
 
-    real = torchfile.write_torch
+    def corrupting(fd, data):
+        if len(data) == 6:  # head.bias: 3 float16
+            data = memoryview(b"\xff" + bytes(data[1:]))
+        real(fd, data)
 
-    def corrupting(path, specs, tensor_for, aliases=None):
-        def bad(spec):
-            tensor = tensor_for(spec)
-            return tensor + 1 if spec.key == "head.bias" else tensor
-
-        real(path, specs, bad, aliases)
-
-    monkeypatch.setattr(torchfile, "write_torch", corrupting)
+    monkeypatch.setattr(transfer_module, "write_all", corrupting)
     with pytest.raises(
         VerificationError, match="'head.bias' read back from .* differs from the source"
     ):
-        ckptkit.convert(FIXTURE_DIR / "single.pt", tmp_path / "o.pt")
+        ckptkit.convert(FIXTURE_DIR / "single.pt", tmp_path / out, dtype="fp16")
     assert list(tmp_path.iterdir()) == []
-
-
-@st.composite
-def state_dicts(draw):
-    state = {}
-    for i in range(draw(st.integers(1, 5))):
-        shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
-        dtype = draw(st.sampled_from(TORCH_DTYPES))
-        raw = torch.randint(
-            0,
-            256,
-            (
-                max(1, int(torch.tensor(shape).prod()) if shape else 1)
-                * torch.empty((), dtype=dtype).element_size(),
-            ),
-            dtype=torch.uint8,
-        )
-        n = int(torch.tensor(shape).prod()) if shape else 1
-        tensor = raw[: n * torch.empty((), dtype=dtype).element_size()].view(dtype).reshape(shape)
-        if draw(st.booleans()) and tensor.dim() == 2:
-            tensor = tensor.t()  # a strided view
-        state[f"layer{i}.{draw(st.sampled_from(['weight', 'bias', 'step']))}"] = tensor
-    if draw(st.booleans()):
-        first = next(iter(state))
-        state["tied.alias"] = state[first]
-    return state
 
 
 @settings(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -17,7 +18,15 @@ from pathlib import Path
 
 from ckptkit.errors import OutputError
 
-__all__ = ["check_output", "atomic_output", "atomic_outputs", "remove_stale_temps", "syncing"]
+__all__ = [
+    "check_output",
+    "atomic_output",
+    "atomic_outputs",
+    "atomic_folder",
+    "check_folder_output",
+    "remove_stale_temps",
+    "syncing",
+]
 
 
 def check_output(dst: Path, *, force: bool, inputs: Iterable[Path] = ()) -> None:
@@ -94,6 +103,7 @@ def _os_error(dst: Path, exc: OSError) -> OutputError:
 # killed run left: `.model.safetensors.ckptkit-<random>.tmp`.
 _TEMP_MARK = ".ckptkit-"
 _STALE_AFTER_S = 2.0  # a temp this young may belong to a writer that has not locked it yet
+_FOLDER_LOCK = ".ckptkit-lock"  # a temp folder's lock file (see atomic_folder)
 
 
 def _lock(fd: int) -> bool:
@@ -123,15 +133,20 @@ def remove_stale_temps(folder: Path) -> list[Path]:
     except OSError:
         return removed
     for path in candidates:
+        folder_temp = path.is_dir() and not path.is_symlink()
+        lock = path / _FOLDER_LOCK if folder_temp else path
         try:
-            if time.time() - path.lstat().st_mtime < _STALE_AFTER_S or not path.is_file():
+            if time.time() - path.lstat().st_mtime < _STALE_AFTER_S or not lock.is_file():
                 continue
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
             if _lock(fd):
-                path.unlink()
+                if folder_temp:
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink()
                 removed.append(path)
         except OSError:
             pass
@@ -249,3 +264,75 @@ def atomic_output(dst: Path, *, force: bool = False, inputs: Iterable[Path] = ()
     :func:`atomic_outputs`)."""
     with atomic_outputs([dst], force=force, inputs=inputs) as (tmp,):
         yield tmp
+
+
+def check_folder_output(dst: Path, *, force: bool, inputs: Iterable[Path] = ()) -> None:
+    """Refuse an output folder that is an input or holds one, is a file, is in a missing
+    folder, or exists without force.
+
+    Raises:
+        OutputError: with the fix in its hint.
+    """
+    for src in inputs:
+        if (
+            dst.exists()
+            and src.exists()
+            and (os.path.samefile(dst, src) or dst.resolve() in src.resolve().parents)
+        ):
+            raise OutputError(f"output {dst} is the input or holds it", "write to a new path")
+    if dst.exists() and not dst.is_dir():
+        raise OutputError(f"output {dst} is a file", "give a folder name")
+    if not dst.parent.is_dir():
+        raise OutputError(f"folder {dst.parent} does not exist", "create it first")
+    if dst.exists() and not force:
+        raise OutputError(f"{dst} exists", "pass --force to replace it")
+
+
+@contextlib.contextmanager
+def atomic_folder(dst: Path, *, force: bool = False, inputs: Iterable[Path] = ()) -> Iterator[Path]:
+    """Yield a temp folder next to ``dst``; on success it becomes ``dst`` by one rename, or
+    with ``force`` replaces it (the old folder is renamed aside, then removed). On failure
+    nothing is left. The temp folder holds a lock file while this process writes it, so a
+    later run removes it if this one is killed (see :func:`remove_stale_temps`).
+
+    Raises:
+        OutputError: ``dst`` is an input, a file, in a missing folder, or exists without force.
+    """
+    dst = Path(dst)
+    check_folder_output(dst, force=force, inputs=inputs)
+    remove_stale_temps(dst.parent)
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}{_TEMP_MARK}",
+                                    suffix=".tmp"))  # fmt: skip
+        fd = os.open(tmp / _FOLDER_LOCK, os.O_WRONLY | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise _os_error(dst, exc) from None
+    aside: Path | None = None
+    try:
+        _lock(fd)
+        try:
+            yield tmp
+            (tmp / _FOLDER_LOCK).unlink()
+            os.chmod(tmp, 0o777 & ~_umask())
+            _fsync_dir(tmp)
+            if dst.exists() and force:
+                aside = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}{_TEMP_MARK}old-",
+                                              suffix=".tmp"))  # fmt: skip
+                os.replace(dst, aside)
+            try:
+                os.rename(tmp, dst)  # onto a path that does not exist: never replaces anything
+            except OSError as exc:
+                if aside is not None:
+                    os.replace(aside, dst)  # put the old one back
+                    aside = None
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise OutputError(f"{dst} exists", "pass --force to replace it") from None
+                raise
+            _fsync_dir(dst.parent)
+        except OSError as exc:
+            raise _os_error(dst, exc) from None
+    finally:
+        os.close(fd)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)

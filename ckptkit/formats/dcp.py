@@ -35,9 +35,11 @@ from ckptkit.meta import jsonable
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DCPSource", "DCP_GLOBALS", "METADATA"]
+__all__ = ["DCPSource", "DCP_GLOBALS", "METADATA", "DISTCP", "SIDECAR", "dcp_metadata"]
 
 METADATA = ".metadata"
+DISTCP = "__0_0.distcp"  # the one data file ckptkit writes: rank 0's first, as dcp.save names it
+SIDECAR = "ckptkit.json"  # the conversion's metadata beside a DCP folder ckptkit wrote
 LIGHTNING_META = "meta.pt"  # Lightning's FSDP strategy saves the trainer's state beside DCP
 _DCP = "torch.distributed.checkpoint."
 # DCP's own classes in .metadata: dataclasses of plain values, read as data, never imported.
@@ -164,6 +166,7 @@ class DCPSource(Source):
             raise
         self._tensors: dict[str, _Tensor] = dict(self.adopt(sel))
         self.extras.update(_trainer_state(folder / LIGHTNING_META))
+        self.metadata = _sidecar(folder / SIDECAR)
 
     def _tree(self, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
         items = meta.get("state_dict_metadata")
@@ -289,15 +292,16 @@ class DCPSource(Source):
         return self._layouts[chunk]
 
     def entries(self) -> list[tuple[str, TensorInfo]]:
+        # Keys whose chunks are the very same records are one tensor (ties ckptkit wrote).
         return [
-            (key, TensorInfo(t.dtype, t.shape, f"dcp:{t.fqn}", (0, t.nbytes)))
+            (key, TensorInfo(t.dtype, t.shape, _identity(t), (0, t.nbytes)))
             for key, t in self._tensors.items()
         ]
 
     def files(self) -> list[Path]:
         names = {c.file for t in self._tensors.values() for c in t.chunks}
-        meta = [self.path / LIGHTNING_META] if (self.path / LIGHTNING_META).is_file() else []
-        return [self.path / METADATA, *sorted(names), *meta]
+        extra = [self.path / n for n in (LIGHTNING_META, SIDECAR) if (self.path / n).is_file()]
+        return [self.path / METADATA, *sorted(names), *extra]
 
     def byte_pieces(self, key: str) -> list[Piece] | None:
         tensor = self._tensors[key]
@@ -318,12 +322,16 @@ class DCPSource(Source):
 
         tensor = self._tensors[key]
         out = torch.empty(tensor.shape, dtype=torch_dtype(tensor.dtype))
+        # Chunks are placed as bytes: a copy in the tensor's dtype may rewrite them (a bool's
+        # stored byte becomes 0 or 1).
+        itemsize = DTYPES[tensor.dtype].itemsize
+        grid = out.reshape(-1).view(torch.uint8).view(*tensor.shape, itemsize)
         for chunk in tensor.chunks:
             path, offset, length = self._piece(tensor, chunk)
-            part = torch.empty(chunk.sizes, dtype=out.dtype)
+            part = torch.empty((*chunk.sizes, itemsize), dtype=torch.uint8)
             self._reader.read([(path, offset, length)], as_bytes(part))
             index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
-            out[index] = part
+            grid[index] = part
         return out
 
     def close(self) -> None:
@@ -348,6 +356,66 @@ def _trainer_state(path: Path) -> dict[str, Any]:
         for k, v in root.items()
         if not any(isinstance(n, TensorStub) for n in nodes(v))
     }
+
+
+def _identity(tensor: _Tensor) -> str:
+    return "dcp:" + ";".join(f"{c.file.name}@{c.start}" for c in tensor.chunks) or tensor.fqn
+
+
+def _sidecar(path: Path) -> dict[str, str]:
+    """The metadata ckptkit wrote beside a DCP folder it made (str -> str), else empty."""
+    import json
+
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise FormatError(f"{path} is damaged", "remove it or copy the folder again") from None
+    if not isinstance(data, dict):
+        raise FormatError(f"{path} is damaged", "remove it or copy the folder again")
+    return {str(k): str(v) for k, v in data.items()}
+
+
+def dcp_metadata(layout: list[tuple[str, str, tuple[int, ...], str, int, int]]) -> bytes:
+    """``.metadata`` as ``dcp.save`` pickles it, for tensors each stored whole in one chunk,
+    given as (key, dtype, shape, file name, offset, length). Made with DCP's own classes, so
+    ``torch.distributed.checkpoint.load`` reads it as its own."""
+    import pickle
+    import uuid
+
+    import torch
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from ckptkit.formats.tensors import torch_dtype
+
+    items, storage = {}, {}
+    for key, dtype, shape, name, offset, length in layout:
+        size = torch.Size(shape)
+        origin = torch.Size([0] * len(shape))
+        items[key] = TensorStorageMetadata(
+            properties=TensorProperties(dtype=torch_dtype(dtype)),
+            size=size,
+            chunks=[ChunkStorageMetadata(offsets=origin, sizes=size)],
+        )
+        storage[MetadataIndex(key, origin, 0)] = _StorageInfo(name, offset, length)
+    metadata = Metadata(
+        state_dict_metadata=items,  # type: ignore[arg-type]
+        planner_data={key: (key,) for key in items},
+        storage_data=storage,
+        storage_meta=StorageMeta(save_id=str(uuid.uuid4())),
+        version=getattr(filesystem, "CURRENT_DCP_VERSION", "1.0.0"),
+    )
+    return pickle.dumps(metadata)
 
 
 def _contiguous_start(shape: tuple[int, ...], chunk: _Chunk) -> int | None:

@@ -11,21 +11,16 @@ from __future__ import annotations
 import io
 import math
 import mmap
-import os
-import pickle
 import struct
 import zipfile
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, UnsafeCheckpointError
-from ckptkit.formats.bytecopy import preallocate, write_all
 from ckptkit.formats.detect import LEGACY_MAGIC, Reading, readings
-from ckptkit.formats.dtypes import DTYPES, STORAGE_DTYPES
+from ckptkit.formats.dtypes import DTYPES
 from ckptkit.formats.pickle_scan import check_allowed, is_dangerous
-from ckptkit.formats.safetensors import TensorSpec
 from ckptkit.formats.source import Source, TensorInfo
 from ckptkit.formats.static_unpickler import (
     DATA_GLOBALS,
@@ -46,7 +41,6 @@ __all__ = [
     "TorchFileSource",
     "TrustedTorchSource",
     "scan_torch_file",
-    "write_torch",
     "LEGACY_MAGIC",
 ]
 
@@ -563,141 +557,3 @@ class TrustedTorchSource(Source):
 
     def load_value(self, key: str) -> Any:
         return self._tensors[key]
-
-
-def write_torch(
-    dst: Path,
-    specs: list[TensorSpec],
-    tensor_for: Callable[[TensorSpec], torch.Tensor],
-    aliases: dict[str, str] | None = None,
-) -> None:
-    """Write a plain state dict in torch's zip format, one tensor in memory at a time.
-
-    ``torch.save`` needs every tensor alive at once; this writes the pickle from the specs
-    alone (it is the same pickle torch writes: ``_rebuild_tensor_v2`` over typed storages,
-    ``_rebuild_tensor_v3`` for dtypes without one), then each tensor's bytes as its own record
-    through torch's zip writer. An alias key shares its target's storage, so ties survive.
-    The file loads with ``torch.load(weights_only=True)``, memory-mapped too.
-    """
-    import torch
-
-    aliases = aliases or {}
-    storages: dict[str, _StorageRecord] = {}
-    state: OrderedDict[str, _TensorRecord] = OrderedDict()
-    for spec in specs:
-        target = aliases.get(spec.key)
-        if target in storages:
-            storages[spec.key] = storages[target]
-        else:
-            storages[spec.key] = _StorageRecord(str(len(storages)), spec.dtype, spec.nbytes)
-        state[spec.key] = _TensorRecord(storages[spec.key], spec)
-    data = io.BytesIO()
-    _RecordPickler(data, protocol=2).dump(state)
-    unique = {storages[spec.key].key: spec.nbytes for spec in specs}
-    with _Sink(dst, len(data.getvalue()) + sum(unique.values()) + 4096 * (len(unique) + 4)) as sink:
-        writer = torch._C.PyTorchFileWriter(sink)  # type: ignore[call-overload]  # any .write
-        for name, value in (("data.pkl", data.getvalue()), (".format_version", b"1"),
-                            (".storage_alignment", b"64"), ("byteorder", b"little")):  # fmt: skip
-            writer.write_record(name, value, len(value))
-        written: set[str] = set()
-        for spec in specs:
-            record = storages[spec.key]
-            if record.key in written or sink.error:
-                continue
-            tensor = tensor_for(spec).detach().contiguous()
-            if tensor.untyped_storage().nbytes() != spec.nbytes or tensor.storage_offset():
-                tensor = tensor.clone()  # a view into a bigger buffer: write just its own bytes
-            writer.write_record(f"data/{record.key}", tensor.untyped_storage(), spec.nbytes)
-            written.add(record.key)
-        writer.write_end_of_file()
-        del writer
-
-
-class _Sink:
-    """Where torch's zip writer writes: a file that never raises into C++.
-
-    torch's writer aborts the whole process when a write fails (its destructor writes again
-    and throws): so the first ``OSError`` is kept, later writes are dropped, and it is raised
-    once the writer is done. The file is preallocated to an estimate of its size, so a full
-    disk fails before any tensor is copied, and cut back to what was written at the end.
-    """
-
-    def __init__(self, dst: Path, estimate: int) -> None:
-        # No O_TRUNC on atomic_output's empty temp file (see write_safetensors).
-        self.fd = os.open(dst, os.O_WRONLY | os.O_CREAT, 0o666)
-        self.written = 0
-        self.error: OSError | None = None
-        try:
-            preallocate(self.fd, estimate)
-        except OSError:
-            os.close(self.fd)
-            raise
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        if self.error is None:
-            try:
-                write_all(self.fd, view)
-                self.written += len(view)
-            except OSError as exc:
-                self.error = exc
-        return len(view)
-
-    def flush(self) -> None:
-        pass
-
-    def __enter__(self) -> _Sink:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            if self.error is None:
-                os.ftruncate(self.fd, self.written)  # drop what preallocation added
-        finally:
-            os.close(self.fd)
-        if self.error is not None:
-            raise self.error
-
-
-class _StorageRecord:
-    def __init__(self, key: str, dtype: str, nbytes: int) -> None:
-        self.key, self.dtype, self.nbytes = key, dtype, nbytes
-
-
-class _TensorRecord:
-    """Pickles as torch pickles a contiguous CPU tensor whose storage is a separate record."""
-
-    def __init__(self, storage: _StorageRecord, spec: TensorSpec) -> None:
-        self.storage, self.spec = storage, spec
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        import torch
-
-        shape = tuple(self.spec.shape)
-        stride: list[int] = []
-        step = 1
-        for size in reversed(shape):
-            stride.insert(0, step)
-            step *= size
-        args: tuple[Any, ...] = (self.storage, 0, shape, tuple(stride), False, OrderedDict())
-        if self.spec.dtype in _TYPED_STORAGES:
-            return (torch._utils._rebuild_tensor_v2, args)
-        return (torch._utils._rebuild_tensor_v3, (*args, torch_dtype(self.spec.dtype)))
-
-
-# dtype -> torch's legacy typed-storage class name (dtypes without one use UntypedStorage).
-_TYPED_STORAGES = {dt: cls for cls, dt in STORAGE_DTYPES.items() if cls != "UntypedStorage"}
-
-
-class _RecordPickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, _StorageRecord):
-            return None
-        import torch
-
-        if obj.dtype in _TYPED_STORAGES:
-            storage_type = getattr(torch, _TYPED_STORAGES[obj.dtype])
-            numel = obj.nbytes // DTYPES[obj.dtype].itemsize
-        else:
-            storage_type, numel = torch.storage.UntypedStorage, obj.nbytes
-        return ("storage", storage_type, obj.key, "cpu", numel)

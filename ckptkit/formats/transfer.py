@@ -9,6 +9,7 @@ output bytes made again from the source for the rest (``.pt`` output is reloaded
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
@@ -21,6 +22,7 @@ from ckptkit.errors import VerificationError
 from ckptkit.formats.bytecopy import (
     RangeReader,
     copy_range,
+    preallocate,
     read_into,
     release_pages,
     same_bytes,
@@ -217,22 +219,35 @@ class Transfer:
             offset += len(buf)
         return True
 
-    def write_torch(self, path: Path, items: list[Item], aliases: dict[str, str]) -> None:
-        """Write items as a plain ``.pt`` state dict (ties kept)."""
-        from ckptkit.formats.torchfile import write_torch
+    def write_torch(
+        self, path: Path, items: list[Item], aliases: dict[str, str], *, verify: bool = True
+    ) -> None:
+        """Write items as a plain ``.pt`` state dict (ties kept: an alias shares its target's
+        storage), laid out as ``torch.save`` lays it out (see ``torchzip``), each storage's
+        bytes copied from the source where they lie as they must, else made by torch a piece
+        at a time. With ``verify`` copied bytes are compared as they are written."""
+        from ckptkit.formats.torchzip import begin_archive, state_pickle
 
         by_key = {item.spec.key: item for item in items}
-
-        def tensor_for(spec: TensorSpec) -> torch.Tensor:
-            item = by_key[spec.key]
-            tensor = self.tensor(item)
-            if item.cast and _overflows(self.source.load(item.old), tensor):
-                self.overflowed.append(spec.key)
-            self.through_torch += 1
-            self.progress(spec.nbytes)
-            return tensor
-
-        write_torch(path, [item.spec for item in items], tensor_for, aliases)
+        pickled, storages = state_pickle([item.spec for item in items], aliases)
+        write = self._write(by_key, path, verify)
+        unique: dict[str, Item] = {}  # each storage record, written from its first key
+        for item in items:
+            unique.setdefault(storages[item.spec.key].key, item)
+        estimate = len(pickled) + sum(i.spec.nbytes for i in unique.values()) + 256 * len(unique)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)  # atomic_outputs' empty temp file
+        try:
+            preallocate(fd, estimate + 4096)
+            archive = begin_archive(fd, pickled)
+            for record, item in unique.items():
+                archive.add_stream(f"data/{record}", item.spec.nbytes,
+                                   functools.partial(write, fd, item.spec))  # fmt: skip
+            for alias in set(aliases) & set(by_key):  # written once, with its target
+                self.progress(by_key[alias].spec.nbytes)
+            archive.finish()
+            os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR))  # drop what preallocation added
+        finally:
+            os.close(fd)
 
     def save_values(
         self, path: Path, items: list[Item], aliases: dict[str, str], special: set[str]
@@ -261,8 +276,125 @@ class Transfer:
             torch.save(values, f)
 
     def verify_torch(
+        self,
+        path: Path,
+        items: list[Item],
+        aliases: dict[str, str],
+        shown: Path,
+    ) -> None:
+        """Read the written ``.pt`` back statically and compare it with the plan: the keys,
+        dtypes, shapes and ties, then every tensor's bytes (copied ones as they were written,
+        the rest with their output bytes made again from the source)."""
+        from ckptkit.formats.torchfile import TorchFileSource
+
+        with TorchFileSource(path) as written:
+            entries = dict(written.entries())
+            if set(entries) != {i.spec.key for i in items}:
+                raise VerificationError(
+                    f"{shown} would not hold the planned keys; nothing was written"
+                )
+            if written.aliases() != aliases:
+                raise VerificationError(f"the ties read back from {shown} differ from the plan")
+            for item in items:
+                info = entries[item.spec.key]
+                span = written.byte_span(item.spec.key)
+                if info.dtype != item.spec.dtype or info.shape != tuple(item.spec.shape) or (
+                    span is None
+                ):  # fmt: skip
+                    raise VerificationError(
+                        f"tensor '{item.spec.key}' in {shown} has the wrong shape or dtype"
+                    )
+                self._check(item, path, span[1], shown, skip=item.spec.key in aliases)
+
+    def write_dcp(
+        self, folder: Path, items: list[Item], aliases: dict[str, str], header: dict[str, str],
+        *, verify: bool = True,
+    ) -> None:  # fmt: skip
+        """Write items as a DCP folder, as one writer of ``dcp.save`` lays it out: each tensor
+        one whole chunk, a ``torch.save`` archive in ``__0_0.distcp`` (made as for
+        :meth:`write_torch`), then ``.metadata``; an alias names its target's chunk, so ties
+        survive. ``header`` goes beside them in ``ckptkit.json``."""
+        import json
+
+        from ckptkit.formats.dcp import DISTCP, METADATA, SIDECAR, dcp_metadata
+        from ckptkit.formats.torchzip import begin_archive, state_pickle
+
+        by_key = {item.spec.key: item for item in items}
+        data = folder / DISTCP
+        write = self._write(by_key, data, verify)
+        where: dict[str, tuple[int, int]] = {}
+        fd = os.open(data, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            preallocate(fd, sum(i.spec.nbytes + 2048 for i in items))
+            for item in items:
+                if item.spec.key in aliases:
+                    self.progress(item.spec.nbytes)  # written once, with its target
+                    continue
+                start = os.lseek(fd, 0, os.SEEK_CUR)
+                archive = begin_archive(fd, state_pickle([item.spec], bare=True)[0])
+                archive.add_stream("data/0", item.spec.nbytes,
+                                   functools.partial(write, fd, item.spec))  # fmt: skip
+                where[item.spec.key] = (start, archive.finish())
+            os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        layout = [
+            (i.spec.key, i.spec.dtype, tuple(i.spec.shape), DISTCP,
+             *where[aliases.get(i.spec.key, i.spec.key)])
+            for i in items
+        ]  # fmt: skip
+        for name, content in ((SIDECAR, json.dumps(header, indent=1).encode()),
+                              (METADATA, dcp_metadata(layout))):  # fmt: skip
+            with open(folder / name, "xb") as f:  # .metadata last, as dcp.save writes it
+                f.write(content)
+                os.fsync(f.fileno())
+
+    def verify_dcp(
+        self, folder: Path, items: list[Item], aliases: dict[str, str], header: dict[str, str],
+        shown: Path,
+    ) -> None:  # fmt: skip
+        """Read the written DCP folder back statically, as any DCP folder is read, and compare
+        it with the plan: keys, dtypes, shapes, ties, metadata, then every tensor's bytes."""
+        from ckptkit.formats.dcp import DCPSource
+
+        with DCPSource(folder) as written:
+            entries = dict(written.entries())
+            if set(entries) != {i.spec.key for i in items} or written.metadata != header:
+                raise VerificationError(
+                    f"{shown} would not hold the planned keys and metadata; nothing was written"
+                )
+            if written.aliases() != aliases:
+                raise VerificationError(f"the ties read back from {shown} differ from the plan")
+            for item in items:
+                info = entries[item.spec.key]
+                pieces = written.byte_pieces(item.spec.key)
+                if (info.dtype, info.shape) != (item.spec.dtype, tuple(item.spec.shape)) or (
+                    pieces is None or len(pieces) != 1
+                ):  # fmt: skip
+                    raise VerificationError(
+                        f"tensor '{item.spec.key}' in {shown} has the wrong shape or dtype"
+                    )
+                self._check(item, pieces[0][0], pieces[0][1], shown, skip=item.spec.key in aliases)
+
+    def _check(self, item: Item, path: Path, offset: int, shown: Path, *, skip: bool) -> None:
+        """One written tensor's bytes: copied ones as compared while written, the rest made
+        again from the source; an alias's are its target's, checked there."""
+        if not skip:
+            checks = self._checks.pop(item.spec.key, None)
+            if checks is not None:
+                same = all(check.result() for check in checks)
+            else:
+                same = self._same_as_pieces(self._fd(path), offset, item)
+            if not same:
+                raise _differs(item.spec.key, shown)
+        self.progress(item.spec.nbytes)
+
+    def verify_values(
         self, path: Path, items: list[Item], shown: Path, special: Iterable[str] = ()
     ) -> None:
+        """Reload what :meth:`save_values` wrote with torch's safe loader and compare every
+        value with the source."""
         import torch
 
         from ckptkit.formats.tensors import bit_equal, same_value
