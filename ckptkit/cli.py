@@ -163,6 +163,11 @@ def cli() -> None:
     help="Write every name of a tied group to safetensors (default: one tensor, the others "
     "named in the metadata, as safetensors' save_model does).",
 )
+@click.option(
+    "--to",
+    type=click.Choice(["safetensors", "pt", "dcp"]),
+    help="Output format (default: DST's suffix); dcp writes a torch.distributed.checkpoint folder.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the key plan; write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
 @click.option(
@@ -188,10 +193,13 @@ def convert(
     quiet: bool,
     **options: Any,
 ) -> None:
-    """Convert SRC's state dict to DST (.safetensors or .pt), rewriting key prefixes.
+    """Convert SRC's state dict to DST (.safetensors, .pt, or a DCP folder with --to dcp),
+    rewriting key prefixes.
 
     \b
     ckptkit convert ddp.pt model.safetensors --strip-module
+    ckptkit convert dcp_dir/ model.safetensors
+    ckptkit convert model.safetensors dcp_out --to dcp
     ckptkit convert lightning.ckpt model.safetensors --strip-prefix model.
     ckptkit convert single.pt ddp-ready.pt --add-module
     ckptkit convert big.pt out/model.safetensors --dtype bf16 --max-shard-size 5GB
@@ -222,10 +230,10 @@ def convert(
 @cli.command()
 @click.option(
     "--mode",
-    type=click.Choice(["single", "dp", "ddp"]),
+    type=click.Choice(["single", "dp", "ddp", "fsdp"]),
     default="single",
     show_default=True,
-    help="single device, nn.DataParallel, or DistributedDataParallel.",
+    help="single device, nn.DataParallel, DistributedDataParallel, or FSDP2 (fully_shard).",
 )
 @click.option("--epochs", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option(
@@ -260,10 +268,9 @@ def convert(
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option(
     "--save-format",
-    type=click.Choice(["pt", "safetensors", "both"]),
-    default="pt",
-    show_default=True,
-    help="pt: whole training state; safetensors: weights only.",
+    type=click.Choice(["pt", "safetensors", "both", "dcp"]),
+    help="pt: whole training state; safetensors: weights only; dcp: a folder of every rank's "
+    "shards (torch.distributed.checkpoint).  [default: dcp in fsdp, else pt]",
 )
 @click.option(
     "--model", metavar="MODULE:FACTORY", help="Your model factory (default: built-in demo)."
@@ -276,7 +283,7 @@ def convert(
     type=click.IntRange(min=1),
     default=2,
     show_default=True,
-    help="DDP workers to start here (ignored under torchrun).",
+    help="DDP / FSDP workers to start here (ignored under torchrun).",
 )
 @click.option(
     "--timeout",
@@ -293,6 +300,7 @@ def train(as_json: bool, **options: Any) -> None:
 
     \b
     ckptkit train --mode ddp --nproc-per-node 2 --epochs 4 --out runs/demo
+    ckptkit train --mode fsdp --nproc-per-node 2 --out runs/fsdp
     ckptkit train --mode single --resume auto --out runs/demo
     torchrun --nnodes 2 --node-rank 0 ... -m ckptkit train --mode ddp
     """

@@ -204,7 +204,8 @@ def summary_lines(summary: Any) -> list[str]:
         if run.get("removed_prefixes"):
             removed = "".join(run["removed_prefixes"])
             lines.append(f"unwrapped   saved without its {removed} wrapper: loads in any mode")
-        lines.append(f"weights     sha256 {run.get('weights_sha256')}")
+        if run.get("weights_sha256"):  # a DCP checkpoint's shards are not hashed whole
+            lines.append(f"weights     sha256 {run['weights_sha256']}")
     for key, value in summary.extras.items():
         if key != _TRAINING_KEY:
             lines.append(f"also        {key} = {_short(value)}")
@@ -285,6 +286,7 @@ def convert_lines(report: Any) -> list[str]:
         lines.append(f"Dropped  {key} (wrapper bookkeeping)")
     how = {
         "shared": "one storage, as torch.save keeps it",
+        "chunk": "one stored chunk that both names point to",
         "copies": "written twice, recorded in metadata",
         "once": "written once, named in the metadata as save_model does",
     }[report.ties]
@@ -303,7 +305,7 @@ def convert_lines(report: Any) -> list[str]:
             f"Packed   {plural(len(report.made_contiguous), 'non-contiguous tensor')} made "
             "contiguous"
         )
-    if report.extras and report.output_format == "safetensors":
+    if report.extras and report.output_format in ("safetensors", "dcp"):
         lines.append(f"Kept     {', '.join(report.extras)} in the metadata")
     elif report.extras:
         lines.append(

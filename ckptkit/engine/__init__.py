@@ -1,4 +1,4 @@
-"""The training engine: one loop for single-device, DataParallel and DDP runs.
+"""The training engine: one loop for single-device, DataParallel, DDP and FSDP runs.
 
 Imports torch; ``import ckptkit`` reaches it only when ``ckptkit.train`` is first used.
 """
@@ -26,7 +26,7 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
     """
     config = config or TrainConfig(**options)  # type: ignore[arg-type]
     config.check()
-    if config.mode == Mode.DDP.value and not under_launcher():
+    if Mode(config.mode).distributed and not under_launcher():
         from ckptkit.engine.launch import launch
 
         if config.batch_size % config.nproc_per_node:

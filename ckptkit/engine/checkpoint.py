@@ -1,18 +1,29 @@
 """The checkpoint commit protocol: write a temp file, fsync, rename; then move the ``latest``
 pointer atomically; then prune to the newest N. Killing the process at any moment leaves the
-previous checkpoint complete and findable."""
+previous checkpoint complete and findable.
+
+A DCP checkpoint (``--save-format dcp``) is a folder: every rank writes its own shards into a
+temp folder with ``torch.distributed.checkpoint.save`` (``.metadata`` last), rank 0 adds
+``meta.pt`` (the rest of the training state, as Lightning's FSDP strategy keeps it) and renames
+the folder into place; then ``latest`` moves, then pruning, as for a file."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import pickle
 import re
+import shutil
+import tempfile
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
 
 from ckptkit.errors import CkptkitError, FormatError
 from ckptkit.formats.atomic import atomic_output
@@ -21,6 +32,8 @@ from ckptkit.formats.tensors import as_bytes, dtype_name
 __all__ = [
     "checkpoint_name",
     "commit",
+    "commit_dcp",
+    "load_dcp",
     "find_resume",
     "list_checkpoints",
     "weights_sha256",
@@ -28,11 +41,15 @@ __all__ = [
 ]
 
 LATEST = "latest"
-_NAME = re.compile(r"ckpt-epoch(\d{4,})\.(pt|safetensors)")
+TRAIN_STATE = "meta.pt"  # beside a DCP checkpoint's shards: counters, scheduler, RNG, metadata
+_NAME = re.compile(r"ckpt-epoch(\d{4,})(?:\.(pt|safetensors))?")
+_PREFERENCE = {".pt": 0, "": 1, ".safetensors": 2}  # which one an epoch saved twice resumes from
 
 
 def checkpoint_name(epoch: int, suffix: str = "pt") -> str:
-    return f"ckpt-epoch{epoch:04d}.{suffix}"
+    """``ckpt-epoch0003.pt``; a DCP checkpoint (``suffix`` ``dcp``) is the folder
+    ``ckpt-epoch0003``."""
+    return f"ckpt-epoch{epoch:04d}" + ("" if suffix == "dcp" else f".{suffix}")
 
 
 def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
@@ -47,12 +64,14 @@ def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
 
 def list_checkpoints(folder: Path) -> list[Path]:
     """Complete checkpoints in ``folder``, oldest first, one per epoch (the ``.pt`` when both
-    formats were saved). Temp files are never listed."""
+    formats were saved). Temp files and folders are never listed."""
     by_epoch: dict[int, Path] = {}
     for path in folder.glob("ckpt-epoch*"):
-        if m := _NAME.fullmatch(path.name):
+        if (m := _NAME.fullmatch(path.name)) and (m.group(2) or path.is_dir()):
             epoch = int(m.group(1))
-            if epoch not in by_epoch or path.suffix == ".pt":
+            if epoch not in by_epoch or _PREFERENCE[path.suffix] < _PREFERENCE[
+                by_epoch[epoch].suffix
+            ]:  # fmt: skip
                 by_epoch[epoch] = path
     return [by_epoch[e] for e in sorted(by_epoch)]
 
@@ -70,10 +89,7 @@ def commit(
     ``pt`` is the whole training state; ``safetensors`` the weights, with the run's metadata in
     the header. Every file is complete before the ``latest`` pointer moves.
     """
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob(".ckpt-epoch*.tmp"):  # left by a run killed mid-save
-        with contextlib.suppress(OSError):
-            stale.unlink()
+    _remove_stale(folder)
     written = []
     for suffix in formats:
         path = folder / checkpoint_name(epoch, suffix)
@@ -83,10 +99,77 @@ def commit(
             else:
                 _write_weights(tmp, payload)
         written.append(path)
-    with atomic_output(folder / LATEST, force=True) as tmp:
-        tmp.write_text(written[0].name + "\n")
+    _point_latest(folder, written[0])
     _prune(folder, keep_last, keep=written[0])
     return written[0]
+
+
+def _remove_stale(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob(".ckpt-epoch*.tmp"):  # left by a run killed mid-save
+        with contextlib.suppress(OSError):
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+
+
+def _point_latest(folder: Path, path: Path) -> None:
+    with atomic_output(folder / LATEST, force=True) as tmp:
+        tmp.write_text(path.name + "\n")
+
+
+def commit_dcp(
+    folder: Path,
+    epoch: int,
+    shards: dict[str, Any],
+    train_state: dict[str, Any],
+    *,
+    is_main: bool,
+    share: Any,
+    keep_last: int,
+) -> Path:
+    """Write one DCP checkpoint by the commit protocol; every rank calls it.
+
+    Args:
+        shards: what ``dcp.save`` writes, each rank its own shards (``model``, ``optim``).
+        train_state: the rest, written by rank 0 as ``meta.pt`` (plain values and tensors).
+        is_main: this is rank 0, which makes the temp folder, renames it and moves ``latest``.
+        share: gives every rank rank 0's value (the temp folder's name).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    final = folder / checkpoint_name(epoch, "dcp")
+    made = None
+    if is_main:
+        _remove_stale(folder)
+        made = tempfile.mkdtemp(dir=folder, prefix=f".{final.name}.", suffix=".tmp")
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(made, 0o777 & ~mask)  # as a plain mkdir makes it, not mkdtemp's 0700
+    tmp = Path(share(made))
+    dcp.save(shards, checkpoint_id=tmp)  # collective; rank 0 writes .metadata last
+    if is_main:
+        with atomic_output(tmp / TRAIN_STATE, force=True) as part:
+            _torch_save(train_state, part)
+        if final.exists():  # the same epoch saved again (a resumed run): the new one wins
+            aside = Path(tempfile.mkdtemp(dir=folder, prefix=f".{final.name}.old.", suffix=".tmp"))
+            os.replace(final, aside)
+            shutil.rmtree(aside)
+        os.rename(tmp, final)
+        _fsync_folder(folder)
+        _point_latest(folder, final)
+        _prune(folder, keep_last, keep=final)
+    return final
+
+
+def _fsync_folder(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class _RecordingFile:
@@ -133,9 +216,12 @@ def _prune(folder: Path, keep_last: int, *, keep: Path) -> None:
         return
     for old in list_checkpoints(folder)[:-keep_last]:
         if old != keep:
-            for victim in (old.with_suffix(".pt"), old.with_suffix(".safetensors")):
+            stem = folder / checkpoint_name(int(_NAME.fullmatch(old.name).group(1)), "dcp")  # type: ignore[union-attr]
+            for victim in (stem.with_suffix(".pt"), stem.with_suffix(".safetensors")):
                 with contextlib.suppress(FileNotFoundError):
                     victim.unlink()
+            if stem.is_dir():
+                shutil.rmtree(stem, ignore_errors=True)
 
 
 def find_resume(resume: str | None, folder: Path) -> Path | None:
@@ -145,7 +231,7 @@ def find_resume(resume: str | None, folder: Path) -> Path | None:
         return None
     if resume != "auto":
         path = Path(resume)
-        if not path.is_file():
+        if not path.is_file() and not (path / ".metadata").is_file():
             raise CkptkitError(f"cannot resume: {path} does not exist", "check --resume")
         return path
     candidates = list_checkpoints(folder)[::-1]
@@ -155,7 +241,7 @@ def find_resume(resume: str | None, folder: Path) -> Path | None:
         candidates = [named] + [c for c in candidates if c != named]
     problems = []
     for candidate in candidates:
-        if candidate.is_file():
+        if candidate.exists():
             try:
                 load_payload(candidate, mmap=True)  # a check: the data need not be read
                 return candidate
@@ -173,14 +259,9 @@ def load_payload(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     tensors instead of reading them."""
     if path.suffix == ".safetensors":
         return _load_weights(path)
-    try:
-        mapped = mmap and zipfile.is_zipfile(path)
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
-    except Exception as exc:
-        raise FormatError(
-            f"cannot resume from {path}: {exc}".splitlines()[0],
-            "check the file with `ckptkit inspect`",
-        ) from None
+    if path.is_dir():
+        return _dcp_train_state(path)
+    payload = _safe_load(path, mmap=mmap)
     if (
         isinstance(payload, Mapping)
         and "model" not in payload
@@ -190,6 +271,17 @@ def load_payload(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     if not isinstance(payload, Mapping) or "model" not in payload:
         raise FormatError(f"{path} holds no 'model' state dict to resume from")
     return dict(payload)
+
+
+def _safe_load(path: Path, *, mmap: bool = False) -> Any:
+    try:
+        mapped = mmap and zipfile.is_zipfile(path)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+    except Exception as exc:
+        raise FormatError(
+            f"cannot resume from {path}: {exc}".splitlines()[0],
+            "check the file with `ckptkit inspect`",
+        ) from None
 
 
 def _load_weights(path: Path) -> dict[str, Any]:
@@ -209,3 +301,57 @@ def _load_weights(path: Path) -> dict[str, Any]:
         "samples_seen": training.get("samples", 0),
     }
     return {"model": state, **counters}
+
+
+def _dcp_train_state(path: Path) -> dict[str, Any]:
+    """A DCP checkpoint's ``meta.pt``, its ``.metadata`` checked (read statically): the shards
+    themselves are read by :func:`load_dcp`."""
+    from ckptkit.formats.dcp import METADATA, read_metadata
+
+    items = read_metadata(path / METADATA).get("state_dict_metadata")  # FormatError if damaged
+    payload = _safe_load(path / TRAIN_STATE) if (path / TRAIN_STATE).is_file() else {}
+    if not isinstance(payload, Mapping) or not isinstance(items, Mapping):
+        raise FormatError(f"{path} is not a training checkpoint", "check it with ckptkit inspect")
+    # What it holds: a training checkpoint's "model" and "optim", or a bare state dict.
+    parts = {str(key).split(".", 1)[0] for key in items}
+    return {**payload, "dcp": {"model", "optim"} & parts or {"state dict"}}
+
+
+def load_dcp(path: Path, shards: dict[str, Any]) -> None:
+    """Fill ``shards`` (``model``, ``optim``: each rank's own, as saved) from a DCP
+    checkpoint; DCP reshards to this run's world. Plain values stored in it are read with
+    torch's safe loader (DCP's default planner would unpickle them in full)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(shards, checkpoint_id=path, planner=_SafeLoadPlanner())
+    except (Exception, CheckpointException) as exc:
+        raise FormatError(
+            f"cannot resume from {path}: {_dcp_failure(exc)}",
+            "check it with `ckptkit inspect`; resume with the same --model",
+        ) from None
+
+
+def _dcp_failure(exc: BaseException) -> str:
+    """What went wrong in ``dcp.load``, in one line (it wraps each rank's exception)."""
+    failures = getattr(exc, "failures", None)  # rank -> (exception, traceback)
+    if isinstance(failures, dict) and failures:
+        failure = next(iter(failures.values()))
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        exc = inner if isinstance(inner, BaseException) else exc
+    if isinstance(exc, pickle.UnpicklingError):
+        return "a stored value is not plain data, and torch's safe loader refused it"
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but plain values go through torch's safe loader."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

@@ -1,4 +1,6 @@
-"""The one module that knows about modes: process groups, wrapping, unwrapping, rank helpers."""
+"""The one module that knows about modes: process groups, wrapping, unwrapping, rank helpers,
+and taking or restoring the training state (model and optimizer) whatever the mode: plain state
+dicts in single, dp and ddp; FSDP2's sharded ones (DTensors) or gathered full ones in fsdp."""
 
 from __future__ import annotations
 
@@ -14,13 +16,29 @@ from torch import nn
 
 from ckptkit.errors import UsageError
 
-__all__ = ["Mode", "Context", "setup", "teardown", "wrap", "unwrap", "under_launcher"]
+__all__ = [
+    "Mode",
+    "Context",
+    "setup",
+    "teardown",
+    "wrap",
+    "unwrap",
+    "under_launcher",
+    "training_state",
+    "load_training_state",
+]
 
 
 class Mode(str, Enum):
     SINGLE = "single"
     DP = "dp"
     DDP = "ddp"
+    FSDP = "fsdp"
+
+    @property
+    def distributed(self) -> bool:
+        """One process per rank, in a process group."""
+        return self in (Mode.DDP, Mode.FSDP)
 
 
 @dataclass(frozen=True)
@@ -41,12 +59,12 @@ class Context:
 
     def barrier(self) -> None:
         """Every rank waits here; the group's timeout turns a missing rank into an error."""
-        if self.mode is Mode.DDP:
+        if self.mode.distributed:
             dist.barrier()
 
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sum of ``values`` over all ranks."""
-        if self.mode is not Mode.DDP:
+        if not self.mode.distributed:
             return values
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
@@ -54,7 +72,7 @@ class Context:
 
     def gather(self, obj: Any) -> list[Any]:
         """``obj`` from every rank, in rank order (on every rank)."""
-        if self.mode is not Mode.DDP:
+        if not self.mode.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
@@ -78,12 +96,14 @@ def _device(kind: str, local_rank: int) -> torch.device:
 
 
 def setup(mode: Mode, device: str = "cpu", *, timeout_s: float = 60.0) -> Context:
-    """Join the process group for DDP (from the launcher's environment), or stay alone."""
-    if mode is not Mode.DDP:
+    """Join the process group for DDP and FSDP (from the launcher's environment), or stay
+    alone."""
+    if not mode.distributed:
         return Context(mode=mode, device=_device(device, 0))
     if not under_launcher():
         raise UsageError(
-            "DDP workers need a launcher's environment", "run `ckptkit train --mode ddp`"
+            f"{mode.value} workers need a launcher's environment",
+            f"run `ckptkit train --mode {mode.value}`",
         )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -92,22 +112,33 @@ def setup(mode: Mode, device: str = "cpu", *, timeout_s: float = 60.0) -> Contex
     dev = _device(device, local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return Context(Mode.DDP, rank, local_rank, world, max(1, world // local_world), backend, dev)
+    return Context(mode, rank, local_rank, world, max(1, world // local_world), backend, dev)
 
 
 def teardown(ctx: Context) -> None:
-    if ctx.mode is Mode.DDP and dist.is_initialized():
+    if ctx.mode.distributed and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def wrap(model: nn.Module, ctx: Context) -> nn.Module:
-    """Wrap for the mode: DataParallel, DistributedDataParallel, or nothing."""
+    """Wrap for the mode: DataParallel, DistributedDataParallel, FSDP2's ``fully_shard`` (each
+    child module with parameters its own unit, then the root), or nothing."""
     model = model.to(ctx.device)
     if ctx.mode is Mode.DP:
         return nn.DataParallel(model)  # with no GPU it simply runs the module on the CPU
     if ctx.mode is Mode.DDP:
         ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if ctx.mode is Mode.FSDP:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        for child in model.children():  # shards as units: one gathered at a time
+            if any(p.requires_grad for p in child.parameters()):
+                fully_shard(child, mesh=mesh)
+        sharded: nn.Module = fully_shard(model, mesh=mesh)  # type: ignore[assignment]
+        return sharded  # the same module, its parameters now DTensors
     return model
 
 
@@ -123,3 +154,77 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, list[str]]:
             model = model._orig_mod
         else:
             return model, chain
+
+
+def training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Context, *, sharded: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's state dict and the optimizer's, to save.
+
+    ``sharded`` (for DCP, in any mode): as ``torch.distributed.checkpoint.state_dict``'s
+    ``get_state_dict`` gives them, the optimizer's keyed by parameter name, so a DCP
+    checkpoint has the same keys whatever the mode; in fsdp each rank holds its shards
+    (DTensors). Otherwise the whole state: the plain state dicts outside fsdp (the optimizer's
+    keyed by index, as ``optimizer.state_dict()`` gives it); in fsdp gathered to rank 0 on the
+    CPU, keyed by name (the other ranks get empty dicts).
+    """
+    if not sharded and ctx.mode is not Mode.FSDP:
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    full = not sharded
+    return get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full)
+    )
+
+
+def load_training_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ctx: Context,
+    model_state: dict[str, Any],
+    optim_state: dict[str, Any] | None,
+    *,
+    sharded: bool,
+) -> None:
+    """Load state dicts into ``model`` and ``optimizer``: ``sharded`` ones as
+    :func:`training_state` gave them (filled in by DCP), or whole ones saved in any mode, of
+    which each fsdp rank keeps its shards. An optimizer state keyed by parameter name (fsdp's)
+    or by index (``optimizer.state_dict()``'s) both load; None leaves the optimizer as it is."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    by_name = optim_state is not None and _keyed_by_name(optim_state)
+    if not sharded and ctx.mode is not Mode.FSDP and not by_name:
+        model.load_state_dict(model_state)
+        if optim_state is not None:
+            optimizer.load_state_dict(optim_state)
+        return
+    options = StateDictOptions(full_state_dict=not sharded, strict=True)
+    if optim_state is None:
+        set_model_state_dict(model, model_state, options=options)
+        return
+    if not by_name:
+        optim_state = _by_name(model, optim_state)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=options)  # fmt: skip
+
+
+def _keyed_by_name(optim_state: dict[str, Any]) -> bool:
+    groups = optim_state.get("param_groups") or [{}]
+    return any(isinstance(p, str) for g in groups for p in g.get("params", []))
+
+
+def _by_name(model: nn.Module, optim_state: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer.state_dict()``'s parameter indices replaced by the parameters' names: the
+    optimizer was built over ``model.parameters()``, in that order."""
+    names = [name for name, _ in model.named_parameters()]
+    return {
+        "state": {names[i]: v for i, v in optim_state.get("state", {}).items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in optim_state["param_groups"]
+        ],
+    }

@@ -1,4 +1,4 @@
-"""The training loop: one code path for single-device, DataParallel and DDP runs."""
+"""The training loop: one code path for single-device, DataParallel, DDP and FSDP runs."""
 
 from __future__ import annotations
 
@@ -22,7 +22,16 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ckptkit.engine import checkpoint
 from ckptkit.engine.demo import demo_data, demo_model
-from ckptkit.engine.distributed import Context, Mode, setup, teardown, unwrap, wrap
+from ckptkit.engine.distributed import (
+    Context,
+    Mode,
+    load_training_state,
+    setup,
+    teardown,
+    training_state,
+    unwrap,
+    wrap,
+)
 from ckptkit.errors import UsageError
 from ckptkit.keys import match_keys, mismatch_message
 from ckptkit.meta import VERSION
@@ -45,7 +54,7 @@ class TrainConfig:
     keep_last: int = 3
     resume: str | None = None  # a checkpoint path, or "auto"
     device: str = "cpu"
-    save_format: str = "pt"  # pt, safetensors or both
+    save_format: str | None = None  # pt, safetensors, both or dcp; None: dcp in fsdp, else pt
     # "module:factory" or a callable (picklable, for DDP); None: the built-in demo model / data.
     model: str | Callable[[], nn.Module] | None = None
     data: str | Callable[[], Dataset] | None = None
@@ -56,10 +65,12 @@ class TrainConfig:
     def check(self) -> None:
         """Refuse values that cannot work, before any process starts."""
         if self.mode not in {m.value for m in Mode}:
-            raise UsageError(f"unknown mode '{self.mode}'", "use single, dp or ddp")
-        if self.save_format not in ("pt", "safetensors", "both"):
+            raise UsageError(f"unknown mode '{self.mode}'", "use single, dp, ddp or fsdp")
+        if self.save_format is None:
+            self.save_format = "dcp" if self.mode == Mode.FSDP.value else "pt"
+        if self.save_format not in ("pt", "safetensors", "both", "dcp"):
             raise UsageError(
-                f"unknown --save-format '{self.save_format}'", "use pt, safetensors or both"
+                f"unknown --save-format '{self.save_format}'", "use pt, safetensors, both or dcp"
             )
         for name in ("epochs", "batch_size", "save_every", "nproc_per_node"):
             if getattr(self, name) < 1:
@@ -186,8 +197,8 @@ class Engine:
                     )
             if state["epoch"] % cfg.save_every == 0 or state["epoch"] == cfg.epochs:
                 rng = ctx.gather(_rng_state())
+                path = self._save(inner, chain, optimizer, scheduler, state, rng, ctx)
                 if ctx.is_main:
-                    path = self._save(inner, chain, optimizer, scheduler, state, rng, ctx)
                     result.checkpoint = str(path)
                 ctx.barrier()  # every rank waits for the commit, so none runs ahead of it
         return result
@@ -229,8 +240,10 @@ class Engine:
         }
 
     def _metadata(
-        self, inner: nn.Module, chain: list[str], ctx: Context, state: dict[str, int]
+        self, weights: dict[str, Any] | None, chain: list[str], ctx: Context, state: dict[str, int]
     ) -> dict[str, Any]:
+        """The run's record in every checkpoint; ``weights`` (whole, on rank 0) are hashed,
+        None for a DCP checkpoint, whose shards no rank holds whole."""
         cfg = self.config
         return {
             "ckptkit_version": VERSION,
@@ -248,7 +261,7 @@ class Engine:
             "git_commit": _git_commit(),
             "host": platform.node(),
             "utc_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "weights_sha256": checkpoint.weights_sha256(inner.state_dict()),
+            "weights_sha256": checkpoint.weights_sha256(weights) if weights is not None else None,
             **state,
         }
 
@@ -261,18 +274,38 @@ class Engine:
         state: dict[str, int],
         rng: list[Any],
         ctx: Context,
-    ) -> Path:
+    ) -> Path | None:
+        """Save a checkpoint; every rank calls it (fsdp gathers, DCP writes on every rank).
+        Returns its path (None on the ranks that do not write)."""
         cfg = self.config
-        meta = self._metadata(inner, chain, ctx, state)
-        payload = {
-            "model": {k: v.detach().to("cpu") for k, v in inner.state_dict().items()},
-            "optimizer": _to_cpu(optimizer.state_dict()),
+        counters = {
             "scheduler": scheduler.state_dict(),
             "rng": rng,
             "epoch": state["epoch"],
             "step": state["step"],
             "samples_seen": state["samples"],
-            "ckptkit": meta,
+        }
+        if cfg.save_format == "dcp":
+            model_state, optim_state = training_state(inner, optimizer, ctx, sharded=True)
+            meta = self._metadata(None, chain, ctx, state)
+            return checkpoint.commit_dcp(
+                Path(cfg.out),
+                state["epoch"],
+                {"model": model_state, "optim": optim_state},
+                {**counters, "ckptkit": meta},
+                is_main=ctx.is_main,
+                share=lambda value: ctx.gather(value)[0],
+                keep_last=cfg.keep_last,
+            )
+        model_state, optim_state = training_state(inner, optimizer, ctx, sharded=False)
+        if not ctx.is_main:
+            return None
+        weights = {k: v.detach().to("cpu") for k, v in model_state.items()}
+        payload = {
+            "model": weights,
+            "optimizer": _to_cpu(optim_state),
+            **counters,
+            "ckptkit": self._metadata(weights, chain, ctx, state),
         }
         formats = {"pt": ("pt",), "safetensors": ("safetensors",), "both": ("pt", "safetensors")}
         return checkpoint.commit(
@@ -280,7 +313,7 @@ class Engine:
             state["epoch"],
             payload,
             keep_last=cfg.keep_last,
-            formats=formats[cfg.save_format],
+            formats=formats[cfg.save_format or "pt"],
         )
 
     def _restore(
@@ -293,20 +326,34 @@ class Engine:
         ctx: Context,
     ) -> None:
         payload = checkpoint.load_payload(path)
-        target = inner.state_dict()
-        match = match_keys(payload["model"], target)  # any wrapper chain, e.g. legacy `module.`
-        if not match.exact:
-            raise UsageError(
-                mismatch_message(f"{path} does not fit the model", match),
-                "resume with the same --model",
-            )
-        inner.load_state_dict(
-            {new: payload["model"][old] for old, new in match.mapping.items() if new is not None}
-        )
-        if "optimizer" in payload:
-            optimizer.load_state_dict(payload["optimizer"])
-        elif ctx.is_main:
-            print(f"{path} holds weights only: the optimizer starts afresh", file=sys.stderr)
+        if "dcp" in payload:  # a DCP checkpoint: its shards, resharded to this run's world
+            model_state, optim_state = training_state(inner, optimizer, ctx, sharded=True)
+            if "model" not in payload["dcp"]:  # a bare state dict (convert --to dcp)
+                checkpoint.load_dcp(path, model_state)
+                load_training_state(inner, optimizer, ctx, model_state, None, sharded=True)
+            elif "optim" not in payload["dcp"]:
+                checkpoint.load_dcp(path, {"model": model_state})
+                load_training_state(inner, optimizer, ctx, model_state, None, sharded=True)
+            else:
+                checkpoint.load_dcp(path, {"model": model_state, "optim": optim_state})
+                load_training_state(inner, optimizer, ctx, model_state, optim_state, sharded=True)
+            if "optim" not in payload["dcp"] and ctx.is_main:
+                print(f"{path} holds weights only: the optimizer starts afresh", file=sys.stderr)
+        else:
+            target = inner.state_dict()
+            match = match_keys(payload["model"], target)  # any wrapper chain (legacy `module.`)
+            if not match.exact:
+                raise UsageError(
+                    mismatch_message(f"{path} does not fit the model", match),
+                    "resume with the same --model",
+                )
+            weights = {
+                new: payload["model"][old] for old, new in match.mapping.items() if new is not None
+            }
+            load_training_state(inner, optimizer, ctx, weights, payload.get("optimizer"),
+                                sharded=False)  # fmt: skip
+            if "optimizer" not in payload and ctx.is_main:
+                print(f"{path} holds weights only: the optimizer starts afresh", file=sys.stderr)
         if "scheduler" in payload:
             scheduler.load_state_dict(payload["scheduler"])
         state["epoch"] = int(payload.get("epoch", 0))

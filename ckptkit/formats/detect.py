@@ -134,7 +134,8 @@ _DEEPSPEED_PARTS = (
 _DCP_PARTS = (
     (re.compile(r"\.metadata"), "DCP metadata: every key's shape, dtype and chunks"),
     (re.compile(r"__\d+_\d+\.distcp"), "one writer's tensor chunks and values"),
-    (re.compile(r"meta\.pt"), "the trainer's state (Lightning)"),
+    (re.compile(r"meta\.pt"), "the trainer's state (Lightning, ckptkit train)"),
+    (re.compile(r"ckptkit\.json"), "the metadata ckptkit wrote with the folder"),
 )
 
 

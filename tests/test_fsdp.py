@@ -1,0 +1,195 @@
+"""``train --mode fsdp``: FSDP2 across real gloo processes, DCP checkpoints committed like the
+others, resumed exactly, and resumed across modes in both directions."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import ROOT
+from safetensors.torch import load_file
+
+import ckptkit
+from ckptkit.engine import TrainConfig, train
+from ckptkit.engine.checkpoint import LATEST, list_checkpoints
+from ckptkit.engine.demo import demo_model
+from ckptkit.formats.tensors import bit_equal
+
+FAST = {"quiet": True, "timeout_s": 30.0}
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # dcp without a process group
+
+
+def run(tmp_path: Path, name: str, **options) -> ckptkit.engine.TrainResult:
+    return train(TrainConfig(out=str(tmp_path / name), **FAST, **options))
+
+
+def final_weights(checkpoint: str, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights, whatever its format, read through ckptkit."""
+    out = tmp_path / f"w{len(list(tmp_path.glob('w*.safetensors')))}.safetensors"
+    ckptkit.convert(checkpoint, out)
+    return load_file(out)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """One 2-process FSDP run of 2 epochs with DCP checkpoints, shared by tests that read it."""
+    out = tmp_path_factory.mktemp("fsdp") / "run"
+    result = train(TrainConfig(mode="fsdp", epochs=2, nproc_per_node=2, out=str(out), **FAST))
+    return Path(result.checkpoint)
+
+
+def test_a_dcp_checkpoint_is_a_committed_folder(fsdp_run):
+    run_dir = fsdp_run.parent
+    assert fsdp_run.name == "ckpt-epoch0002" and fsdp_run.is_dir()
+    assert (run_dir / LATEST).read_text() == "ckpt-epoch0002\n"
+    assert list_checkpoints(run_dir) == [run_dir / "ckpt-epoch0001", fsdp_run]
+    assert sorted(os.listdir(fsdp_run)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert not [p for p in os.listdir(run_dir) if p.endswith(".tmp")]
+    meta = torch.load(fsdp_run / "meta.pt", weights_only=True)
+    assert (meta["epoch"], meta["step"], len(meta["rng"])) == (2, 64, 2)
+    info = meta["ckptkit"]
+    assert (info["mode"], info["world_size"], info["backend"]) == ("fsdp", 2, "gloo")
+    assert info["weights_sha256"] is None  # no rank holds the weights whole
+    with ckptkit.open_source(fsdp_run) as source:  # ckptkit reads it as any DCP folder
+        assert source.format == "dcp" and source.selected == "model"
+        assert [d.path for d in source.dropped] == ["optim"]
+        assert source.extras["epoch"] == 2
+
+
+def test_the_dcp_checkpoint_is_the_model_and_loads_anywhere(fsdp_run, tmp_path):
+    """torch's own reader and ckptkit's agree, and the weights fit the plain model."""
+    state = demo_model().state_dict()
+    dcp.load({"model": state}, checkpoint_id=str(fsdp_run))
+    ours = final_weights(str(fsdp_run), tmp_path)
+    assert set(ours) == set(state)
+    assert all(bit_equal(ours[k], state[k]) for k in state)
+    demo_model().load_state_dict(ours, strict=True)
+
+
+def test_fsdp_resume_is_exact(tmp_path, fsdp_run):
+    straight = run(tmp_path, "straight", mode="fsdp", epochs=3)
+    shutil.copytree(fsdp_run.parent, tmp_path / "split")
+    resumed = run(tmp_path, "split", mode="fsdp", epochs=3, resume="auto")
+    assert resumed.resumed_from.endswith("ckpt-epoch0002") and resumed.epochs_run == 1
+    a = final_weights(straight.checkpoint, tmp_path)
+    b = final_weights(resumed.checkpoint, tmp_path)
+    assert all(bit_equal(a[k], b[k]) for k in a)
+    ma = torch.load(Path(straight.checkpoint) / "meta.pt", weights_only=True)
+    mb = torch.load(Path(resumed.checkpoint) / "meta.pt", weights_only=True)
+    assert ma["scheduler"] == mb["scheduler"] and ma["step"] == mb["step"] == 96
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        (("fsdp", 2, "dcp"), ("single", 1, None)),
+        pytest.param(("fsdp", 2, "dcp"), ("ddp", 2, None), marks=pytest.mark.slow),
+        pytest.param(("fsdp", 2, "dcp"), ("fsdp", 1, None), marks=pytest.mark.slow),
+        pytest.param(("fsdp", 2, "pt"), ("single", 1, None), marks=pytest.mark.slow),
+        (("ddp", 2, None), ("fsdp", 2, None)),
+        pytest.param(("single", 1, None), ("fsdp", 2, "pt"), marks=pytest.mark.slow),
+    ],
+    ids=lambda spec: f"{spec[0]}x{spec[1]}-{spec[2] or 'default'}",
+)
+def test_resume_across_modes_with_the_optimizer(tmp_path, first, then):
+    """Two epochs in one mode, the third in another: the optimizer state (momentum) carries
+    over, so the result is the uninterrupted run's up to the rounding of another reduction
+    order; a run whose optimizer restarted lands measurably further away."""
+    mode, ranks, fmt = first
+    reference = run(tmp_path, "reference", mode="single", epochs=3)
+    run(tmp_path, "run", mode=mode, nproc_per_node=ranks, epochs=2, save_format=fmt)
+    mode, ranks, fmt = then
+    resumed = run(tmp_path, "run", mode=mode, nproc_per_node=ranks, epochs=3, save_format=fmt,
+                  resume="auto")  # fmt: skip
+    assert resumed.epochs_run == 1
+    a = final_weights(reference.checkpoint, tmp_path)
+    b = final_weights(resumed.checkpoint, tmp_path)
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst < 1e-4, worst
+
+
+@pytest.mark.slow
+def test_a_checkpoint_ckptkit_wrote_with_to_dcp_loads_into_a_sharded_model(tmp_path):
+    """`convert --to dcp` output read by dcp.load into FSDP2 shards on 2 ranks (and resumed
+    by the engine, which does exactly that)."""
+    first = run(tmp_path, "single", mode="single", epochs=1)
+    weights_only = tmp_path / "weights"
+    ckptkit.convert(first.checkpoint, weights_only, to="dcp")
+    resumed = run(tmp_path, "fsdp", mode="fsdp", nproc_per_node=2, epochs=2,
+                  resume=str(weights_only))  # fmt: skip
+    assert resumed.epochs_run == 2  # weights only: no epoch counter in the folder
+    expected = torch.load(first.checkpoint, weights_only=True)["model"]
+    shards_read = tmp_path / "check.py"
+    shards_read.write_text(_SHARDED_LOAD)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(shards_read), str(weights_only), str(tmp_path / "gathered.pt")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    gathered = torch.load(tmp_path / "gathered.pt", weights_only=True)
+    assert set(gathered) == set(expected)
+    assert all(bit_equal(gathered[k], expected[k]) for k in expected)
+
+
+_SHARDED_LOAD = """
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from ckptkit.engine.demo import demo_model
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+model = fully_shard(demo_model(), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+state = model.state_dict()  # this rank's shards
+assert all(type(v).__name__ == "DTensor" for v in state.values())
+dcp.load(state, checkpoint_id=sys.argv[1])
+full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+if dist.get_rank() == 0:
+    torch.save(full, sys.argv[2])
+dist.destroy_process_group()
+"""
+
+
+def test_plain_values_in_a_dcp_folder_go_through_the_safe_loader(tmp_path):
+    """DCP's default planner unpickles plain values in full, so a hostile value runs code;
+    ckptkit's resume reads them with torch's safe loader and refuses it."""
+    from ckptkit.engine.checkpoint import load_dcp
+    from ckptkit.errors import FormatError
+
+    marker = tmp_path / "pwned"
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    folder = tmp_path / "hostile"
+    dcp.save({"model": demo_model().state_dict(), "note": Boom()}, checkpoint_id=str(folder))
+    with pytest.raises(FormatError, match="not plain data, and torch's safe loader refused it"):
+        load_dcp(folder, {"model": demo_model().state_dict(), "note": 0})
+    assert not marker.exists()
+    dcp.load({"model": demo_model().state_dict(), "note": 0}, checkpoint_id=str(folder))
+    assert marker.exists()  # what torch's own planner does with the same folder
+
+
+@pytest.mark.slow
+def test_cli_fsdp_in_a_subprocess(tmp_path):
+    """Through the real launcher, as a user types it."""
+    out = tmp_path / "cli"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "train", "--mode", "fsdp", "--epochs", "1",
+         "--out", str(out), "--timeout", "30"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == f"Checkpoint {out / 'ckpt-epoch0001'}"
+    assert "Trained 1 epoch in fsdp mode" in proc.stdout
