@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import sys
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -18,12 +21,25 @@ if TYPE_CHECKING:
 
 __all__ = ["launch"]
 
+# What a rank says when another one died under it: the dead rank is the news, not these.
+_COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+_COLLATERAL_GRACE_S = 2.0
+
 
 @record  # a worker's exception reaches the launcher, which names its rank
 def _worker(config: TrainConfig) -> TrainResult:
     from ckptkit.engine.trainer import Engine
 
-    return Engine(config).run()
+    try:
+        return Engine(config).run()
+    except Exception as exc:
+        # A rank that lost its peer often exits before the rank that died has: the launcher
+        # would name the wrong one. It waits a moment, so the one that died is seen first.
+        if any(text in str(exc) for text in _COLLATERAL):
+            # Stopped meanwhile (the launcher saw the other rank): exit cleanly, not killed.
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+            time.sleep(_COLLATERAL_GRACE_S)
+        raise
 
 
 def launch(config: TrainConfig) -> TrainResult:
@@ -37,7 +53,8 @@ def launch(config: TrainConfig) -> TrainResult:
     # The launcher logs its own progress and each failed worker's traceback; ckptkit reports
     # the failure in one line instead (CKPTKIT_DEBUG=1 keeps the launcher's logs).
     if os.environ.get("CKPTKIT_DEBUG") != "1":
-        for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        for name in ("torch.distributed.elastic", "torch.distributed.launcher",
+                     "torch.multiprocessing"):  # fmt: skip
             logging.getLogger(name).setLevel(logging.CRITICAL)
     launch_config = LaunchConfig(
         min_nodes=1,
@@ -53,10 +70,22 @@ def launch(config: TrainConfig) -> TrainResult:
     try:
         results = elastic_launch(launch_config, _worker)(config)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        rank, failure = _first_cause(exc)
         raise CkptkitError(f"worker rank {rank} failed: {_reason(failure)}",
                            "the other workers were stopped") from None  # fmt: skip
     return results[0]
+
+
+def _first_cause(exc: ChildFailedError) -> tuple[int, object]:
+    """The failure that caused the others: the earliest that is not a rank losing its peer
+    (whose error can be recorded first when the machine is busy)."""
+
+    def order(item: tuple[int, object]) -> tuple[bool, float]:
+        collateral = any(text in _reason(item[1]) for text in _COLLATERAL)
+        return collateral, getattr(item[1], "timestamp", 0)
+
+    failures = sorted(exc.failures.items(), key=order)
+    return failures[0] if failures else exc.get_first_failure()
 
 
 def _reason(failure: object) -> str:
