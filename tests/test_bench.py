@@ -25,3 +25,17 @@ def test_bench_quick_runs_and_reports_every_way():
                                      "to .pt", "--dtype bf16 to .pt"}  # fmt: skip
     assert results["checkpoint"]["largest_tensor_bytes"] > 0
     assert set(results["diff"]) == {"ckptkit diff --atol 1e-2", "cat both files once"}
+
+
+@pytest.mark.slow
+def test_dcp_bench_quick_runs_and_reports_every_way():
+    proc = subprocess.run([sys.executable, "bench/dcp.py", "--quick", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)
+    assert set(results["to safetensors"]) == {
+        "ckptkit convert (verified)", "dcp_to_torch_save + torch.load + save_file",
+        "cp of the model's bytes"}  # fmt: skip
+    assert len(results["to .pt and dcp"]) == 5
+    assert results["checkpoint"]["model_bytes"] > 0
+    assert all(r["wall_s"] > 0 for r in results["inspect"].values())
