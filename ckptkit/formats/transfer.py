@@ -288,23 +288,7 @@ class Transfer:
         from ckptkit.formats.torchfile import TorchFileSource
 
         with TorchFileSource(path) as written:
-            entries = dict(written.entries())
-            if set(entries) != {i.spec.key for i in items}:
-                raise VerificationError(
-                    f"{shown} would not hold the planned keys; nothing was written"
-                )
-            if written.aliases() != aliases:
-                raise VerificationError(f"the ties read back from {shown} differ from the plan")
-            for item in items:
-                info = entries[item.spec.key]
-                span = written.byte_span(item.spec.key)
-                if info.dtype != item.spec.dtype or info.shape != tuple(item.spec.shape) or (
-                    span is None
-                ):  # fmt: skip
-                    raise VerificationError(
-                        f"tensor '{item.spec.key}' in {shown} has the wrong shape or dtype"
-                    )
-                self._check(item, path, span[1], shown, skip=item.spec.key in aliases)
+            self._compare(written, items, aliases, shown)
 
     def write_dcp(
         self, folder: Path, items: list[Item], aliases: dict[str, str], header: dict[str, str],
@@ -359,23 +343,32 @@ class Transfer:
         from ckptkit.formats.dcp import DCPSource
 
         with DCPSource(folder) as written:
-            entries = dict(written.entries())
-            if set(entries) != {i.spec.key for i in items} or written.metadata != header:
+            if written.metadata != header:
                 raise VerificationError(
-                    f"{shown} would not hold the planned keys and metadata; nothing was written"
+                    f"the metadata read back from {shown} differs; nothing was written"
                 )
-            if written.aliases() != aliases:
-                raise VerificationError(f"the ties read back from {shown} differ from the plan")
-            for item in items:
-                info = entries[item.spec.key]
-                pieces = written.byte_pieces(item.spec.key)
-                if (info.dtype, info.shape) != (item.spec.dtype, tuple(item.spec.shape)) or (
-                    pieces is None or len(pieces) != 1
-                ):  # fmt: skip
-                    raise VerificationError(
-                        f"tensor '{item.spec.key}' in {shown} has the wrong shape or dtype"
-                    )
-                self._check(item, pieces[0][0], pieces[0][1], shown, skip=item.spec.key in aliases)
+            self._compare(written, items, aliases, shown)
+
+    def _compare(
+        self, written: Source, items: list[Item], aliases: dict[str, str], shown: Path
+    ) -> None:
+        """What a reader gives of a written output against the plan: keys, ties, dtypes and
+        shapes, then every tensor's bytes (each one range of the output)."""
+        entries = dict(written.entries())
+        if set(entries) != {i.spec.key for i in items}:
+            raise VerificationError(f"{shown} would not hold the planned keys; nothing was written")
+        if written.aliases() != aliases:
+            raise VerificationError(f"the ties read back from {shown} differ from the plan")
+        for item in items:
+            info = entries[item.spec.key]
+            pieces = written.byte_pieces(item.spec.key)
+            if (info.dtype, info.shape) != (item.spec.dtype, tuple(item.spec.shape)) or (
+                pieces is None or len(pieces) != 1
+            ):  # fmt: skip
+                raise VerificationError(
+                    f"tensor '{item.spec.key}' in {shown} has the wrong shape or dtype"
+                )
+            self._check(item, pieces[0][0], pieces[0][1], shown, skip=item.spec.key in aliases)
 
     def _check(self, item: Item, path: Path, offset: int, shown: Path, *, skip: bool) -> None:
         """One written tensor's bytes: copied ones as compared while written, the rest made
