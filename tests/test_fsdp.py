@@ -72,6 +72,7 @@ def test_the_dcp_checkpoint_is_the_model_and_loads_anywhere(fsdp_run, tmp_path):
     demo_model().load_state_dict(ours, strict=True)
 
 
+@pytest.mark.slow
 def test_fsdp_resume_is_exact(tmp_path, fsdp_run):
     straight = run(tmp_path, "straight", mode="fsdp", epochs=3)
     shutil.copytree(fsdp_run.parent, tmp_path / "split")
@@ -92,7 +93,7 @@ def test_fsdp_resume_is_exact(tmp_path, fsdp_run):
         pytest.param(("fsdp", 2, "dcp"), ("ddp", 2, None), marks=pytest.mark.slow),
         pytest.param(("fsdp", 2, "dcp"), ("fsdp", 1, None), marks=pytest.mark.slow),
         pytest.param(("fsdp", 2, "pt"), ("single", 1, None), marks=pytest.mark.slow),
-        (("ddp", 2, None), ("fsdp", 2, None)),
+        pytest.param(("ddp", 2, None), ("fsdp", 2, None), marks=pytest.mark.slow),
         pytest.param(("single", 1, None), ("fsdp", 2, "pt"), marks=pytest.mark.slow),
     ],
     ids=lambda spec: f"{spec[0]}x{spec[1]}-{spec[2] or 'default'}",
