@@ -157,6 +157,7 @@ dcp.load(state, checkpoint_id=sys.argv[1])
 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 if dist.get_rank() == 0:
     torch.save(full, sys.argv[2])
+dist.barrier()  # no rank tears the group down while another still uses it
 dist.destroy_process_group()
 """
 

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import pickle
 import re
 import shutil
-import tempfile
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint._traverse import set_element
 
 from ckptkit.errors import CkptkitError, FormatError
-from ckptkit.formats.atomic import atomic_output
+from ckptkit.formats.atomic import atomic_folder, atomic_output
 from ckptkit.formats.tensors import as_bytes, dtype_name
 
 __all__ = [
@@ -126,7 +124,7 @@ def commit_dcp(
     train_state: dict[str, Any],
     *,
     is_main: bool,
-    share: Any,
+    share: Callable[[str | None], str],
     keep_last: int,
 ) -> Path:
     """Write one DCP checkpoint by the commit protocol; every rank calls it.
@@ -140,36 +138,20 @@ def commit_dcp(
     import torch.distributed.checkpoint as dcp
 
     final = folder / checkpoint_name(epoch, "dcp")
-    made = None
-    if is_main:
-        _remove_stale(folder)
-        made = tempfile.mkdtemp(dir=folder, prefix=f".{final.name}.", suffix=".tmp")
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(made, 0o777 & ~mask)  # as a plain mkdir makes it, not mkdtemp's 0700
-    tmp = Path(share(made))
-    dcp.save(shards, checkpoint_id=tmp)  # collective; rank 0 writes .metadata last
-    if is_main:
+    if not is_main:
+        dcp.save(shards, checkpoint_id=Path(share(None)))  # into rank 0's temp folder
+        return final
+    folder.mkdir(parents=True, exist_ok=True)
+    # A temp folder beside the checkpoint, renamed into place (replacing the same epoch saved
+    # by an earlier, resumed run); a killed run's is removed by the next save.
+    with atomic_folder(final, force=True) as tmp:
+        share(str(tmp))
+        dcp.save(shards, checkpoint_id=tmp)  # collective; rank 0 writes .metadata last
         with atomic_output(tmp / TRAIN_STATE, force=True) as part:
             _torch_save(train_state, part)
-        if final.exists():  # the same epoch saved again (a resumed run): the new one wins
-            aside = Path(tempfile.mkdtemp(dir=folder, prefix=f".{final.name}.old.", suffix=".tmp"))
-            os.replace(final, aside)
-            shutil.rmtree(aside)
-        os.rename(tmp, final)
-        _fsync_folder(folder)
-        _point_latest(folder, final)
-        _prune(folder, keep_last, keep=final)
+    _point_latest(folder, final)
+    _prune(folder, keep_last, keep=final)
     return final
-
-
-def _fsync_folder(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 class _RecordingFile:
@@ -216,7 +198,7 @@ def _prune(folder: Path, keep_last: int, *, keep: Path) -> None:
         return
     for old in list_checkpoints(folder)[:-keep_last]:
         if old != keep:
-            stem = folder / checkpoint_name(int(_NAME.fullmatch(old.name).group(1)), "dcp")  # type: ignore[union-attr]
+            stem = folder / old.stem  # ckpt-epoch0002: the folder, and the files' stem
             for victim in (stem.with_suffix(".pt"), stem.with_suffix(".safetensors")):
                 with contextlib.suppress(FileNotFoundError):
                     victim.unlink()

@@ -327,17 +327,16 @@ class Engine:
     ) -> None:
         payload = checkpoint.load_payload(path)
         if "dcp" in payload:  # a DCP checkpoint: its shards, resharded to this run's world
+            parts = payload["dcp"]
             model_state, optim_state = training_state(inner, optimizer, ctx, sharded=True)
-            if "model" not in payload["dcp"]:  # a bare state dict (convert --to dcp)
+            kept = optim_state if "optim" in parts else None
+            if "model" in parts:  # a training checkpoint: its model, and optimizer if saved
+                wanted = {"model": model_state, "optim": kept}
+                checkpoint.load_dcp(path, {k: v for k, v in wanted.items() if v is not None})
+            else:  # a bare state dict (convert --to dcp)
                 checkpoint.load_dcp(path, model_state)
-                load_training_state(inner, optimizer, ctx, model_state, None, sharded=True)
-            elif "optim" not in payload["dcp"]:
-                checkpoint.load_dcp(path, {"model": model_state})
-                load_training_state(inner, optimizer, ctx, model_state, None, sharded=True)
-            else:
-                checkpoint.load_dcp(path, {"model": model_state, "optim": optim_state})
-                load_training_state(inner, optimizer, ctx, model_state, optim_state, sharded=True)
-            if "optim" not in payload["dcp"] and ctx.is_main:
+            load_training_state(inner, optimizer, ctx, model_state, kept, sharded=True)
+            if kept is None and ctx.is_main:
                 print(f"{path} holds weights only: the optimizer starts afresh", file=sys.stderr)
         else:
             target = inner.state_dict()

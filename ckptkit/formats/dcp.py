@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,8 +94,8 @@ class _Tensor:
 class _Slice(io.RawIOBase):
     """A byte range of an open file, as a file of its own (a chunk's archive, for zipfile)."""
 
-    def __init__(self, raw: Any, start: int, length: int) -> None:
-        self.raw, self.start, self.length, self.pos = raw, start, length, 0
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -112,8 +113,7 @@ class _Slice(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         count = max(0, min(len(buffer), self.length - self.pos))
-        self.raw.seek(self.start + self.pos)
-        data = self.raw.read(count)
+        data = os.pread(self.fd, count, self.start + self.pos)
         buffer[: len(data)] = data
         self.pos += len(data)
         return len(data)
@@ -152,7 +152,6 @@ class DCPSource(Source):
     def __init__(self, folder: Path, *, select: str | None = None, ema: bool = False) -> None:
         super().__init__(path=folder, format="dcp")
         meta = read_metadata(folder / METADATA)
-        self._raws: dict[Path, Any] = {}
         self._reader = RangeReader()
         self._layouts: dict[_Chunk, Piece] = {}
         try:
@@ -229,12 +228,10 @@ class DCPSource(Source):
         _check_cover(folder, tensor)
         return tensor
 
-    def _raw(self, path: Path) -> Any:
-        if path not in self._raws:
-            if not path.is_file():
-                raise FormatError(f"{path} is missing", "copy every rank's .distcp file there")
-            self._raws[path] = open(path, "rb")  # noqa: SIM115 - closed in close()
-        return self._raws[path]
+    def _fd(self, path: Path) -> int:
+        if not path.is_file():
+            raise FormatError(f"{path} is missing", "copy every rank's .distcp file there")
+        return self._reader.fd(path)
 
     def _archive(self, path: Path, start: int, length: int, what: str) -> tuple[Any, Any]:
         """A chunk's (or value's) torch.save archive: its statically read root and layout."""
@@ -242,9 +239,9 @@ class DCPSource(Source):
 
         size = path.stat().st_size if path.is_file() else -1
         if start < 0 or length <= 0 or start + length > size:
-            self._raw(path)  # a missing file says so
+            self._fd(path)  # a missing file says so
             raise FormatError(f"{path} is truncated: '{what}' lies past its end", "copy it again")
-        part = _Slice(self._raw(path), start, length)
+        part = _Slice(self._fd(path), start, length)
         try:
             with zipfile.ZipFile(part) as zf:
                 name = next(n for n in zf.namelist() if n.endswith("data.pkl"))
@@ -335,9 +332,6 @@ class DCPSource(Source):
         return out
 
     def close(self) -> None:
-        for raw in self._raws.values():
-            raw.close()
-        self._raws.clear()
         self._reader.close()
 
 
@@ -359,7 +353,7 @@ def _trainer_state(path: Path) -> dict[str, Any]:
 
 
 def _identity(tensor: _Tensor) -> str:
-    return "dcp:" + ";".join(f"{c.file.name}@{c.start}" for c in tensor.chunks) or tensor.fqn
+    return "dcp:" + (";".join(f"{c.file.name}@{c.start}" for c in tensor.chunks) or tensor.fqn)
 
 
 def _sidecar(path: Path) -> dict[str, str]:
