@@ -25,7 +25,8 @@ sys.path.insert(0, str(HERE))
 from run import measure, python, run_ways, table  # noqa: E402
 
 # A 2-rank FSDP2 job: an MLP sharded with fully_shard, one Adam step (so the optimizer holds
-# exp_avg and exp_avg_sq), saved with dcp.save as {"model": ..., "optim": ...}.
+# exp_avg and exp_avg_sq), saved with dcp.save as {"model": ..., "optim": ...}, and its weights
+# saved again with DCP's HuggingFaceStorageWriter beside it (<out>-hf).
 MAKE = """
 import sys
 from datetime import timedelta
@@ -48,6 +49,10 @@ model(torch.randn(2, width)).sum().backward()
 optim.step()
 msd, osd = get_state_dict(model, optim)
 dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+# The Hugging Face writer's flavour of the same weights: one safetensors file per rank.
+writer = dcp.HuggingFaceStorageWriter(out + "-hf", save_distributed=True)
+dcp.save(msd, storage_writer=writer)
+dist.barrier()  # no rank tears the group down while another still uses it
 dist.destroy_process_group()
 """
 
@@ -66,6 +71,18 @@ from safetensors.torch import load_file
 torch.save(load_file({src!r}), {dst!r})
 """
 
+CONSOLIDATE = """
+import glob, os
+from safetensors import safe_open
+from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+keys = set()
+for name in glob.glob(os.path.join({src!r}, "*.safetensors")):
+    with safe_open(name, "pt") as f:
+        keys.update(f.keys())
+os.makedirs({dst!r}, exist_ok=True)
+consolidate_safetensors_files({src!r}, {dst!r}, dict.fromkeys(keys, 1))
+"""
+
 DCP_SAVE = """
 import shutil, torch, torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
@@ -74,20 +91,28 @@ dcp.save(load_file({src!r}), checkpoint_id={dst!r})
 """
 
 
+def cp_sync(src: Path, dst: Path) -> list[str]:
+    """cp, then the file forced to the disk: ckptkit fsyncs what it writes, cp alone does not."""
+    return ["sh", "-c", f"cp '{src}' '{dst}' && sync '{dst}'"]
+
+
 def make(folder: Path, total_bytes: int) -> dict:
     """The DCP checkpoint: weights about a third of it (Adam keeps two more copies)."""
     width = 256 if total_bytes < 2**27 else 4096
     layers = max(1, total_bytes // 3 // (width * width * 4))
     script = folder.with_name(folder.name + "_make.py")
     script.write_text(MAKE)
-    subprocess.run(
+    made = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(script), str(folder), str(width), str(layers)],
-        text=True, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        text=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
+    if made.returncode != 0:  # what the ranks said, not only that torchrun failed
+        raise SystemExit(f"making the DCP checkpoint failed:\n{made.stderr[-4000:]}")
     script.unlink()
     size = sum(p.stat().st_size for p in folder.iterdir())
-    return {"bytes": size, "width": width, "layers": layers}
+    hf = sum(p.stat().st_size for p in folder.with_name(folder.name + "-hf").iterdir())
+    return {"bytes": size, "hf_bytes": hf, "width": width, "layers": layers}
 
 
 def main() -> None:
@@ -122,8 +147,18 @@ def main() -> None:
             {"ckptkit convert (verified)": [*ckptkit, "convert", s, o, "--force", "-q"],
              "dcp_to_torch_save + torch.load + save_file": python(
                  TORCH_WAY.format(src=s, tmp=str(folder / "full.pt"), dst=o)),
-             "cp of the model's bytes": ["cp", str(ref), o]},
+             "cp of the model's bytes": ["cp", str(ref), o],
+             "cp, then sync of the file": cp_sync(ref, out)},
             repeat, (out, folder / "full.pt"), files,
+        )  # fmt: skip
+        hf, consolidated = folder / "dcp-hf", folder / "consolidated"
+        results["hf writer to safetensors"] = run_ways(
+            {"ckptkit convert (verified)": [*ckptkit, "convert", str(hf), o, "--force", "-q"],
+             "consolidate_safetensors_files": python(
+                 CONSOLIDATE.format(src=str(hf), dst=str(consolidated))),
+             "cp of the model's bytes": ["cp", str(ref), o],
+             "cp, then sync of the file": cp_sync(ref, out)},
+            repeat, (out, consolidated), tuple(sorted(hf.iterdir())),
         )  # fmt: skip
         pt, dcp_out = folder / "model.pt", folder / "out-dcp"
         results["to .pt and dcp"] = run_ways(
@@ -132,7 +167,8 @@ def main() -> None:
              "ckptkit convert --to dcp": [*ckptkit, "convert", str(ref), str(dcp_out), "--to",
                                           "dcp", "--force", "-q"],
              "load_file + dcp.save": python(DCP_SAVE.format(src=str(ref), dst=str(dcp_out))),
-             "cp of the model's bytes": ["cp", str(ref), o]},
+             "cp of the model's bytes": ["cp", str(ref), o],
+             "cp, then sync of the file": cp_sync(ref, out)},
             repeat, (pt, out), (ref,),
         )  # fmt: skip
         results["flat_memory"] = {}
@@ -148,11 +184,15 @@ def main() -> None:
         print(json.dumps(results, indent=2))
         return
     print(f"DCP checkpoint: {info['bytes'] / 1e9:.2f} GB from 2 FSDP2 ranks "
+          f"(the Hugging Face writer's: {info['hf_bytes'] / 1e9:.2f} GB) "
           f"({info['model_bytes'] / 1e9:.2f} GB of weights), repeats: {repeat}, "
           f"{os.cpu_count()} cores\n")  # fmt: skip
     print(table("inspect", results["inspect"], "ckptkit inspect --json"), end="\n\n")
     print(table("DCP folder to safetensors", results["to safetensors"],
                 "ckptkit convert (verified)"), end="\n\n")  # fmt: skip
+    hf_title = "DCP folder (Hugging Face writer) to safetensors"
+    print(table(hf_title, results["hf writer to safetensors"], "ckptkit convert (verified)"),
+          end="\n\n")  # fmt: skip
     print(table("safetensors to .pt and to a DCP folder", results["to .pt and dcp"],
                 "ckptkit convert to .pt"), end="\n\n")  # fmt: skip
     for name, r in results["flat_memory"].items():

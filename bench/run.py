@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -120,8 +121,8 @@ def measure(
     anonymous memory (RssAnon sampled every 10 ms) and its peak RSS (the kernel's exact
     high-water mark, which also counts mapped file pages, so it bounds the anonymous peak from
     above; it starts from this process's RSS at the fork, a few MB: no torch here)."""
-    for out in outputs:
-        out.unlink(missing_ok=True)
+    for out in outputs:  # a file, or a folder some ways write
+        shutil.rmtree(out) if out.is_dir() else out.unlink(missing_ok=True)
     os.sync()
     for path in inputs:
         warm(path)

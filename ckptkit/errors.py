@@ -124,3 +124,14 @@ class CastError(CkptkitError):
 
 class VerificationError(CkptkitError):
     """What was written does not read back identical to the source."""
+
+
+class HungRankError(CkptkitError):
+    """A rank that never reached a collective the others waited in (named by a monitored
+    barrier)."""
+
+
+class Preempted(CkptkitError):
+    """The run was asked to stop (SIGTERM) and saved a checkpoint at the next step."""
+
+    exit_code = 143  # 128 + SIGTERM, as schedulers expect

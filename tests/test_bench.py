@@ -10,12 +10,17 @@ import pytest
 from conftest import ROOT
 
 
-@pytest.mark.slow
-def test_bench_quick_runs_and_reports_every_way():
-    proc = subprocess.run([sys.executable, "bench/run.py", "--quick", "--json"], cwd=ROOT,
+def quick(script: str) -> dict:
+    """``bench/SCRIPT --quick --json``'s results, the run checked to have ended well."""
+    proc = subprocess.run([sys.executable, f"bench/{script}", "--quick", "--json"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    results = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_bench_quick_runs_and_reports_every_way():
+    results = quick("run.py")
     ways = results["inspect"]
     assert set(ways) == {"ckptkit inspect --json", "torch.load (full)", "torch.load (mmap=True)",
                          "import torch (alone)"}  # fmt: skip
@@ -29,13 +34,21 @@ def test_bench_quick_runs_and_reports_every_way():
 
 @pytest.mark.slow
 def test_dcp_bench_quick_runs_and_reports_every_way():
-    proc = subprocess.run([sys.executable, "bench/dcp.py", "--quick", "--json"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    results = json.loads(proc.stdout)
+    results = quick("dcp.py")
+    anchors = {"cp of the model's bytes", "cp, then sync of the file"}
     assert set(results["to safetensors"]) == {
-        "ckptkit convert (verified)", "dcp_to_torch_save + torch.load + save_file",
-        "cp of the model's bytes"}  # fmt: skip
-    assert len(results["to .pt and dcp"]) == 5
+        "ckptkit convert (verified)", "dcp_to_torch_save + torch.load + save_file", *anchors}  # fmt: skip
+    assert set(results["hf writer to safetensors"]) == {
+        "ckptkit convert (verified)", "consolidate_safetensors_files", *anchors}  # fmt: skip
+    assert len(results["to .pt and dcp"]) == 6
     assert results["checkpoint"]["model_bytes"] > 0
     assert all(r["wall_s"] > 0 for r in results["inspect"].values())
+
+
+@pytest.mark.slow
+def test_train_and_save_benches_quick_run_and_report_every_way():
+    ways = quick("train.py")
+    assert len(ways) == 5 and all(r["loop_samples_per_s"] > 0 for r in ways.values())
+    stalls = quick("save.py")
+    assert set(stalls) == {"synchronous", "--async-save"}
+    assert all(r["saves"] == 3 and r["median_stall_s"] > 0 for r in stalls.values())

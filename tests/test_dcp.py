@@ -8,12 +8,11 @@ The folders under ``fixtures/dcp`` were written by ``dcp.save`` from 2 ranks (``
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, ROOT
+from conftest import FIXTURE_DIR, bits, dcp_to_torch, no_torch_imported
 from safetensors.torch import load_file, load_model
 
 import ckptkit
@@ -26,18 +25,10 @@ LIGHTNING = "lightning/epoch=0-step=3.ckpt"  # Lightning's FSDP strategy folder
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """What torch's own dcp_to_torch_save makes of each fixture folder."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = {}
-    for name in ("fsdp2", "columns", LIGHTNING):
-        path = tmp_path_factory.mktemp("ref") / "ref.pt"
-        dcp_to_torch_save(DCP / name, path)
-        out[name] = torch.load(path, weights_only=True)
-    return out
-
-
-def _bits(t):
-    return t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).tolist()
+    return {
+        name: dcp_to_torch(DCP / name, tmp_path_factory.mktemp("ref"))
+        for name in ("fsdp2", "columns", LIGHTNING)
+    }
 
 
 @pytest.mark.parametrize("name", ["fsdp2", "columns"])
@@ -46,7 +37,7 @@ def test_conversion_equals_dcp_to_torch_save(name, reference, tmp_path):
     assert report.verified and report.selected == "model"
     written = load_file(tmp_path / "out.safetensors")
     expected = reference[name]["model"]
-    assert {k: _bits(v) for k, v in written.items()} == {k: _bits(v) for k, v in expected.items()}
+    assert {k: bits(v) for k, v in written.items()} == {k: bits(v) for k, v in expected.items()}
     # Row shards are byte ranges of their tensor: copied without torch. Column shards are not.
     assert report.copied == (len(expected) if name == "fsdp2" else 1)  # "b" is replicated
 
@@ -63,11 +54,11 @@ def test_the_training_checkpoint_view(reference, tmp_path, run):
     result = run("convert", DCP / "fsdp2" / ".metadata", "model.pt")  # the .metadata names it too
     assert result.exit_code == 0, result.output
     written = torch.load(tmp_path / "model.pt", weights_only=True)
-    assert {k: _bits(v) for k, v in written.items()} == {
-        k: _bits(v) for k, v in reference["fsdp2"]["model"].items()
+    assert {k: bits(v) for k, v in written.items()} == {
+        k: bits(v) for k, v in reference["fsdp2"]["model"].items()
     }
     state = ckptkit.load_state_dict(DCP / "fsdp2", select="optim.state.1.weight")
-    assert _bits(state["exp_avg"]) == _bits(
+    assert bits(state["exp_avg"]) == bits(
         reference["fsdp2"]["optim"]["state"]["1.weight"]["exp_avg"]
     )
 
@@ -82,14 +73,12 @@ def test_load_into_a_plain_model():
     assert ckptkit.diff(DCP / "fsdp2", DCP / "fsdp2").equal
 
 
-def test_inspect_reads_the_folder_without_importing_torch():
-    code = (
-        "import sys; from ckptkit.summary import summarize; "
-        f"s = summarize({str(DCP / 'fsdp2')!r}); "
-        "assert len(s.tensors) == 5; assert 'torch' not in sys.modules, 'torch imported'"
+@pytest.mark.parametrize(("name", "count"), [("fsdp2", 5), ("hf", 6)])
+def test_inspect_reads_the_folder_without_importing_torch(name, count):
+    no_torch_imported(
+        "from ckptkit.summary import summarize\n"
+        f"assert len(summarize({str(DCP / name)!r}).tensors) == {count}"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
 
 
 @pytest.fixture
@@ -116,22 +105,24 @@ def test_a_truncated_rank_file_is_refused(folder, tmp_path):
 
 
 def test_chunks_that_do_not_cover_or_overlap_are_refused(tmp_path):
-    from ckptkit.formats.dcp import _check_cover, _Chunk, _contiguous_start, _Tensor
+    from ckptkit.formats.chunks import Chunk, ChunkedTensor, check_cover, contiguous_start
 
     def tensor(*chunks):
-        return _Tensor("w", "float32", (4, 6), [_Chunk(o, s, tmp_path, 0, 1) for o, s in chunks])
+        return ChunkedTensor(
+            "w", "float32", (4, 6), [Chunk(o, s, tmp_path, 0, 1) for o, s in chunks]
+        )
 
-    _check_cover(tmp_path, tensor(((0, 0), (2, 6)), ((2, 0), (2, 6))))
+    check_cover(tmp_path, tensor(((0, 0), (2, 6)), ((2, 0), (2, 6))))
     with pytest.raises(FormatError, match="does not hold all of 'w' \\(12 of 24"):
-        _check_cover(tmp_path, tensor(((0, 0), (2, 6))))
+        check_cover(tmp_path, tensor(((0, 0), (2, 6))))
     with pytest.raises(FormatError, match="overlapping chunks of 'w'"):
-        _check_cover(tmp_path, tensor(((0, 0), (3, 6)), ((2, 0), (2, 6))))
+        check_cover(tmp_path, tensor(((0, 0), (3, 6)), ((2, 0), (2, 6))))
     with pytest.raises(FormatError, match="outside its shape"):
-        _check_cover(tmp_path, tensor(((0, 0), (5, 6))))
-    rows, cols = _Chunk((2, 0), (2, 6), tmp_path, 0, 1), _Chunk((0, 3), (4, 3), tmp_path, 0, 1)
-    assert _contiguous_start((4, 6), rows) == 12 and _contiguous_start((4, 6), cols) is None
-    one_row_part = _Chunk((1, 2), (1, 3), tmp_path, 0, 1)
-    assert _contiguous_start((4, 6), one_row_part) == 8
+        check_cover(tmp_path, tensor(((0, 0), (5, 6))))
+    rows, cols = Chunk((2, 0), (2, 6), tmp_path, 0, 1), Chunk((0, 3), (4, 3), tmp_path, 0, 1)
+    assert contiguous_start((4, 6), rows) == 12 and contiguous_start((4, 6), cols) is None
+    one_row_part = Chunk((1, 2), (1, 3), tmp_path, 0, 1)
+    assert contiguous_start((4, 6), one_row_part) == 8
 
 
 def test_lightning_fsdp_folder_converts_with_its_trainer_state(reference, tmp_path, run):
@@ -142,8 +133,8 @@ def test_lightning_fsdp_folder_converts_with_its_trainer_state(reference, tmp_pa
     result = run("convert", DCP / LIGHTNING, "lit.safetensors", "--strip-prefix", "model.")
     assert result.exit_code == 0, result.output
     written = load_file(tmp_path / "lit.safetensors")
-    assert {k: _bits(v) for k, v in written.items()} == {
-        k.removeprefix("model."): _bits(v) for k, v in reference[LIGHTNING]["model"].items()
+    assert {k: bits(v) for k, v in written.items()} == {
+        k.removeprefix("model."): bits(v) for k, v in reference[LIGHTNING]["model"].items()
     }
     sys.path.insert(0, str(FIXTURE_DIR))
     from make_dcp import inner_model  # what the LightningModule holds; lightning not needed
@@ -151,3 +142,66 @@ def test_lightning_fsdp_folder_converts_with_its_trainer_state(reference, tmp_pa
     net = inner_model()
     missing, unexpected = load_model(net, tmp_path / "lit.safetensors")
     assert not missing and not unexpected
+
+
+# DCP's Hugging Face writer: one safetensors file per rank, chunk offsets in its header.
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_hf_writer_folder_equals_consolidate_safetensors_files(tmp_path, run):
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+        consolidate_safetensors_files,
+    )
+
+    keys = ["0.weight", "1.weight", "1.bias", "2.weight", "2.bias", "h"]
+    (tmp_path / "torch").mkdir()
+    consolidate_safetensors_files(str(DCP / "hf"), str(tmp_path / "torch"), dict.fromkeys(keys, 1))
+    expected = load_file(tmp_path / "torch" / "model-00001-of-00001.safetensors")
+    assert expected["h"].dtype == torch.bfloat16 and expected["0.weight"].shape == (10, 6)
+    result = run("convert", DCP / "hf", "out.safetensors", "--json")
+    assert result.exit_code == 0, result.output
+    written = load_file(tmp_path / "out.safetensors")
+    assert {k: bits(v) for k, v in written.items()} == {k: bits(v) for k, v in expected.items()}
+    report = ckptkit.convert(DCP / "hf", tmp_path / "again.safetensors")
+    assert report.verified and report.copied == 5  # row shards as bytes; "h" by columns
+    # torch's own reader of the flavour agrees with what ckptkit reads from it
+    state = {k: torch.empty_like(v) for k, v in expected.items()}
+    torch.distributed.checkpoint.load(
+        state, storage_reader=HuggingFaceStorageReader(str(DCP / "hf"))
+    )
+    assert {k: bits(v) for k, v in state.items()} == {k: bits(v) for k, v in written.items()}
+
+
+def test_hf_writer_missing_rank_or_foreign_file_is_refused(tmp_path, run):
+    folder = tmp_path / "hf"
+    shutil.copytree(DCP / "hf", folder)
+    (folder / "shard-00001-model-00001-of-00001.safetensors").unlink()
+    result = run("convert", folder, "out.safetensors")
+    assert result.exit_code == 1 and result.stderr.startswith("Error: ")
+    assert "does not hold all of '0.weight'" in result.stderr, result.stderr
+    assert not (tmp_path / "out.safetensors").exists()
+    # a safetensors file that is not a DCP shard among the shards
+    shutil.copy(
+        FIXTURE_DIR / "single.safetensors", folder / "shard-00001-model-00001-of-00001.safetensors"
+    )
+    with pytest.raises(FormatError, match="no valid DCP_SHARDING_INFO"):
+        ckptkit.summarize(folder)
+
+
+def test_hf_writer_truncated_shard_is_refused(tmp_path):
+    folder = tmp_path / "hf"
+    shutil.copytree(DCP / "hf", folder)
+    shard = folder / "shard-00002-model-00001-of-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(FormatError, match="truncated"):
+        ckptkit.convert(folder, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_one_hf_writer_shard_alone_is_refused_with_its_folder(run):
+    shard = DCP / "hf" / "shard-00002-model-00001-of-00001.safetensors"
+    result = run("inspect", shard)
+    assert result.exit_code == 1
+    assert "one rank's shard of a DCP checkpoint" in result.stderr
+    assert f"give the folder that holds every rank's file: {DCP / 'hf'}" in result.stderr

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, load_with_ties
+from conftest import FIXTURE_DIR, bits, load_with_ties
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 
@@ -37,10 +37,6 @@ def _reference(name: str) -> dict[str, torch.Tensor]:
     return state | {alias: state[target] for alias, target in ties.items()}
 
 
-def _bits(t: torch.Tensor) -> tuple:
-    return t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).tolist()
-
-
 def _model():
     from make_deepspeed import build_model
 
@@ -55,7 +51,7 @@ def test_rebuilt_weights_equal_zero_to_fp32_bit_for_bit(name, tmp_path):
     written = load_with_ties(out)
     reference = _reference(name)
     for key, tensor in reference.items():
-        assert _bits(written[key]) == _bits(tensor), key
+        assert bits(written[key]) == bits(tensor), key
     # bf16 ZeRO-1 keeps no fp32 copy of frozen parameters (zero_to_fp32 drops them): the
     # module's copy is taken and said so; nothing else is added.
     extra = set(written) - set(reference)
@@ -71,7 +67,7 @@ def test_equal_to_deepspeed_itself_where_it_is_installed(name):
     theirs = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(DS / name))
     ours = ckptkit.load_state_dict(DS / name)
     for key, tensor in theirs.items():
-        assert _bits(ours[key]) == _bits(tensor), key
+        assert bits(ours[key]) == bits(tensor), key
 
 
 def test_inspect_says_the_stage_the_ranks_and_the_dtypes(run):
@@ -98,7 +94,7 @@ def test_select_module_takes_the_training_dtype_copy(tmp_path):
                         weights_only=False)["module"]  # fmt: skip
     assert written.keys() == module.keys()
     for key in module:
-        assert _bits(written[key]) == _bits(module[key]), key
+        assert bits(written[key]) == bits(module[key]), key
     assert written["tied.weight"].data_ptr() == written["emb.weight"].data_ptr()
 
 
@@ -125,8 +121,8 @@ def test_lightning_deepspeed_folder_loads_after_stripping_model(tmp_path, run):
     assert result.exit_code == 0, result.output
     reference = _reference("lightning")
     written = load_with_ties(tmp_path / "lit.safetensors")
-    assert {k: _bits(v) for k, v in written.items()} == {
-        k.removeprefix("model."): _bits(v) for k, v in reference.items()
+    assert {k: bits(v) for k, v in written.items()} == {
+        k.removeprefix("model."): bits(v) for k, v in reference.items()
     }
     report = ckptkit.load_into(_model(), LIGHTNING)
     assert report.loaded == len(_model().state_dict())
@@ -167,7 +163,7 @@ def test_latest_naming_a_missing_tag_is_refused(folder, tmp_path):
 def test_the_tag_folder_itself_is_read_too(tmp_path):
     whole = ckptkit.load_state_dict(DS / "zero2_bf16")
     tag = ckptkit.load_state_dict(DS / "zero2_bf16" / "global_step3")
-    assert {k: _bits(v) for k, v in whole.items()} == {k: _bits(v) for k, v in tag.items()}
+    assert {k: bits(v) for k, v in whole.items()} == {k: bits(v) for k, v in tag.items()}
 
 
 def test_fixtures_hold_no_deepspeed_script():

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from ckptkit.errors import FormatError, SelectError, UsageError
+from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError, UsageError
 from ckptkit.formats.detect import (
     detect_format,
     find_dcp,
@@ -16,6 +16,7 @@ from ckptkit.formats.detect import (
     folder_parts,
     model_file_in,
 )
+from ckptkit.formats.rank_files import find_rank_files
 from ckptkit.formats.source import Source, TensorInfo
 
 __all__ = [
@@ -62,8 +63,9 @@ def open_source(
     Args:
         path: a torch zip or legacy file, a safetensors file, a sharded checkpoint (its
             ``*.index.json``, or the folder holding it), a model folder (``save_pretrained``,
-            Accelerate's ``save_state``), a DeepSpeed checkpoint folder or a DCP folder (or its
-            ``.metadata``).
+            Accelerate's ``save_state``), a DeepSpeed checkpoint folder, a DCP folder (or its
+            ``.metadata``), or every rank's ``torch.save`` of a sharded model (a folder holding
+            them, or a glob such as ``ckpt/model_rank*.pt``).
         select: dotted path of the state dict inside a training checkpoint (default: found);
             in a folder, the model file (``model_1``); for DeepSpeed ``fp32`` or ``module``.
         trust: load with torch's full unpickler, which can run code from the file.
@@ -84,6 +86,11 @@ def open_source(
         from ckptkit.formats.dcp import DCPSource
 
         return DCPSource(dcp, select=select, ema=ema)
+    ranks = None if checkpoint_index(path) else find_rank_files(path)
+    if ranks is not None:  # every rank's torch.save of a sharded (DTensor) state dict
+        from ckptkit.formats.rank_files import RankFilesSource
+
+        return RankFilesSource(*ranks, select=select, ema=ema)
     index = checkpoint_index(path)
     if index is None and path.is_dir():
         tag = find_deepspeed(path)
@@ -123,9 +130,17 @@ def open_source(
 
     if trust:
         return TrustedTorchSource(path, select=select, ema=ema)
-    return TorchFileSource(
-        path, select=select, allow_globals=allow_globals, check_safety=check_safety, ema=ema
-    )
+    try:
+        return TorchFileSource(
+            path, select=select, allow_globals=allow_globals, check_safety=check_safety, ema=ema
+        )
+    except UnsafeCheckpointError:
+        from ckptkit.formats.rank_files import one_rank_error
+
+        error = one_rank_error(path)
+        if error is not None:
+            raise error from None
+        raise
 
 
 # ``--to`` names: what each output format is called on the command line.

@@ -7,6 +7,10 @@ archive and each other value a ``torch.save``'d object. Everything here is read 
 metadata classes are admitted by name and never imported; each chunk's own archive is read like
 any torch file, which gives where its bytes lie.
 
+DCP's ``HuggingFaceStorageWriter`` (``save_distributed=True``) writes no ``.metadata``: each
+rank's chunks go to a ``.safetensors`` file whose header records each chunk's offset in the
+full tensor (``DCP_SHARDING_INFO``); there the chunks lie as the safetensors header says.
+
 A chunk that is one contiguous byte range of the full tensor (a row shard: FSDP's, nearly always)
 is copied as it lies; chunks of any other layout are assembled through torch, one tensor at a
 time. Chunks that leave a gap or overlap are refused, naming the file and the key.
@@ -15,26 +19,22 @@ time. Chunks that leave a gap or overlap are refused, naming the file and the ke
 from __future__ import annotations
 
 import io
-import math
 import os
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptkit.errors import FormatError, UnsafeCheckpointError
-from ckptkit.formats.bytecopy import RangeReader
-from ckptkit.formats.dtypes import DTYPES
+from ckptkit.formats.chunks import Chunk, ChunkedSource, ChunkedTensor, Piece, check_cover
+from ckptkit.formats.detect import HF_SHARDING
+from ckptkit.formats.dtypes import DTYPES, from_safetensors
 from ckptkit.formats.pickle_scan import scan_pickle
-from ckptkit.formats.pickle_vm import Global, Opaque
-from ckptkit.formats.source import Source, TensorInfo
+from ckptkit.formats.pickle_vm import Global, Opaque, fields
+from ckptkit.formats.pickle_write import Call, New, Ref, dumps
 from ckptkit.formats.static_unpickler import DATA_GLOBALS, TensorStub
 from ckptkit.formats.torch_safe_globals import safe_globals
-from ckptkit.formats.tree import nodes, select_state_dict
+from ckptkit.formats.tree import nodes
 from ckptkit.meta import jsonable
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["DCPSource", "DCP_GLOBALS", "METADATA", "DISTCP", "SIDECAR", "dcp_metadata"]
 
@@ -59,36 +59,6 @@ DCP_GLOBALS = frozenset(
         "pathlib.WindowsPath",
     }
 )
-
-Piece = tuple[Path, int, int]
-
-
-def _fields(value: Any) -> dict[str, Any]:
-    """A dataclass record's fields, as BUILD gave them."""
-    return value.to_dict() if isinstance(value, Opaque) else {}
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    file: Path
-    start: int  # where its torch.save archive lies in the file
-    length: int
-
-
-@dataclass
-class _Tensor:
-    """A tensor of the checkpoint: its full shape and dtype, and the chunks that hold it."""
-
-    fqn: str
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: list[_Chunk]
-
-    @property
-    def nbytes(self) -> int:
-        return DTYPES[self.dtype].itemsize * math.prod(self.shape)
 
 
 class _Slice(io.RawIOBase):
@@ -142,28 +112,23 @@ def read_metadata(path: Path) -> dict[str, Any]:
         or not root.global_name.endswith("metadata.Metadata")
     ):
         raise FormatError(f"{path} is damaged or not DCP metadata", "copy the folder again")
-    return _fields(root)
+    return fields(root)
 
 
-class DCPSource(Source):
+class DCPSource(ChunkedSource):
     """A DCP checkpoint folder: the flattened state unflattened into a training checkpoint's
     tree, its state dict found in it as in a ``.pt`` file (``model`` by default)."""
 
     def __init__(self, folder: Path, *, select: str | None = None, ema: bool = False) -> None:
-        super().__init__(path=folder, format="dcp")
-        meta = read_metadata(folder / METADATA)
-        self._reader = RangeReader()
-        self._layouts: dict[_Chunk, Piece] = {}
-        try:
-            tree = self._tree(folder, meta)
-            sel = select_state_dict(
-                tree, lambda v: isinstance(v, _Tensor), lambda v: v.nbytes, select=select,
-                ema=ema, source=str(folder),
-            )  # fmt: skip
-        except BaseException:
-            self.close()
-            raise
-        self._tensors: dict[str, _Tensor] = dict(self.adopt(sel))
+        super().__init__(folder, "dcp")
+        if (folder / METADATA).is_file():
+            self._adopt_tree(
+                lambda: self._tree(folder, read_metadata(folder / METADATA)), select=select, ema=ema
+            )
+        else:
+            self._adopt_tree(lambda: self._hf_tree(folder), select=select, ema=ema)
+        if not (folder / METADATA).is_file() and not select:
+            self.selected_reason = "DCP's Hugging Face writer saves a flat state dict"
         self.extras.update(_trainer_state(folder / LIGHTNING_META))
         self.metadata = _sidecar(folder / SIDECAR)
 
@@ -175,7 +140,7 @@ class DCPSource(Source):
             raise FormatError(f"{folder / METADATA} lists no items", "copy the folder again")
         where: dict[tuple[str, Any], Piece] = {}
         for index, info in storage.items():
-            key, place = _fields(index), _fields(info)
+            key, place = fields(index), fields(info)
             if place.get("transform_descriptors"):
                 raise FormatError(
                     f"{folder} stores '{key.get('fqn')}' transformed "
@@ -201,31 +166,69 @@ class DCPSource(Source):
             node[str(path[-1])] = value
         return tree
 
+    def _hf_tree(self, folder: Path) -> dict[str, Any]:
+        """The tensors DCP's Hugging Face writer saved: each rank's ``.safetensors`` file holds
+        its chunks, and its header each chunk's offset in the full tensor. The full shape is
+        where the chunks end, as torch's ``HuggingFaceStorageReader`` takes it."""
+        from ckptkit.formats.safetensors import read_header
+
+        found: dict[str, tuple[str, list[Chunk]]] = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            header, data_start = read_header(path)
+            offsets = _saved_offsets(path, header.pop("__metadata__", None) or {})
+            for key, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                dtype, sizes = from_safetensors(entry["dtype"]).name, tuple(entry["shape"])
+                at = offsets.get(key)
+                if at is None or len(at) != len(sizes):
+                    raise FormatError(
+                        f"{path} records no offsets for '{key}'",
+                        "the folder mixes files of two saves; copy it again",
+                    )
+                begin, end = entry["data_offsets"]
+                chunk = Chunk(at, sizes, path, data_start + begin, end - begin)
+                self._layouts[chunk] = (path, data_start + begin, end - begin)
+                first_dtype, chunks = found.setdefault(key, (dtype, []))
+                if dtype != first_dtype:
+                    raise FormatError(
+                        f"{path} stores '{key}' as {dtype}, another file as {first_dtype}",
+                        "the folder mixes files of two saves; copy it again",
+                    )
+                chunks.append(chunk)
+        tree: dict[str, Any] = {}
+        for key, (dtype, chunks) in found.items():
+            shape = tuple(
+                max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(len(chunks[0].sizes))
+            )
+            tensor = ChunkedTensor(key, dtype, shape, chunks)
+            check_cover(folder, tensor)
+            tree[key] = tensor
+        return tree
+
     def _item(self, folder: Path, fqn: str, item: Any, where: dict[Any, Piece]) -> Any:
-        fields = _fields(item)
+        record = fields(item)
         if isinstance(item, Opaque) and item.global_name.endswith("BytesStorageMetadata"):
             if (fqn, None) not in where:
                 raise FormatError(f"{folder} has no stored value for '{fqn}'", "copy it again")
             return self._object(*where[(fqn, None)], fqn)
-        props = fields.get("properties")
+        props = record.get("properties")
         state = props.state if isinstance(props, Opaque) else None
         dtype_global = state[0] if isinstance(state, tuple) and state else None
         dtype = dtype_global.name.removeprefix("torch.") if isinstance(dtype_global, Global) else ""
-        shape = fields.get("size")
+        shape = record.get("size")
         if dtype not in DTYPES or not isinstance(shape, tuple):
             raise FormatError(f"{folder / METADATA} describes '{fqn}' in a way ckptkit cannot read")
         chunks = []
-        for chunk in fields.get("chunks") or ():
-            c = _fields(chunk)
+        for chunk in record.get("chunks") or ():
+            c = fields(chunk)
             offsets, sizes = tuple(c.get("offsets") or ()), tuple(c.get("sizes") or ())
             if (fqn, offsets) not in where:
                 raise FormatError(
                     f"{folder} has no data for '{fqn}' at offset {list(offsets)}",
                     "a rank's .distcp file is missing or the folder mixes two saves",
                 )
-            chunks.append(_Chunk(offsets, sizes, *where[(fqn, offsets)]))
-        tensor = _Tensor(fqn, dtype, tuple(shape), chunks)
-        _check_cover(folder, tensor)
+            chunks.append(Chunk(offsets, sizes, *where[(fqn, offsets)]))
+        tensor = ChunkedTensor(fqn, dtype, tuple(shape), chunks)
+        check_cover(folder, tensor)
         return tensor
 
     def _fd(self, path: Path) -> int:
@@ -268,7 +271,7 @@ class DCPSource(Source):
             return "<tensors>"  # a value holding tensors (rare): described, not read
         return root
 
-    def _piece(self, tensor: _Tensor, chunk: _Chunk) -> Piece:
+    def _piece(self, tensor: ChunkedTensor, chunk: Chunk) -> Piece:
         """Where a chunk's bytes lie in its file."""
         if chunk not in self._layouts:
             what = f"{tensor.fqn} at {list(chunk.offsets)}"
@@ -288,51 +291,10 @@ class DCPSource(Source):
                                     stub.nbytes)  # fmt: skip
         return self._layouts[chunk]
 
-    def entries(self) -> list[tuple[str, TensorInfo]]:
-        # Keys whose chunks are the very same records are one tensor (ties ckptkit wrote).
-        return [
-            (key, TensorInfo(t.dtype, t.shape, _identity(t), (0, t.nbytes)))
-            for key, t in self._tensors.items()
-        ]
-
     def files(self) -> list[Path]:
         names = {c.file for t in self._tensors.values() for c in t.chunks}
-        extra = [self.path / n for n in (LIGHTNING_META, SIDECAR) if (self.path / n).is_file()]
-        return [self.path / METADATA, *sorted(names), *extra]
-
-    def byte_pieces(self, key: str) -> list[Piece] | None:
-        tensor = self._tensors[key]
-        starts = [_contiguous_start(tensor.shape, c) for c in tensor.chunks]
-        if any(s is None for s in starts):
-            return None
-        order = sorted(zip(starts, tensor.chunks, strict=True), key=lambda sc: sc[0] or 0)
-        return [self._piece(tensor, chunk) for _, chunk in order]
-
-    def byte_span(self, key: str) -> Piece | None:
-        pieces = self.byte_pieces(key)
-        return pieces[0] if pieces is not None and len(pieces) == 1 else None
-
-    def load(self, key: str) -> torch.Tensor:
-        import torch
-
-        from ckptkit.formats.tensors import as_bytes, torch_dtype
-
-        tensor = self._tensors[key]
-        out = torch.empty(tensor.shape, dtype=torch_dtype(tensor.dtype))
-        # Chunks are placed as bytes: a copy in the tensor's dtype may rewrite them (a bool's
-        # stored byte becomes 0 or 1).
-        itemsize = DTYPES[tensor.dtype].itemsize
-        grid = out.reshape(-1).view(torch.uint8).view(*tensor.shape, itemsize)
-        for chunk in tensor.chunks:
-            path, offset, length = self._piece(tensor, chunk)
-            part = torch.empty((*chunk.sizes, itemsize), dtype=torch.uint8)
-            self._reader.read([(path, offset, length)], as_bytes(part))
-            index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
-            grid[index] = part
-        return out
-
-    def close(self) -> None:
-        self._reader.close()
+        around = [self.path / n for n in (METADATA, LIGHTNING_META, SIDECAR)]
+        return sorted(names) + [p for p in around if p.is_file()]
 
 
 def _trainer_state(path: Path) -> dict[str, Any]:
@@ -352,8 +314,23 @@ def _trainer_state(path: Path) -> dict[str, Any]:
     }
 
 
-def _identity(tensor: _Tensor) -> str:
-    return "dcp:" + (";".join(f"{c.file.name}@{c.start}" for c in tensor.chunks) or tensor.fqn)
+def _saved_offsets(path: Path, metadata: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Each key's chunk offset, from the header DCP's Hugging Face writer gives a shard."""
+    import json
+
+    text = metadata.get(HF_SHARDING)
+    try:
+        info = json.loads(text) if isinstance(text, str) else None
+        offsets = {str(k): tuple(v["saved_offsets"]) for k, v in info.items()}  # type: ignore[union-attr]
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        offsets = None
+    if offsets is None or not all(type(o) is int and o >= 0 for at in offsets.values() for o in at):
+        raise FormatError(
+            f"{path} has no valid {HF_SHARDING} in its header: it is not one rank's shard "
+            "of a DCP save",
+            "the folder mixes files of two saves; copy it again",
+        )
+    return offsets
 
 
 def _sidecar(path: Path) -> dict[str, str]:
@@ -373,84 +350,53 @@ def _sidecar(path: Path) -> dict[str, str]:
 
 def dcp_metadata(layout: list[tuple[str, str, tuple[int, ...], str, int, int]]) -> bytes:
     """``.metadata`` as ``dcp.save`` pickles it, for tensors each stored whole in one chunk,
-    given as (key, dtype, shape, file name, offset, length). Made with DCP's own classes, so
-    ``torch.distributed.checkpoint.load`` reads it as its own."""
-    import pickle
+    given as (key, dtype, shape, file name, offset, length): DCP's own dataclasses, written by
+    name without importing torch (``pickle_write``), so ``torch.distributed.checkpoint.load``
+    reads it as its own."""
     import uuid
 
-    import torch
-    from torch.distributed.checkpoint import filesystem
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    def dataclass(name: str, module: str = "metadata", **fields: Any) -> New:
+        return New(Ref(_DCP + module, name), fields)
 
-    from ckptkit.formats.tensors import torch_dtype
+    def size(dims: tuple[int, ...]) -> Call:
+        return Call(Ref("torch", "Size"), (tuple(dims),))
 
     items, storage = {}, {}
     for key, dtype, shape, name, offset, length in layout:
-        size = torch.Size(shape)
-        origin = torch.Size([0] * len(shape))
-        items[key] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=torch_dtype(dtype)),
-            size=size,
-            chunks=[ChunkStorageMetadata(offsets=origin, sizes=size)],
+        origin = (0,) * len(shape)
+        # TensorProperties pickles its fields as a tuple (its __getstate__).
+        properties = New(
+            Ref(_DCP + "metadata", "TensorProperties"),
+            (
+                Ref("torch", dtype),
+                Call(Ref("torch.serialization", "_get_layout"), ("torch.strided",)),
+                False,
+                Call(Ref(_DCP + "metadata", "_MEM_FORMAT_ENCODING"), (0,)),
+                False,
+            ),
         )
-        storage[MetadataIndex(key, origin, 0)] = _StorageInfo(name, offset, length)
-    metadata = Metadata(
-        state_dict_metadata=items,  # type: ignore[arg-type]
+        items[key] = dataclass(
+            "TensorStorageMetadata",
+            properties=properties,
+            size=size(shape),
+            chunks=[dataclass("ChunkStorageMetadata", offsets=size(origin), sizes=size(shape))],
+        )
+        index = dataclass("MetadataIndex", fqn=key, offset=size(origin), index=0)
+        storage[index] = dataclass(
+            "_StorageInfo", "filesystem", relative_path=name, offset=offset, length=length
+        )
+    meta = dataclass(
+        "Metadata",
+        state_dict_metadata=items,
         planner_data={key: (key,) for key in items},
         storage_data=storage,
-        storage_meta=StorageMeta(save_id=str(uuid.uuid4())),
-        version=getattr(filesystem, "CURRENT_DCP_VERSION", "1.0.0"),
+        storage_meta=dataclass(
+            "StorageMeta",
+            checkpoint_id=None,
+            save_id=str(uuid.uuid4()),
+            load_id=None,
+            modules=[],
+        ),  # fmt: skip
+        version="1.0.0",  # filesystem.CURRENT_DCP_VERSION
     )
-    return pickle.dumps(metadata)
-
-
-def _contiguous_start(shape: tuple[int, ...], chunk: _Chunk) -> int | None:
-    """The element where a chunk starts in the full tensor when it is one contiguous range of
-    it (dims of size 1, then any one dim, then whole dims: a row shard), else None."""
-    sizes = chunk.sizes
-    first = next((i for i, size in enumerate(sizes) if size != 1), len(sizes))
-    if any(sizes[i] != shape[i] for i in range(first + 1, len(shape))):
-        return None
-    start, stride = 0, 1
-    for dim in reversed(range(len(shape))):
-        start += chunk.offsets[dim] * stride
-        stride *= shape[dim]
-    return start
-
-
-def _check_cover(folder: Path, tensor: _Tensor) -> None:
-    """The chunks lie inside the tensor, do not overlap, and cover it."""
-    shape, total = tensor.shape, 0
-    boxes: list[_Chunk] = []
-    for chunk in tensor.chunks:
-        if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape) or any(
-            o < 0 or s < 0 or o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, shape,
-                                                           strict=True)
-        ):  # fmt: skip
-            raise FormatError(f"{folder} has a chunk of '{tensor.fqn}' outside its shape")
-        for other in boxes:
-            if all(
-                o1 < o2 + s2 and o2 < o1 + s1
-                for o1, s1, o2, s2 in zip(chunk.offsets, chunk.sizes, other.offsets, other.sizes,
-                                          strict=True)
-            ):  # fmt: skip
-                raise FormatError(
-                    f"{folder} has overlapping chunks of '{tensor.fqn}'",
-                    "the folder mixes two saves; copy it again",
-                )
-        boxes.append(chunk)
-        total += math.prod(chunk.sizes)
-    if total != math.prod(shape):
-        raise FormatError(
-            f"{folder} does not hold all of '{tensor.fqn}' ({total} of "
-            f"{math.prod(shape)} elements)",
-            "a rank's .distcp file is missing; copy the whole folder",
-        )
+    return dumps(meta)

@@ -38,6 +38,8 @@ __all__ = [
     "folder_parts",
     "find_deepspeed",
     "find_dcp",
+    "dcp_sharding_info",
+    "HF_SHARDING",
     "MODEL_FILES",
     "regular_file",
     "readings",
@@ -136,6 +138,7 @@ _DCP_PARTS = (
     (re.compile(r"__\d+_\d+\.distcp"), "one writer's tensor chunks and values"),
     (re.compile(r"meta\.pt"), "the trainer's state (Lightning, ckptkit train)"),
     (re.compile(r"ckptkit\.json"), "the metadata ckptkit wrote with the folder"),
+    (re.compile(r".*\.safetensors"), "one writer's tensor chunks (DCP's Hugging Face writer)"),
 )
 
 
@@ -197,10 +200,44 @@ def find_deepspeed(folder: Path) -> Path | None:
 
 
 def find_dcp(path: Path) -> Path | None:
-    """The folder of a ``torch.distributed.checkpoint`` save (it, or its ``.metadata`` file)."""
+    """The folder of a ``torch.distributed.checkpoint`` save (it, or its ``.metadata`` file),
+    or of DCP's Hugging Face writer (``.safetensors`` files whose headers carry each chunk's
+    offsets, and no index)."""
     if path.name == ".metadata" and path.is_file():
         return path.parent
-    return path if path.is_dir() and (path / ".metadata").is_file() else None
+    if not path.is_dir():
+        return None
+    if (path / ".metadata").is_file():
+        return path
+    if any(path.glob("*.index.json")):
+        return None
+    shards = sorted(path.glob("*.safetensors"))
+    return path if any(dcp_sharding_info(p) is not None for p in shards) else None
+
+
+HF_SHARDING = "DCP_SHARDING_INFO"  # DCP's HuggingFaceStorageWriter: each chunk's offsets
+
+
+def dcp_sharding_info(path: Path) -> str | None:
+    """The chunk offsets a safetensors file's header records when DCP's Hugging Face writer
+    wrote it as one rank's shard (a JSON text), else None."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+            text = f.read(min(length, 100_000_000)) if length > 1 else b""
+    except OSError:
+        return None
+    if HF_SHARDING.encode() not in text:
+        return None
+    try:
+        meta = json.loads(text).get("__metadata__") or {}
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    value = meta.get(HF_SHARDING) if isinstance(meta, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _looks_like_safetensors(head: bytes, size: int) -> bool:

@@ -28,6 +28,8 @@ from typing import Any
 __all__ = [
     "Global",
     "Opaque",
+    "build_state",
+    "fields",
     "PickleDamaged",
     "PickleRun",
     "run_pickle",
@@ -66,6 +68,19 @@ class Global:
         return f"<global {self.name}>"
 
 
+def build_state(state: Any) -> Any:
+    """BUILD's state as one dict when it is a ``(dict_state, slot_state)`` pair (a plain
+    ``__dict__``, the common case, and any other state are returned as they are)."""
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], (dict, type(None))):
+        return {**(state[0] or {}), **(state[1] if isinstance(state[1], dict) else {})}
+    return state
+
+
+def fields(value: Any) -> dict[str, Any]:
+    """A recorded object's fields, as BUILD gave them (``{}`` for anything else)."""
+    return value.to_dict() if isinstance(value, Opaque) else {}
+
+
 class Opaque:
     """What calling a global outside the handled set would have made: a record of the call."""
 
@@ -82,14 +97,7 @@ class Opaque:
     def to_dict(self) -> dict[str, Any]:
         """What the pickle gave this object, for metadata and display."""
         out: dict[str, Any] = {"__class__": self.global_name}
-        state = self.state
-        # BUILD's (dict_state, slot_state) form; a plain __dict__ is the common case.
-        if (
-            isinstance(state, tuple)
-            and len(state) == 2
-            and isinstance(state[0], (dict, type(None)))
-        ):
-            state = {**(state[0] or {}), **(state[1] if isinstance(state[1], dict) else {})}
+        state = build_state(self.state)
         if isinstance(state, dict):
             out.update({str(k): v for k, v in state.items()})
         elif state is not None:

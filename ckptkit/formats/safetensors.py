@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.bytecopy import preallocate, write_all
+from ckptkit.formats.detect import HF_SHARDING
 from ckptkit.formats.dtypes import DTYPES, from_safetensors, nbytes
 from ckptkit.formats.source import Source, TensorInfo
 from ckptkit.formats.tensors import as_bytes, dtype_name
@@ -132,6 +133,11 @@ class SafetensorsSource(Source):
         header, self._data_start = read_header(path)
         metadata = header.pop("__metadata__", None) or {}
         super().__init__(path=path, format="safetensors", metadata=dict(metadata))
+        if _is_dcp_shard(path, metadata):
+            raise FormatError(
+                f"{path} is one rank's shard of a DCP checkpoint (DCP's Hugging Face writer)",
+                f"give the folder that holds every rank's file: {path.parent}",
+            )
         if select not in (None, ""):
             raise FormatError(
                 f"{path} is a safetensors file: it holds one flat state dict", "drop --select"
@@ -178,6 +184,20 @@ class SafetensorsSource(Source):
 
     def close(self) -> None:
         self._handle = None
+
+
+def _is_dcp_shard(path: Path, metadata: Mapping[str, str]) -> bool:
+    """DCP's Hugging Face writer saved this file as one rank's part of each tensor (its name is
+    ``shard-<rank>-...`` or a chunk starts past 0), not as whole tensors (rank-0 saves)."""
+    text = metadata.get(HF_SHARDING)
+    if text is None:
+        return False
+    if path.name.startswith("shard-"):
+        return True
+    try:
+        return any(any(v["saved_offsets"]) for v in json.loads(text).values())
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return True  # damaged offsets: not whole tensors ckptkit can vouch for
 
 
 def tied_names(metadata: Mapping[str, str], stored: Iterable[str]) -> dict[str, str]:

@@ -117,6 +117,9 @@ class UnsupportedTensor:
     shape: tuple[int, ...] = ()
     dtype: str = "uint8"  # of its elements (a quantized tensor's: its integer storage's)
     detail: str = ""  # "COO, 7 stored values", "qint8, per_tensor_affine"
+    # A sharded tensor's (DTensor, ShardedTensor) state as the pickle gave it: its local
+    # shard and where that lies in the full tensor, read by ``formats.rank_files``.
+    state: Any = field(default=None, compare=False, repr=False)
 
 
 def _rebuild_sparse(layout: Any = None, data: Any = None, *_ignored: Any) -> UnsupportedTensor:
@@ -141,8 +144,11 @@ def _rebuild_subclass(cls: Any = None, dtype: Any = None, size: Any = (), *_: An
     name = cls.name if isinstance(cls, Global) else "a tensor subclass"
     shape = size if isinstance(size, tuple) and all(type(n) is int for n in size) else ()
     element = _torch_name(dtype) if _torch_name(dtype) in DTYPES else "uint8"
-    kind = "DTensor" if name.endswith(".DTensor") else "tensor subclass"
-    return UnsupportedTensor(kind, shape, element, "" if kind == "DTensor" else name)
+    kind = next((k for k in SHARDED_KINDS if name.endswith("." + k)), "tensor subclass")
+    return UnsupportedTensor(kind, shape, element, "" if kind in SHARDED_KINDS else name)
+
+
+SHARDED_KINDS = ("DTensor", "ShardedTensor")  # one rank's shard, its full shape recorded
 
 
 _QUANTIZED = {"QInt8Storage": ("int8", "qint8"), "QUInt8Storage": ("uint8", "quint8"),
@@ -206,6 +212,8 @@ def _rebuild_from_type_v2(func, new_type, args, state):
     if handler is None or not isinstance(args, tuple):
         raise ValueError(f"_rebuild_from_type_v2 of {func!r}")
     result = handler(*args)
+    if isinstance(result, UnsupportedTensor) and result.kind in SHARDED_KINDS:
+        result.state = state
     if isinstance(new_type, Global) and new_type.name == "torch.nn.parameter.Parameter":
         result = _rebuild_parameter(result, getattr(result, "requires_grad", True))
     return result

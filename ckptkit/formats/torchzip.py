@@ -1,7 +1,8 @@
 """Writing torch's zip format ourselves, so tensor bytes go from the source straight to the file.
 
 ``torch.save`` needs every tensor in memory and runs each record through its own zip writer.
-Here the pickle is made from the specs alone (the same pickle torch writes), and each storage
+Here the pickle is made from the specs alone (the same pickle torch writes, without importing
+torch), and each storage
 record is written by a callback at the file's current position: a byte copy from the source
 (see ``bytecopy``) or a tensor's bytes. The archive is laid out as torch lays it out: records
 ``data.pkl``, ``.format_version``, ``.storage_alignment``, ``byteorder``, ``data/<n>``,
@@ -20,22 +21,28 @@ DCP stores each tensor chunk inside a ``.distcp`` file.
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import struct
 import uuid
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, SupportsIndex
+from typing import Any
 
 from ckptkit.formats.bytecopy import write_all
 from ckptkit.formats.dtypes import DTYPES, STORAGE_DTYPES
+from ckptkit.formats.pickle_write import Call, PersistentId, Ref, dumps
 from ckptkit.formats.safetensors import TensorSpec
 
-__all__ = ["ArchiveWriter", "state_pickle", "StorageRecord", "TensorRecord", "ALIGNMENT"]
+__all__ = [
+    "ArchiveWriter",
+    "state_pickle",
+    "tensor_record",
+    "begin_archive",
+    "StorageRecord",
+    "ALIGNMENT",
+]
 
 ALIGNMENT = 64  # torch's writer aligns every record's data to 64 bytes (.storage_alignment)
 PREFIX = "archive/"
@@ -140,45 +147,38 @@ class StorageRecord:
         self.key, self.dtype, self.nbytes = key, dtype, nbytes
 
 
-class TensorRecord:
-    """Pickles as torch pickles a contiguous CPU tensor whose storage is a separate record."""
-
-    def __init__(self, storage: StorageRecord, spec: TensorSpec) -> None:
-        self.storage, self.spec = storage, spec
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        import torch
-
-        from ckptkit.formats.tensors import torch_dtype
-
-        shape = tuple(self.spec.shape)
-        stride: list[int] = []
-        step = 1
-        for size in reversed(shape):
-            stride.insert(0, step)
-            step *= size
-        args: tuple[Any, ...] = (self.storage, 0, shape, tuple(stride), False, OrderedDict())
-        if self.spec.dtype in _TYPED_STORAGES:
-            return (torch._utils._rebuild_tensor_v2, args)
-        return (torch._utils._rebuild_tensor_v3, (*args, torch_dtype(self.spec.dtype)))
-
-
 # dtype -> torch's legacy typed-storage class name (dtypes without one use UntypedStorage).
 _TYPED_STORAGES = {dt: cls for cls, dt in STORAGE_DTYPES.items() if cls != "UntypedStorage"}
 
 
-class _RecordPickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, StorageRecord):
-            return None
-        import torch
-
-        if obj.dtype in _TYPED_STORAGES:
-            storage_type = getattr(torch, _TYPED_STORAGES[obj.dtype])
-            numel = obj.nbytes // DTYPES[obj.dtype].itemsize
-        else:
-            storage_type, numel = torch.storage.UntypedStorage, obj.nbytes
-        return ("storage", storage_type, obj.key, "cpu", numel)
+def tensor_record(
+    storage: StorageRecord,
+    dtype: str,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...] | None = None,
+    offset: int = 0,
+) -> Call:
+    """A CPU tensor whose storage is a record of the archive, as torch pickles it (a view:
+    ``stride`` and ``offset``, in elements; contiguous when ``stride`` is None)."""
+    if dtype in _TYPED_STORAGES:
+        storage_type = Ref("torch", _TYPED_STORAGES[dtype])
+        numel = storage.nbytes // DTYPES[dtype].itemsize
+    else:
+        storage_type, numel = Ref("torch.storage", "UntypedStorage"), storage.nbytes
+    if stride is None:
+        steps: list[int] = []
+        step = 1
+        for size in reversed(shape):
+            steps.insert(0, step)
+            step *= size
+        stride = tuple(steps)
+    args: tuple[Any, ...] = (
+        PersistentId(("storage", storage_type, storage.key, "cpu", numel)),
+        offset, tuple(shape), tuple(stride), False, OrderedDict(),
+    )  # fmt: skip
+    if dtype in _TYPED_STORAGES:
+        return Call(Ref("torch._utils", "_rebuild_tensor_v2"), args)
+    return Call(Ref("torch._utils", "_rebuild_tensor_v3"), (*args, Ref("torch", dtype)))
 
 
 def state_pickle(
@@ -186,20 +186,19 @@ def state_pickle(
 ) -> tuple[bytes, dict[str, StorageRecord]]:
     """The pickle of a state dict of ``specs`` as torch writes it (an alias shares its target's
     storage, so ties survive), and each key's storage record. With ``bare`` the single spec's
-    tensor is the root, as ``torch.save(tensor)`` writes it (a DCP chunk)."""
+    tensor is the root, as ``torch.save(tensor)`` writes it (a DCP chunk). Made without
+    importing torch (``pickle_write``)."""
     aliases = aliases or {}
     storages: dict[str, StorageRecord] = {}
-    state: OrderedDict[str, TensorRecord] = OrderedDict()
+    state: OrderedDict[str, Call] = OrderedDict()
     for spec in specs:
         target = aliases.get(spec.key)
         if target in storages:
             storages[spec.key] = storages[target]
         else:
             storages[spec.key] = StorageRecord(str(len(storages)), spec.dtype, spec.nbytes)
-        state[spec.key] = TensorRecord(storages[spec.key], spec)
-    data = io.BytesIO()
-    _RecordPickler(data, protocol=2).dump(next(iter(state.values())) if bare else state)
-    return data.getvalue(), storages
+        state[spec.key] = tensor_record(storages[spec.key], spec.dtype, tuple(spec.shape))
+    return dumps(next(iter(state.values())) if bare else state), storages
 
 
 def begin_archive(fd: int, pickle_bytes: bytes, *, zip64: bool = False) -> ArchiveWriter:

@@ -7,6 +7,7 @@ so it needs no torch.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
@@ -24,6 +25,7 @@ __all__ = [
     "is_state_dict",
     "is_module_value",
     "node_at",
+    "map_leaves",
 ]
 
 # Where training code keeps the weights, most specific first. Each name is tried at the top
@@ -136,6 +138,21 @@ def _children(node: Any) -> list[tuple[str, Any]]:
     if isinstance(node, (list, tuple)):
         return [(str(i), v) for i, v in enumerate(node)]
     return []
+
+
+def map_leaves(value: Any, is_leaf: Callable[[Any], bool], fn: Callable[[Any], Any]) -> Any:
+    """``value`` with every leaf (as ``is_leaf`` tells) replaced by ``fn(leaf)``, through dicts
+    (an ``OrderedDict`` stays one), lists and tuples; other values as they are."""
+    if is_leaf(value):
+        return fn(value)
+    if isinstance(value, dict):
+        pairs = ((k, map_leaves(v, is_leaf, fn)) for k, v in value.items())
+        return OrderedDict(pairs) if isinstance(value, OrderedDict) else dict(pairs)
+    if isinstance(value, list):
+        return [map_leaves(v, is_leaf, fn) for v in value]
+    if isinstance(value, tuple):
+        return tuple(map_leaves(v, is_leaf, fn) for v in value)
+    return value
 
 
 def nodes(root: Any) -> Iterator[Any]:

@@ -1,0 +1,304 @@
+"""One ``torch.save`` per rank of a sharded model, merged into full tensors without loading.
+
+Trainers that shard a model often save each rank's ``model.state_dict()`` with ``torch.save``:
+``model_rank0.pt``, ``model_world_size_2_rank_1.pt``, ``pytorch_model_fsdp_0_rank1.bin``. Its
+values are FSDP2's DTensors, each holding this rank's shard and where that shard lies, which is
+read here as data: the classes are admitted by name and never imported, nothing is executed.
+
+- A DTensor records its placements and this rank's mesh coordinate. ``Shard(d)`` on a mesh
+  dimension of ``n`` ranks puts coordinate ``c``'s piece at ``c * ceil(N / n)`` along ``d``
+  (``torch.chunk``'s rule, the one ``fully_shard`` and ``distribute_tensor`` use); ``n`` is
+  the highest coordinate seen plus one, so a missing last rank leaves a gap that is refused.
+  ``Replicate`` repeats the piece (the first rank's copy is read). Partial sums and strided
+  shards are refused.
+- FSDP1's ShardedTensors (``SHARDED_STATE_DICT``) are refused: their pickle reaches
+  ``ShardedTensor.ProcessGroupState`` through ``builtins.getattr``, a call ckptkit's static
+  reader does not admit, and ``torch.load`` needs a process group for them.
+- A plain tensor is taken as replicated: every rank holds all of it.
+
+The pieces are chunks of the full tensor (``formats.chunks``): row shards are copied as bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from ckptkit.errors import FormatError, UnsafeCheckpointError
+from ckptkit.formats.chunks import Chunk, ChunkedSource, ChunkedTensor, check_cover
+from ckptkit.formats.pickle_vm import Opaque, build_state, fields
+from ckptkit.formats.static_unpickler import SHARDED_KINDS, TensorStub, UnsupportedTensor
+
+__all__ = [
+    "RankFilesSource",
+    "find_rank_files",
+    "one_rank_error",
+    "one_rank_refusal",
+    "RANK_GLOBALS",
+]
+
+_DT = "torch.distributed.tensor."
+# The classes a rank file's DTensors pickle, read as data and never imported.
+RANK_GLOBALS = frozenset(
+    {
+        _DT + "DTensor",
+        _DT + "_dtensor_spec.DTensorSpec",
+        _DT + "_dtensor_spec.TensorMeta",
+        _DT + "_dtensor_spec.ShardOrderEntry",
+        _DT + "placement_types.Shard",
+        _DT + "placement_types.Replicate",
+        _DT + "placement_types.Partial",
+        _DT + "placement_types._StridedShard",
+        "torch.distributed.device_mesh.DeviceMesh",
+        "torch.distributed._mesh_layout._MeshLayout",
+        "torch.distributed._mesh_layout._FlatLayout",
+    }
+)
+
+_RANK = re.compile(r"(.*?rank_?)(\d+)(\.(?:pt|pth|bin))")
+_WILDCARDS = "*?["
+
+
+def find_rank_files(path: Path) -> tuple[Path, list[Path]] | None:
+    """The rank files a path stands for, in rank order: a glob (``ckpt/model_rank*.pt``) or a
+    folder holding one set of them (and nothing else ckptkit reads). None when it is neither.
+
+    Raises:
+        FormatError: the glob matches nothing, or the folder holds several sets.
+    """
+    if any(c in path.name for c in _WILDCARDS) and not path.exists():
+        files = sorted(p for p in path.parent.glob(path.name) if p.is_file())
+        if not files:
+            raise FormatError(f"{path} matches no file", "check the folder and the pattern")
+        return path, sorted(files, key=_rank_of)
+    if not path.is_dir():
+        return None
+    groups: dict[str, list[Path]] = {}
+    for p in sorted(path.iterdir()):
+        match = _RANK.fullmatch(p.name)
+        if match and p.is_file():
+            groups.setdefault(f"{match[1]}*{match[3]}", []).append(p)
+    if len(groups) > 1:
+        names = ", ".join(sorted(groups))
+        raise FormatError(
+            f"{path} holds several sets of rank files ({names})",
+            f"give one set as a glob, e.g. '{path / sorted(groups)[0]}'",
+        )
+    return (path, sorted(*groups.values(), key=_rank_of)) if groups else None
+
+
+def _rank_of(path: Path) -> tuple[int, str]:
+    match = _RANK.fullmatch(path.name)
+    return (int(match[2]) if match else -1, path.name)
+
+
+class _Piece:
+    """One file's part of a tensor: its local tensor and where that lies."""
+
+    def __init__(self, file: Path, stub: TensorStub, base: int | None, key: str) -> None:
+        if base is None or not stub.is_contiguous:
+            raise FormatError(
+                f"{file} stores its part of '{key}' compressed or strided, which ckptkit "
+                "cannot copy",
+                "load the files with torch and save a full state dict",
+            )
+        start, end = stub.byte_range()
+        if stub.numel and end > stub.storage.nbytes:
+            raise FormatError(f"{file} is damaged: '{key}' runs past its storage", "copy it again")
+        self.file, self.stub, self.at = file, stub, base + start
+        self.offsets: tuple[int, ...] = (0,) * len(stub.shape)
+        self.coordinate: tuple[int, ...] = ()
+        self.shard_dims: list[tuple[int, int]] = []  # (mesh dim, tensor dim)
+
+
+class RankFilesSource(ChunkedSource):
+    """Every rank's ``torch.save`` of a sharded state dict, read as one checkpoint.
+
+    Args:
+        where: what the user named (the folder or the glob), for messages.
+        files: the rank files, in rank order.
+    """
+
+    def __init__(
+        self, where: Path, files: list[Path], *, select: str | None = None, ema: bool = False
+    ) -> None:
+        super().__init__(where, "rank files")
+        self._files = files
+
+        def build() -> Any:
+            roots, parts = self._read(files)
+            return _rebuild(roots[0], (), self._merge(parts))
+
+        self._adopt_tree(build, select=select, ema=ema)
+
+    def _read(self, files: list[Path]) -> tuple[list[Any], list[dict[tuple[str, ...], Any]]]:
+        """Each file's pickle, and its tensors by path: (full shape, dtype, its pieces)."""
+        from ckptkit.formats.torchfile import scan_torch_file
+
+        roots, parts = [], []
+        for file in files:
+            try:
+                scan, layout, raw, _ = scan_torch_file(file, RANK_GLOBALS)
+            except UnsafeCheckpointError:
+                if _holds_sharded_tensors(file):
+                    raise FormatError(
+                        f"{file} holds FSDP1 ShardedTensors, whose pickle calls builtins.getattr "
+                        "(for ShardedTensor.ProcessGroupState), which ckptkit does not admit",
+                        "load the files with torch in a process group and save with "
+                        "torch.distributed.checkpoint (dcp.save), which ckptkit reads",
+                    ) from None
+                raise
+            try:
+                found: dict[tuple[str, ...], Any] = {}
+                for path, leaf in _leaves(scan.root, ()):
+                    found[path] = self._pieces(file, ".".join(path), leaf, layout)
+            finally:
+                raw.close()
+            roots.append(scan.root)
+            parts.append(found)
+        return roots, parts
+
+    def _pieces(self, file: Path, key: str, leaf: Any, layout: Any) -> Any:
+        """(full shape, dtype, pieces) of one value of one rank's file."""
+
+        def piece(stub: Any) -> _Piece:
+            if not isinstance(stub, TensorStub):
+                raise FormatError(f"{file} holds no local tensor for '{key}'", "copy it again")
+            return _Piece(file, stub, layout.data_offset(stub.storage), key)
+
+        if isinstance(leaf, TensorStub):
+            return leaf.shape, leaf.dtype, [piece(leaf)]
+        if key.endswith("flat_param"):
+            raise FormatError(
+                f"{file} holds FSDP's flat parameter '{key}' (LOCAL_STATE_DICT): the shapes of "
+                "the parameters inside it are not in the file",
+                "save with StateDictType.SHARDED_STATE_DICT or FULL_STATE_DICT, or with DCP",
+            )
+        # A DTensor: its local tensor and its spec (placements, this rank's mesh coordinate).
+        state = build_state(leaf.state)
+        if not isinstance(state, dict):
+            raise FormatError(f"{file} is damaged at '{key}' (a DTensor without its state)")
+        spec = fields(state.get("_spec"))
+        p = piece(state.get("_local_tensor"))
+        coordinate = fields(spec.get("mesh")).get("_coordinate_on_dim")
+        if not isinstance(coordinate, tuple) or not all(type(c) is int for c in coordinate):
+            raise FormatError(
+                f"{file} records no mesh coordinate for '{key}' (a rank outside the mesh)",
+                "give only the files of the ranks that hold the model",
+            )
+        p.coordinate = coordinate
+        placements = spec.get("placements") or ()
+        for mesh_dim, placement in enumerate(placements):
+            name = placement.global_name if isinstance(placement, Opaque) else repr(placement)
+            if name.endswith(".Replicate"):
+                continue
+            dim = fields(placement).get("dim")
+            if not name.endswith(".Shard") or type(dim) is not int:
+                raise FormatError(
+                    f"{file} places '{key}' as {name.rsplit('.', 1)[-1]}, which ckptkit cannot "
+                    "merge",
+                    "save a full state dict (get_state_dict with full_state_dict=True) or DCP",
+                )
+            if any(d == dim for _, d in p.shard_dims):
+                raise FormatError(
+                    f"{file} shards '{key}' twice along dimension {dim}, which ckptkit cannot "
+                    "merge",
+                    "save a full state dict (get_state_dict with full_state_dict=True) or DCP",
+                )
+            p.shard_dims.append((mesh_dim, dim % max(1, len(leaf.shape))))
+        return leaf.shape, leaf.dtype, [p]
+
+    def _merge(self, parts: list[dict[tuple[str, ...], Any]]) -> dict[tuple[str, ...], Any]:
+        """Each path's full tensor, its chunks from every file (replicas read once)."""
+        first = parts[0]
+        for file, found in zip(self._files[1:], parts[1:], strict=True):
+            if found.keys() != first.keys():
+                odd = sorted(found.keys() ^ first.keys())[0]
+                raise FormatError(
+                    f"{file} and {self._files[0]} differ in '{'.'.join(odd)}'",
+                    "give only the files of one save",
+                )
+        # A mesh dimension's size: the highest coordinate on it, plus one.
+        mesh: dict[int, int] = {}
+        for found in parts:
+            for _, _, pieces in found.values():
+                for p in pieces:
+                    for i, c in enumerate(p.coordinate):
+                        mesh[i] = max(mesh.get(i, 1), c + 1)
+        tensors: dict[tuple[str, ...], Any] = {}
+        for path, (shape, dtype, _) in first.items():
+            key = ".".join(path)
+            chunks: dict[tuple[int, ...], Chunk] = {}
+            for found in parts:
+                other_shape, other_dtype, pieces = found[path]
+                if (other_shape, other_dtype) != (shape, dtype):
+                    raise FormatError(
+                        f"{pieces[0].file} holds '{key}' as {other_dtype} {list(other_shape)}, "
+                        f"{self._files[0]} as {dtype} {list(shape)}",
+                        "give only the files of one save",
+                    )
+                for p in pieces:
+                    offsets = list(p.offsets)
+                    for mesh_dim, dim in p.shard_dims:
+                        step = math.ceil(shape[dim] / mesh[mesh_dim])
+                        offsets[dim] = min(p.coordinate[mesh_dim] * step, shape[dim])
+                    chunk = Chunk(tuple(offsets), p.stub.shape, p.file, p.at, p.stub.nbytes)
+                    if p.stub.dtype != dtype:
+                        raise FormatError(f"{p.file} is damaged at '{key}' (its dtype differs)")
+                    self._layouts[chunk] = (p.file, p.at, p.stub.nbytes)
+                    chunks.setdefault(chunk.offsets, chunk)  # a replica: the first one read
+            tensor = ChunkedTensor(key, dtype, tuple(shape), list(chunks.values()))
+            check_cover(self.path, tensor)
+            tensors[path] = tensor
+        return tensors
+
+    def files(self) -> list[Path]:
+        return list(self._files)
+
+
+def _holds_sharded_tensors(file: Path, kind: str = "ShardedTensor") -> bool:
+    from ckptkit.formats.detect import readings
+
+    return any(
+        g.endswith("." + kind)
+        for reading in readings(file)
+        for findings in reading.pickles
+        for g in findings.globals
+    )
+
+
+def one_rank_error(file: Path) -> FormatError | None:
+    """The error for one rank's file of a sharded save given alone (None: it is not one)."""
+    return one_rank_refusal(file) if _holds_sharded_tensors(file, "DTensor") else None
+
+
+def one_rank_refusal(file: Path) -> FormatError:
+    """The error for one rank's file of a sharded (DTensor) save, naming how to give the set."""
+    match = _RANK.fullmatch(file.name)
+    pattern = file.parent / (f"{match[1]}*{match[3]}" if match else f"*{file.suffix}")
+    return FormatError(
+        f"{file} is one rank's part of a sharded save (DTensors)",
+        f"give every rank's file: their folder, or a glob such as '{pattern}'",
+    )
+
+
+def _leaves(node: Any, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
+    """The tensors of a rank file's tree (nested dicts), by path."""
+    if isinstance(node, TensorStub) or (
+        isinstance(node, UnsupportedTensor) and node.kind in SHARDED_KINDS
+    ):
+        return [(path, node)]
+    if isinstance(node, dict):
+        return [leaf for k, v in node.items() for leaf in _leaves(v, (*path, str(k)))]
+    return []
+
+
+def _rebuild(node: Any, path: tuple[str, ...], tensors: dict[tuple[str, ...], Any]) -> Any:
+    """The first rank's tree with its tensors replaced by the merged ones."""
+    if path in tensors:
+        return tensors[path]
+    if isinstance(node, dict):
+        return {str(k): _rebuild(v, (*path, str(k)), tensors) for k, v in node.items()}
+    return node
