@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,17 +81,21 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    files = sorted(p for d in args.corpus for p in d.rglob("*") if p.is_file())
+    files = sorted(p.resolve() for d in args.corpus for p in d.rglob("*") if p.is_file())
     results: dict[str, dict[str, bool]] = {}
-    for name, (argv, env) in scanners(args.peers).items():
-        results[name] = {}
-        for path in files:
-            try:
-                done = subprocess.run([*argv, str(path)], env=env, capture_output=True, timeout=60)
-                code = done.returncode
-            except subprocess.TimeoutExpired:
-                code = 124
-            results[name][str(path)] = flagged(name, code)
+    # The scanners run in a scratch folder: fickling leaves safety_results.json where it runs.
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, (argv, env) in scanners(args.peers).items():
+            results[name] = {}
+            for path in files:
+                try:
+                    done = subprocess.run(
+                        [*argv, str(path)], env=env, cwd=scratch, capture_output=True, timeout=60
+                    )
+                    code = done.returncode
+                except subprocess.TimeoutExpired:
+                    code = 124
+                results[name][str(path)] = flagged(name, code)
     labels = {str(p): "malicious" if args.all_malicious else label(p) for p in files}
     if args.json:
         print(json.dumps({"labels": labels, "flagged": results}, indent=2))

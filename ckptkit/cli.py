@@ -227,88 +227,138 @@ def convert(
         _echo(convert_lines(report))
 
 
+def _train_default(name: str) -> Any:
+    """A ``TrainConfig`` field's default: the one place the defaults are written."""
+    from dataclasses import fields
+
+    from ckptkit.engine.config import TrainConfig
+
+    return next(f.default for f in fields(TrainConfig) if f.name == name)
+
+
+def _train_option(*decls: str, **kwargs: Any) -> Any:
+    """An option of ``train`` whose default (shown in --help) is TrainConfig's."""
+    name = kwargs.pop("dest", None) or decls[-1].lstrip("-").replace("-", "_")
+    default = _train_default(name)
+    if kwargs.get("is_flag"):
+        return click.option(*decls, name, default=default, **kwargs)
+    return click.option(*decls, name, default=default, show_default=default is not None, **kwargs)
+
+
 @cli.command()
 @click.option(
+    "--config",
+    "config_file",
+    type=click.Path(path_type=str),
+    help="A TOML file of these options (lr = 0.1, grad-accum = 4); flags override it.",
+)
+@_train_option(
     "--mode",
     type=click.Choice(["single", "dp", "ddp", "fsdp"]),
-    default="single",
-    show_default=True,
     help="single device, nn.DataParallel, DistributedDataParallel, or FSDP2 (fully_shard).",
 )
-@click.option("--epochs", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option(
-    "--batch-size",
-    type=click.IntRange(min=1),
-    default=64,
-    show_default=True,
-    help="Global batch size, split evenly over the ranks.",
-)
-@click.option("--lr", type=float, default=0.05, show_default=True, help="SGD learning rate.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option(
-    "--out", default="runs/ckptkit", show_default=True, help="Run folder: checkpoints, metrics."
-)
-@click.option(
-    "--save-every",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Save every N epochs (and after the last).",
-)
-@click.option(
-    "--keep-last",
-    type=click.IntRange(min=0),
-    default=3,
-    show_default=True,
-    help="Checkpoints to keep (0: all).",
-)
-@click.option(
+@_train_option("--epochs", type=click.IntRange(min=1))
+@_train_option("--max-steps", type=click.IntRange(min=1),
+               help="Stop after this many optimizer steps (a checkpoint is saved).")  # fmt: skip
+@_train_option("--batch-size", type=click.IntRange(min=1),
+               help="Global batch of one optimizer step, split over the ranks.")  # fmt: skip
+@_train_option("--grad-accum", type=click.IntRange(min=1),
+               help="Micro-batches per optimizer step (each rank's batch split in N).")  # fmt: skip
+@_train_option("--optimizer", type=click.Choice(["sgd", "adamw", "adam"]))
+@_train_option("--lr", type=float, help="Learning rate (before the schedule).")
+@_train_option("--momentum", type=float, help="SGD's momentum.")
+@_train_option("--weight-decay", type=float)
+@_train_option("--lr-schedule", type=click.Choice(["constant", "step", "cosine"]),
+               help="Per step: step multiplies the lr by --lr-gamma every --lr-step-epochs "
+               "epochs; cosine decays it to 0 at the last step.")  # fmt: skip
+@_train_option("--lr-step-epochs", type=click.IntRange(min=1))
+@_train_option("--lr-gamma", type=float)
+@_train_option("--warmup-steps", type=click.IntRange(min=0),
+               help="Linear warmup from 0 to --lr over this many steps.")  # fmt: skip
+@_train_option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]),
+               help="bf16/fp16: autocast; fp16 with a gradient scaler, saved and resumed.",
+               )  # fmt: skip
+@_train_option("--clip-grad-norm", type=click.FloatRange(min=0, min_open=True),
+               help="Clip the gradients' total norm to this.")  # fmt: skip
+@_train_option("--loss", metavar="cross_entropy|mse|MODULE:FN",
+               help="Loss of (output, target); a model returning a mapping with 'loss' (as "
+               "Hugging Face models do) gives its own.")  # fmt: skip
+@_train_option("--seed", type=int)
+@_train_option("--out", help="Run folder: checkpoints, metrics.")
+@_train_option("--save-every", type=click.IntRange(min=1),
+               help="Save every N epochs (and after the last).")  # fmt: skip
+@_train_option("--save-every-steps", type=click.IntRange(min=1),
+               help="Also save every N optimizer steps, mid-epoch (resumed exactly).")  # fmt: skip
+@_train_option("--keep-last", type=click.IntRange(min=0), help="Checkpoints to keep (0: all).")
+@_train_option("--async-save", is_flag=True,
+               help="Copy the state to CPU memory and write it on a thread while training goes "
+               "on (one save at a time; pt or safetensors).")  # fmt: skip
+@_train_option(
     "--resume", metavar="PATH|auto", help="Resume from a checkpoint, or the newest complete one."
 )
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option(
+@_train_option("--device", type=click.Choice(["cpu", "cuda"]))
+@_train_option(
     "--save-format",
     type=click.Choice(["pt", "safetensors", "both", "dcp"]),
     help="pt: whole training state; safetensors: weights only; dcp: a folder of every rank's "
     "shards (torch.distributed.checkpoint).  [default: dcp in fsdp, else pt]",
 )
-@click.option(
+@_train_option(
     "--model", metavar="MODULE:FACTORY", help="Your model factory (default: built-in demo)."
 )
-@click.option(
-    "--data", metavar="MODULE:FACTORY", help="Your dataset factory, (input, label) items."
-)
-@click.option(
+@_train_option(
+    "--data", metavar="MODULE:FACTORY",
+    help="Your dataset factory: (input, target) items, or mappings passed as keywords.",
+)  # fmt: skip
+@_train_option("--val-data", metavar="MODULE:FACTORY", help="Validation dataset factory.")
+@_train_option("--val-fraction", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+               help="Hold out this fraction of the training data (seeded) to validate on.",
+               )  # fmt: skip
+@_train_option("--val-every", type=click.IntRange(min=1), help="Validate every N epochs.")
+@_train_option("--monitor", metavar="METRIC",
+               help="val_loss, val_accuracy, loss...: the `best` pointer names the checkpoint "
+               "where it was best (never pruned).")  # fmt: skip
+@_train_option("--monitor-mode", type=click.Choice(["min", "max"]))
+@_train_option("--early-stop-patience", type=click.IntRange(min=1),
+               help="Stop after N validations without --monitor improving.")  # fmt: skip
+@_train_option("--num-workers", type=click.IntRange(min=0), help="DataLoader worker processes.")
+@_train_option("--compile", is_flag=True, help="torch.compile the model (keys stay canonical).")
+@_train_option(
     "--nproc-per-node",
     type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
     help="DDP / FSDP workers to start here (ignored under torchrun).",
 )
-@click.option(
+@_train_option(
     "--timeout",
-    "timeout_s",
+    dest="timeout_s",
     type=click.FloatRange(min=1),
-    default=60,
-    show_default=True,
     help="Process-group timeout in seconds: a stuck rank fails the job this fast.",
 )
 @json_option
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar, no per-epoch lines.")
-def train(as_json: bool, **options: Any) -> None:
+@_train_option("-q", "--quiet", is_flag=True, help="No progress bar, no per-epoch lines.")
+@click.pass_context
+def train(ctx: click.Context, as_json: bool, config_file: str | None, **options: Any) -> None:
     """Train in any mode; checkpoints load in every other mode.
 
     \b
     ckptkit train --mode ddp --nproc-per-node 2 --epochs 4 --out runs/demo
     ckptkit train --mode fsdp --nproc-per-node 2 --out runs/fsdp
-    ckptkit train --mode single --resume auto --out runs/demo
+    ckptkit train --config run.toml --lr 0.1 --resume auto
     torchrun --nnodes 2 --node-rank 0 ... -m ckptkit train --mode ddp
     """
     from ckptkit.engine import TrainConfig
     from ckptkit.engine import train as run
+    from ckptkit.engine.config import read_config
 
+    if config_file is not None:  # the file, then the flags given on the command line
+        given = {
+            name: value
+            for name, value in options.items()
+            if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+        }
+        options = {**options, **read_config(config_file), **given}
     result = run(TrainConfig(**options))
-    if result is None:  # a worker under torchrun that is not rank 0
+    if os.environ.get("LOCAL_RANK", "0") != "0":  # under torchrun: one report per node
         return
     if as_json:
         _emit("train", result.to_dict())
@@ -392,6 +442,26 @@ def scan(paths: tuple[str, ...], allow_global: tuple[str, ...], as_json: bool, q
             _echo(scan_lines(report))
     if worst != "safe":
         raise click.exceptions.Exit(2 if worst == "error" else 1)
+
+
+@cli.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option("-o", "--output", "out", required=True, metavar="PNG", help="The image to write.")
+@click.option("--force", is_flag=True, help="Overwrite the image if it exists.")
+@json_option
+def plot(runs: tuple[str, ...], out: str, force: bool, as_json: bool) -> None:
+    """Draw loss, accuracy and learning rate per step of one or more runs, side by side.
+
+    \b
+    ckptkit plot runs/single runs/ddp -o curves.png
+    """
+    from ckptkit.plot import plot_runs
+
+    path = plot_runs(list(runs), out, force=force)
+    if as_json:
+        _emit("plot", {"image": str(path), "runs": list(runs)})
+    else:
+        _echo([f"Wrote    {path} ({len(runs)} run{'s' if len(runs) > 1 else ''})"])
 
 
 @cli.command()

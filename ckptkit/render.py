@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 #: The version of each command's JSON document; bump one when its shape changes.
-SCHEMAS = {"inspect": 2, "convert": 2, "scan": 2, "diff": 2, "train": 1, "error": 1}
+SCHEMAS = {"inspect": 2, "convert": 2, "scan": 2, "diff": 2, "train": 2, "plot": 1, "error": 1}
 _TRAINING_KEY = "ckptkit"  # convert._TRAINING_KEY, without importing convert
 
 
@@ -399,8 +399,16 @@ def diff_lines(report: Any) -> list[str]:
 def train_lines(result: Any, mode: str) -> list[str]:
     """``train``'s closing lines."""
     last = result.metrics[-1] if result.metrics else None
-    done = f"; last epoch loss {last['loss']:.4f}, accuracy {last['accuracy']:.3f}" if last else ""
+    done = f"; last epoch loss {last['loss']:.4f}" if last else ""
+    for name, form in (("accuracy", ".3f"), ("val_loss", ".4f"), ("val_accuracy", ".3f")):
+        if last and last.get(name) is not None:
+            done += f", {name.replace('_', ' ')} {last[name]:{form}}"
+    why = {"max_steps": "--max-steps reached", "early_stop": "no --monitor improvement"}
+    if getattr(result, "stopped", None) in why:
+        done += f" (stopped early: {why[result.stopped]})"
     return [
         f"Trained {plural(result.epochs_run, 'epoch')} in {mode} mode{done}",
-        f"Checkpoint {result.checkpoint}" if result.checkpoint else "No checkpoint written",
-    ]
+        (f"Checkpoint {result.checkpoint}" if result.checkpoint else "No checkpoint written")
+        + (f" (written by rank 0 on {result.writer_host})" if result.rank and result.checkpoint
+           else ""),
+    ]  # fmt: skip

@@ -20,6 +20,9 @@ from make_fixtures import FIXTURES, reference_model, sample_input  # noqa: E402
 from ckptkit.cli import cli  # noqa: E402
 
 __all__ = [
+    "bits",
+    "dcp_to_torch",
+    "no_torch_imported",
     "FIXTURES",
     "FIXTURE_DIR",
     "ROOT",
@@ -28,6 +31,29 @@ __all__ = [
     "sample_input",
     "state_dicts",
 ]
+
+
+def bits(t: torch.Tensor) -> tuple:
+    """A tensor as dtype, shape and bytes: equal only when bit for bit the same."""
+    return t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).tolist()
+
+
+def dcp_to_torch(folder: Path, tmp: Path) -> dict:
+    """What torch's own ``dcp_to_torch_save`` makes of a DCP folder, loaded."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder, tmp / "ref.pt")
+    return torch.load(tmp / "ref.pt", weights_only=True)
+
+
+def no_torch_imported(code: str) -> None:
+    """Run ``code`` in a fresh interpreter, then check it never imported torch."""
+    import subprocess
+
+    check = "\nimport sys; assert 'torch' not in sys.modules, 'torch imported'"
+    done = subprocess.run([sys.executable, "-c", code + check], cwd=ROOT, capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
 
 
 # Every dtype a state dict may hold that safetensors can store.

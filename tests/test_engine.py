@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT
+from torch import nn
 
 import ckptkit
 from ckptkit.engine import TrainConfig, train
 from ckptkit.engine.checkpoint import LATEST, list_checkpoints
 from ckptkit.engine.demo import demo_model
+from ckptkit.errors import UsageError
 
 FAST = {"quiet": True, "timeout_s": 30.0}
 
@@ -63,7 +65,7 @@ def test_resume_is_exact(tmp_path, mode):
         a["optimizer"]["state"].values(), b["optimizer"]["state"].values(), strict=True
     ):
         assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
-    assert a["scheduler"] == b["scheduler"] and a["step"] == b["step"] == 128
+    assert a["step"] == b["step"] == 128 and a["batch_in_epoch"] == b["batch_in_epoch"] == 0
 
 
 def test_modes_agree(tmp_path, ddp_run):
@@ -167,6 +169,7 @@ import os, time
 import torch
 from torch import nn
 from ckptkit.engine.demo import demo_model
+from ckptkit.errors import UsageError
 
 
 class Crashing(nn.Module):
@@ -200,6 +203,42 @@ class Ballast(nn.Module):
 
 def ballast():
     return Ballast()
+
+
+class Exiting(Crashing):
+    """Rank 1 leaves without a word (os._exit), as a segfaulting extension or OOM-kill would."""
+
+    def forward(self, x):
+        self.calls += 1
+        if os.environ.get("RANK") == "1" and self.calls == 3:
+            os._exit(7)
+        return self.net(x)
+
+
+def exiting():
+    return Exiting()
+
+
+class Hanging(Crashing):
+    """Rank HANG_RANK stops answering at its 3rd step, as a stuck data loader would."""
+
+    def forward(self, x):
+        self.calls += 1
+        if os.environ.get("RANK") == os.environ.get("HANG_RANK", "1") and self.calls == 3:
+            time.sleep(300)
+        return self.net(x)
+
+
+def hanging():
+    return Hanging()
+
+
+def threads():
+    """Records the threads each worker runs with."""
+    rank = os.environ.get("RANK", "0")
+    with open(f"threads-{rank}.txt", "w") as f:
+        f.write(f"{os.environ.get('OMP_NUM_THREADS')} {torch.get_num_threads()}")
+    return demo_model()
 '''
 
 
@@ -243,6 +282,51 @@ def test_a_crashing_worker_ends_the_job_fast_naming_its_rank(helpers):
         "the other workers were stopped"
     )
     assert elapsed < 20, elapsed  # the launcher stops rank 0 at once, no timeout is waited out
+
+
+@pytest.mark.slow
+def test_a_worker_that_exits_without_a_word_is_named_with_its_exit_code(helpers):
+    proc = cli(helpers, "--mode", "ddp", "--model", "engine_helpers:exiting", "--out", "exit",
+               "--timeout", "20", "-q")  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == (
+        "Error: worker rank 1 failed: exit code 7; the other workers were stopped"
+    ), proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hang", ["1", "0"])
+def test_a_hung_rank_is_named_within_the_timeout(helpers, hang):
+    started = time.monotonic()
+    env = {**os.environ, "HANG_RANK": hang}
+    proc = subprocess.run([sys.executable, "-m", "ckptkit", "train", "--mode", "ddp", "--model",
+                           "engine_helpers:hanging", "--out", "hang", "--timeout", "6", "-q"],
+                          cwd=helpers, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == (
+        f"Error: rank {hang} hung: it never reached the collective the other ranks waited in for "
+        "--timeout 6 s; see what it was doing: a stuck data loader, a deadlock, fewer batches "
+        "than the others; the other workers were stopped"
+    ), proc.stderr[-3000:]
+    # the timeout, the check-in (5 s), the hung rank's grace after SIGTERM (5 s), start-up
+    assert elapsed < 6 + 25, elapsed
+
+
+@pytest.mark.slow
+def test_workers_run_one_thread_each_as_under_torchrun(helpers):
+    proc = cli(helpers, "--mode", "ddp", "--model", "engine_helpers:threads", "--epochs", "1",
+               "--out", "threads")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "OMP_NUM_THREADS=1 in each of the 2 workers, as torchrun sets it" in proc.stderr
+    for rank in (0, 1):
+        assert (helpers / f"threads-{rank}.txt").read_text() == "1 1"
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # the user's choice stands
+    done = subprocess.run([sys.executable, "-m", "ckptkit", "train", "--mode", "ddp", "--model",
+                           "engine_helpers:threads", "--epochs", "1", "--out", "threads2", "-q"],
+                          cwd=helpers, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (helpers / "threads-1.txt").read_text() == "2 2"
 
 
 def test_sigkill_during_a_save_loses_nothing(helpers):
@@ -326,7 +410,12 @@ def test_a_save_that_runs_out_of_space_keeps_the_previous_checkpoint(helpers):
     )
     assert (out / "ckpt-epoch0001.pt").read_bytes() == before
     assert (out / LATEST).read_text().strip() == "ckpt-epoch0001.pt"
-    assert sorted(p.name for p in out.iterdir()) == ["ckpt-epoch0001.pt", "latest", "metrics.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "ckpt-epoch0001.pt",
+        "latest",
+        "metrics.jsonl",
+        "steps.jsonl",
+    ]
 
 
 def test_a_read_only_run_folder_fails_before_training(helpers):
@@ -371,6 +460,7 @@ def test_two_nodes_simulated_on_localhost(tmp_path):
     assert proc.returncode == 0, proc.stderr
     meta = torch.load(out / "ckpt-epoch0002.pt", weights_only=True)["ckptkit"]
     assert (meta["world_size"], meta["nodes"], meta["mode"]) == (2, 2, "ddp")
+    assert meta["config"]["nproc_per_node"] == 1  # what torchrun started, not the default 2
 
 
 def test_examples_train_own_model_and_load_anywhere(tmp_path):
@@ -444,3 +534,63 @@ def test_package_exposes_the_engine_lazily(tmp_path):
         "assert r.epochs_run == 1 and isinstance(ckptkit.TrainConfig(), ckptkit.engine.TrainConfig)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# --- resuming and run-folder housekeeping ----------------------------------------------------
+
+
+def test_resuming_with_nothing_left_to_train_is_a_usage_error(tmp_path, run_cli_train):
+    run(tmp_path, "done", epochs=2)
+    with pytest.raises(UsageError, match="ckpt-epoch0002.pt is at epoch 2 and --epochs is 2"):
+        run(tmp_path, "done", epochs=2, resume="auto")
+    # refused before any worker starts, in the parent
+    result = run_cli_train("--mode", "ddp", "--epochs", "1", "--resume",
+                           str(tmp_path / "done" / "ckpt-epoch0002.pt"), "-q")  # fmt: skip
+    assert result.exit_code == 2
+    assert "is at epoch 2 and --epochs is 1: nothing left to train" in result.stderr
+    assert "give --epochs above 2" in result.stderr
+
+
+def test_metrics_are_rewound_to_the_checkpoint_resumed_from(tmp_path):
+    run(tmp_path, "m", epochs=3, keep_last=0)
+    out = tmp_path / "m"
+    run(tmp_path, "m", epochs=4, resume=str(out / "ckpt-epoch0002.pt"))
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in lines] == [1, 2, 3, 4]
+    run(tmp_path, "m", epochs=1)  # a fresh run in the same folder starts the file again
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [1]
+
+
+def test_a_killed_saves_temp_files_go_at_start_up(tmp_path):
+    out = tmp_path / "stale"
+    out.mkdir()
+    stale = out / ".ckpt-epoch0007.pt.x1y2.tmp"
+    stale.write_bytes(b"0" * 1024)
+    seen = []
+
+    def model():
+        class Probe(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = demo_model()
+
+            def forward(self, x):
+                seen.append(stale.exists())  # the first step: before any save
+                raise RuntimeError("stop here")
+
+        return Probe()
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        train(TrainConfig(out=str(out), model=model, **FAST))
+    assert seen == [False]
+
+
+def test_every_node_reports_what_rank_0_wrote():
+    from ckptkit.render import train_lines
+
+    result = ckptkit.engine.TrainResult("run", 2, None, "run/ckpt-epoch0002.pt", rank=2,
+                                        writer_host="node-a")  # fmt: skip
+    assert train_lines(result, "ddp")[-1] == (
+        "Checkpoint run/ckpt-epoch0002.pt (written by rank 0 on node-a)"
+    )

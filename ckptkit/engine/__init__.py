@@ -1,15 +1,32 @@
 """The training engine: one loop for single-device, DataParallel, DDP and FSDP runs.
 
-Imports torch; ``import ckptkit`` reaches it only when ``ckptkit.train`` is first used.
+``TrainConfig`` is plain data; the rest imports torch, when first used.
 """
 
 from __future__ import annotations
 
-from ckptkit.engine.distributed import Mode, under_launcher
-from ckptkit.engine.trainer import Engine, TrainConfig, TrainResult
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.engine.config import TrainConfig
 from ckptkit.errors import UsageError
 
+if TYPE_CHECKING:
+    from ckptkit.engine.distributed import Mode
+    from ckptkit.engine.trainer import Engine, TrainResult
+
 __all__ = ["train", "Engine", "TrainConfig", "TrainResult", "Mode"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Engine", "TrainResult"):
+        from ckptkit.engine import trainer
+
+        return getattr(trainer, name)
+    if name == "Mode":
+        from ckptkit.engine.distributed import Mode
+
+        return Mode
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
@@ -24,16 +41,38 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
     Raises:
         CkptkitError: bad options, a failed worker (named by rank), or a failed save.
     """
+    from ckptkit.engine.distributed import Mode, under_launcher
+
     config = config or TrainConfig(**options)  # type: ignore[arg-type]
     config.check()
     if Mode(config.mode).distributed and not under_launcher():
+        # Only what launching needs is imported here: the workers wait for this process.
         from ckptkit.engine.launch import launch
 
-        if config.batch_size % config.nproc_per_node:
-            ranks = config.nproc_per_node
+        if config.resume is not None:
+            _check_resume(config)  # here, before any worker starts
+        ranks = config.nproc_per_node * config.grad_accum
+        if config.batch_size % ranks:
             raise UsageError(
-                f"--batch-size {config.batch_size} does not split over {ranks} ranks",
+                f"--batch-size {config.batch_size} does not split over {config.nproc_per_node} "
+                f"ranks x {config.grad_accum} micro-batches",
                 f"use a multiple of {ranks}",
             )
         return launch(config)
+    from ckptkit.engine.trainer import Engine
+
     return Engine(config).run()
+
+
+def _check_resume(config: TrainConfig) -> None:
+    """Refuse a resume that leaves nothing to train (its epoch read, its tensors mapped)."""
+    from pathlib import Path
+
+    from ckptkit.engine.checkpoint import find_resume, load_payload
+    from ckptkit.engine.trainer import check_epochs  # only to resume
+
+    path = find_resume(config.resume, Path(config.out))
+    if path is not None:
+        payload = load_payload(path, mmap=True)
+        check_epochs(path, int(payload.get("epoch", 0)), config.epochs,
+                     int(payload.get("step", 0)), config.max_steps)  # fmt: skip

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint._traverse import set_element
 
+from ckptkit.engine.ptwriter import write_payload
 from ckptkit.errors import CkptkitError, FormatError
 from ckptkit.formats.atomic import atomic_folder, atomic_output
 from ckptkit.formats.tensors import as_bytes, dtype_name
@@ -39,15 +38,24 @@ __all__ = [
 ]
 
 LATEST = "latest"
+BEST = "best"  # names the checkpoint with the best --monitor value
 TRAIN_STATE = "meta.pt"  # beside a DCP checkpoint's shards: counters, scheduler, RNG, metadata
-_NAME = re.compile(r"ckpt-epoch(\d{4,})(?:\.(pt|safetensors))?")
-_PREFERENCE = {".pt": 0, "": 1, ".safetensors": 2}  # which one an epoch saved twice resumes from
+# ckpt-epoch0003.pt after 3 epochs; ckpt-epoch0003-step00000070.pt 70 steps in, during the 4th.
+_NAME = re.compile(r"ckpt-epoch(\d{4,})(?:-step(\d{8,}))?(?:\.(pt|safetensors))?")
+_PREFERENCE = {".pt": 0, "": 1, ".safetensors": 2}  # which one a step saved twice resumes from
+
+# The parts of a training checkpoint, named once: the trainer writes them, resume reads them.
+MODEL, OPTIMIZER, OPTIM_DCP, META = "model", "optimizer", "optim", "ckptkit"
+EPOCH, STEP, SAMPLES, BATCH = "epoch", "step", "samples_seen", "batch_in_epoch"
+PARTIAL, RNG, SCALER, MONITOR = "epoch_partial", "rng", "scaler", "monitor"
+DIGEST = "weights_sha256"  # in META: set by commit() as the weights are written
 
 
-def checkpoint_name(epoch: int, suffix: str = "pt") -> str:
-    """``ckpt-epoch0003.pt``; a DCP checkpoint (``suffix`` ``dcp``) is the folder
-    ``ckpt-epoch0003``."""
-    return f"ckpt-epoch{epoch:04d}" + ("" if suffix == "dcp" else f".{suffix}")
+def checkpoint_name(epoch: int, suffix: str = "pt", *, step: int | None = None) -> str:
+    """``ckpt-epoch0003.pt`` after 3 epochs, ``ckpt-epoch0003-step00000070.pt`` at step 70
+    during the 4th; a DCP checkpoint (``suffix`` ``dcp``) is a folder of that name."""
+    stem = f"ckpt-epoch{epoch:04d}" + (f"-step{step:08d}" if step is not None else "")
+    return stem + ("" if suffix == "dcp" else f".{suffix}")
 
 
 def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
@@ -63,15 +71,14 @@ def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
 def list_checkpoints(folder: Path) -> list[Path]:
     """Complete checkpoints in ``folder``, oldest first, one per epoch (the ``.pt`` when both
     formats were saved). Temp files and folders are never listed."""
-    by_epoch: dict[int, Path] = {}
+    found: dict[tuple[int, int], Path] = {}
     for path in folder.glob("ckpt-epoch*"):
-        if (m := _NAME.fullmatch(path.name)) and (m.group(2) or path.is_dir()):
-            epoch = int(m.group(1))
-            if epoch not in by_epoch or _PREFERENCE[path.suffix] < _PREFERENCE[
-                by_epoch[epoch].suffix
-            ]:  # fmt: skip
-                by_epoch[epoch] = path
-    return [by_epoch[e] for e in sorted(by_epoch)]
+        if (m := _NAME.fullmatch(path.name)) and (m.group(3) or path.is_dir()):
+            # An epoch's end sorts before the steps into the next one.
+            at = (int(m.group(1)), int(m.group(2)) if m.group(2) else -1)
+            if at not in found or _PREFERENCE[path.suffix] < _PREFERENCE[found[at].suffix]:
+                found[at] = path
+    return [found[at] for at in sorted(found)]
 
 
 def commit(
@@ -81,20 +88,24 @@ def commit(
     *,
     keep_last: int,
     formats: tuple[str, ...] = ("pt",),
+    step: int | None = None,
 ) -> Path:
     """Write one checkpoint by the commit protocol and return its path (the ``.pt`` if any).
 
     ``pt`` is the whole training state; ``safetensors`` the weights, with the run's metadata in
     the header. Every file is complete before the ``latest`` pointer moves.
     """
-    _remove_stale(folder)
+    remove_stale(folder)
     written = []
     for suffix in formats:
-        path = folder / checkpoint_name(epoch, suffix)
+        path = folder / checkpoint_name(epoch, suffix, step=step)
         with atomic_output(path, force=True) as tmp:
-            if suffix == "pt":
-                _torch_save(payload, tmp)
+            if suffix == "pt":  # the weights hashed as they are written (ptwriter)
+                write_payload(tmp, payload, weights=MODEL, meta=META, digest_key=DIGEST)
             else:
+                meta = payload.setdefault(META, {})
+                if DIGEST in meta and meta[DIGEST] is None:  # no .pt wrote it: hash here
+                    meta[DIGEST] = weights_sha256(payload[MODEL])
                 _write_weights(tmp, payload)
         written.append(path)
     _point_latest(folder, written[0])
@@ -102,7 +113,8 @@ def commit(
     return written[0]
 
 
-def _remove_stale(folder: Path) -> None:
+def remove_stale(folder: Path) -> None:
+    """Remove the temp files and folders a run killed mid-save left in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob(".ckpt-epoch*.tmp"):  # left by a run killed mid-save
         with contextlib.suppress(OSError):
@@ -113,7 +125,12 @@ def _remove_stale(folder: Path) -> None:
 
 
 def _point_latest(folder: Path, path: Path) -> None:
-    with atomic_output(folder / LATEST, force=True) as tmp:
+    point(folder, LATEST, path)
+
+
+def point(folder: Path, pointer: str, path: Path) -> None:
+    """Make ``folder/pointer`` (``latest``, ``best``) name ``path``, atomically."""
+    with atomic_output(folder / pointer, force=True) as tmp:
         tmp.write_text(path.name + "\n")
 
 
@@ -126,6 +143,7 @@ def commit_dcp(
     is_main: bool,
     share: Callable[[str | None], str],
     keep_last: int,
+    step: int | None = None,
 ) -> Path:
     """Write one DCP checkpoint by the commit protocol; every rank calls it.
 
@@ -137,7 +155,7 @@ def commit_dcp(
     """
     import torch.distributed.checkpoint as dcp
 
-    final = folder / checkpoint_name(epoch, "dcp")
+    final = folder / checkpoint_name(epoch, "dcp", step=step)
     if not is_main:
         dcp.save(shards, checkpoint_id=Path(share(None)))  # into rank 0's temp folder
         return final
@@ -196,7 +214,11 @@ def _write_weights(path: Path, payload: dict[str, Any]) -> None:
 def _prune(folder: Path, keep_last: int, *, keep: Path) -> None:
     if keep_last <= 0:
         return
+    best = folder / BEST
+    kept = {keep.name, best.read_text().strip() if best.is_file() else ""}
     for old in list_checkpoints(folder)[:-keep_last]:
+        if old.name in kept:  # the best one stays, whatever its age
+            continue
         if old != keep:
             stem = folder / old.stem  # ckpt-epoch0002: the folder, and the files' stem
             for victim in (stem.with_suffix(".pt"), stem.with_suffix(".safetensors")):
@@ -278,11 +300,12 @@ def _load_weights(path: Path) -> dict[str, Any]:
     except Exception as exc:
         raise FormatError(f"cannot resume from {path}: {exc}") from None
     counters = {
-        "epoch": training.get("epoch", 0),
-        "step": training.get("step", 0),
-        "samples_seen": training.get("samples", 0),
+        EPOCH: training.get("epoch", 0),
+        STEP: training.get("step", 0),
+        SAMPLES: training.get("samples", 0),
+        BATCH: training.get("batch", 0),
     }
-    return {"model": state, **counters}
+    return {MODEL: state, **counters}
 
 
 def _dcp_train_state(path: Path) -> dict[str, Any]:
@@ -307,7 +330,7 @@ def load_dcp(path: Path, shards: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(shards, checkpoint_id=path, planner=_SafeLoadPlanner())
+        dcp.load(shards, checkpoint_id=path, planner=_safe_load_planner())
     except (Exception, CheckpointException) as exc:
         raise FormatError(
             f"cannot resume from {path}: {_dcp_failure(exc)}",
@@ -328,12 +351,18 @@ def _dcp_failure(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, but plain values go through torch's safe loader."""
+def _safe_load_planner() -> Any:
+    """DCP's default load planner, but plain values go through torch's safe loader. (Made
+    here: importing torch.distributed.checkpoint costs half a second every run would pay.)"""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
 
-    def load_bytes(self, read_item: Any, value: Any) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeLoadPlanner()

@@ -4,7 +4,10 @@ dicts in single, dp and ddp; FSDP2's sharded ones (DTensors) or gathered full on
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -14,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckptkit.errors import UsageError
+from ckptkit.errors import HungRankError, UsageError
 
 __all__ = [
     "Mode",
@@ -24,6 +27,9 @@ __all__ = [
     "wrap",
     "unwrap",
     "under_launcher",
+    "hung_rank",
+    "gradient_sync",
+    "StopVote",
     "training_state",
     "load_training_state",
 ]
@@ -49,9 +55,14 @@ class Context:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    local_world_size: int = 1  # ranks on this node
     nodes: int = 1
     backend: str | None = None
     device: torch.device = torch.device("cpu")
+    # A gloo group beside the main one, for naming a rank that hangs (monitored_barrier is
+    # gloo's; nccl has none).
+    monitor: Any = None
+    timeout_s: float = 60.0
 
     @property
     def is_main(self) -> bool:
@@ -112,7 +123,74 @@ def setup(mode: Mode, device: str = "cpu", *, timeout_s: float = 60.0) -> Contex
     dev = _device(device, local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return Context(mode, rank, local_rank, world, max(1, world // local_world), backend, dev)
+    monitor = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return Context(mode, rank, local_rank, world, local_world, max(1, world // local_world),
+                   backend, dev, monitor, timeout_s)  # fmt: skip
+
+
+class StopVote:
+    """Whether any rank wants to stop (it got SIGTERM), agreed by all: every ``every`` steps
+    the ranks' votes are summed while the next steps run, so voting costs no wait and little
+    traffic (a blocking all-reduce each step cost 4% of a DDP step here)."""
+
+    def __init__(self, ctx: Context, every: int = 8) -> None:
+        self.ctx, self.every, self.round = ctx, every, 0
+        self.pending: Any = None
+        self.votes = torch.zeros(1, device=ctx.device)
+
+    def cast(self, mine: bool) -> bool:
+        """Vote after a step; returns whether any rank voted to stop in the previous round (in
+        a single process: this vote, at once)."""
+        if not self.ctx.mode.distributed:
+            return mine
+        self.round += 1
+        if self.round % self.every:
+            return False
+        stop = False
+        if self.pending is not None:
+            self.pending.wait()
+            stop = bool(self.votes.item() > 0)
+        self.votes = torch.full((1,), 1.0 if mine else 0.0, device=self.ctx.device)
+        self.pending = dist.all_reduce(self.votes, async_op=True)
+        return stop
+
+    def close(self) -> None:
+        """Wait for the last round (before the group's next collectives or its end)."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+
+_MONITOR_WAIT_S = 5.0  # how long the ranks that timed out wait for the others to check in
+_MISSING = (
+    re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier"),  # rank 0's view
+    re.compile(r"waiting for send/recv from rank (\d+)"),  # the others': rank 0 did not answer
+)
+
+
+def hung_rank(ctx: Context, exc: BaseException) -> HungRankError | None:
+    """After ``exc``, when it is a collective that timed out: which rank never came. Every rank
+    that timed out meets the others at a monitored barrier on the side group; the rank that
+    hangs does not arrive, and gloo names it. None when ``exc`` is no timeout, or every rank
+    arrives."""
+    if ctx.monitor is None or "Timed out" not in str(exc):
+        return None
+    try:
+        dist.monitored_barrier(
+            group=ctx.monitor, timeout=timedelta(seconds=_MONITOR_WAIT_S), wait_all_ranks=True
+        )
+    except RuntimeError as err:
+        found = next((m for rx in _MISSING if (m := rx.search(str(err)))), None)
+        if found is None:
+            return None
+        ranks = [int(r) for r in found.group(1).split(",")]
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        return HungRankError(
+            f"{who} hung: it never reached the collective the other ranks waited in for "
+            f"--timeout {ctx.timeout_s:g} s",
+            "see what it was doing: a stuck data loader, a deadlock, fewer batches than the others",
+        )
+    return None
 
 
 def teardown(ctx: Context) -> None:
@@ -140,6 +218,24 @@ def wrap(model: nn.Module, ctx: Context) -> nn.Module:
         sharded: nn.Module = fully_shard(model, mesh=mesh)  # type: ignore[assignment]
         return sharded  # the same module, its parameters now DTensors
     return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, ctx: Context, *, enabled: bool) -> Iterator[None]:
+    """Backward passes inside, with ``enabled`` False, keep their gradients on this rank (a
+    micro-batch before the last of an optimizer step): DDP's ``no_sync``, FSDP2's
+    ``set_requires_gradient_sync``; nothing to do in the other modes."""
+    if enabled or not ctx.mode.distributed:
+        yield
+    elif isinstance(model, nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    else:  # FSDP2: the module itself
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, list[str]]:

@@ -1,16 +1,25 @@
-"""The training loop: one code path for single-device, DataParallel, DDP and FSDP runs."""
+"""The training loop: one code path for single-device, DataParallel, DDP and FSDP runs.
+
+A run is build (``engine.build``) -> resume -> loop. The loop counts optimizer steps; a
+checkpoint saved between epochs or mid-epoch (``--save-every-steps``, ``--max-steps``, SIGTERM)
+holds where it stands in the epoch, every rank's RNG and the epoch's running sums, so a run
+resumed from it continues as if it had never stopped.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import importlib
 import json
+import os
 import platform
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,63 +27,45 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ckptkit.engine import checkpoint
-from ckptkit.engine.demo import demo_data, demo_model
+from ckptkit.engine.build import Run, build, forward, lr_factor
+from ckptkit.engine.checkpoint import (
+    BATCH,
+    EPOCH,
+    META,
+    MODEL,
+    MONITOR,
+    OPTIM_DCP,
+    OPTIMIZER,
+    PARTIAL,
+    RNG,
+    SAMPLES,
+    SCALER,
+    STEP,
+)
+from ckptkit.engine.config import TrainConfig
 from ckptkit.engine.distributed import (
     Context,
     Mode,
+    StopVote,
+    gradient_sync,
+    hung_rank,
     load_training_state,
     setup,
     teardown,
     training_state,
-    unwrap,
-    wrap,
 )
-from ckptkit.errors import UsageError
+from ckptkit.engine.saver import BackgroundSaver, staged
+from ckptkit.errors import Preempted, UsageError
+from ckptkit.formats.tree import map_leaves
 from ckptkit.keys import match_keys, mismatch_message
 from ckptkit.meta import VERSION
 
-__all__ = ["TrainConfig", "TrainResult", "Engine"]
+__all__ = ["TrainConfig", "TrainResult", "Engine", "check_epochs", "METRICS_LOG", "STEPS_LOG"]
 
-
-@dataclass
-class TrainConfig:
-    """Everything a run is made of; saved in every checkpoint."""
-
-    mode: str = "single"
-    epochs: int = 4
-    batch_size: int = 64  # global: split evenly over the ranks
-    lr: float = 0.05
-    momentum: float = 0.9
-    seed: int = 0
-    out: str = "runs/ckptkit"
-    save_every: int = 1
-    keep_last: int = 3
-    resume: str | None = None  # a checkpoint path, or "auto"
-    device: str = "cpu"
-    save_format: str | None = None  # pt, safetensors, both or dcp; None: dcp in fsdp, else pt
-    # "module:factory" or a callable (picklable, for DDP); None: the built-in demo model / data.
-    model: str | Callable[[], nn.Module] | None = None
-    data: str | Callable[[], Dataset] | None = None
-    nproc_per_node: int = 2
-    timeout_s: float = 60.0  # process-group timeout: a missing rank fails fast
-    quiet: bool = False
-
-    def check(self) -> None:
-        """Refuse values that cannot work, before any process starts."""
-        if self.mode not in {m.value for m in Mode}:
-            raise UsageError(f"unknown mode '{self.mode}'", "use single, dp, ddp or fsdp")
-        if self.save_format is None:
-            self.save_format = "dcp" if self.mode == Mode.FSDP.value else "pt"
-        if self.save_format not in ("pt", "safetensors", "both", "dcp"):
-            raise UsageError(
-                f"unknown --save-format '{self.save_format}'", "use pt, safetensors, both or dcp"
-            )
-        for name in ("epochs", "batch_size", "save_every", "nproc_per_node"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+METRICS_LOG = "metrics.jsonl"  # a line per epoch: the ranks' sums, validation
+STEPS_LOG = "steps.jsonl"  # a line per --log-every steps: rank 0's loss, accuracy, lr
 
 
 @dataclass
@@ -84,166 +75,358 @@ class TrainResult:
     out: str
     epochs_run: int
     resumed_from: str | None
-    checkpoint: str | None
+    checkpoint: str | None  # rank 0's last, on every rank
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    rank: int = 0
+    writer_host: str = ""  # where rank 0 wrote the checkpoint
+    steps: int = 0  # optimizer steps taken in all, resumed ones included
+    stopped: str | None = None  # "max_steps", "early_stop" or "SIGTERM" when one ended it
+    save_stalls: list[float] = field(default_factory=list)  # seconds each save held training
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _factory(spec: str | Callable[[], Any] | None, default: Callable[[], Any], what: str) -> Any:
-    if spec is None:
-        return default()
-    if callable(spec):
-        return spec()
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise UsageError(
-            f"--{what} '{spec}' is not MODULE:FACTORY", f"e.g. --{what} mypkg.models:build"
-        )
-    if "" not in sys.path:
-        sys.path.insert(0, "")  # like `python -m`: the current folder's modules are importable
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise UsageError(f"cannot load --{what} '{spec}': {exc}") from None
-    return factory()
+@dataclass
+class _State:
+    """Where the run stands: epochs done, optimizer steps, samples seen, batches of the
+    current epoch done, and the epoch's running sums (loss x samples, correct, samples)."""
 
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
+    epoch: int = 0
+    step: int = 0
+    samples: int = 0
+    batch: int = 0
+    partial: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    best: float | None = None  # the best --monitor value so far
+    bad: int = 0  # validations since it last improved
 
 
 class Engine:
-    """Runs the loop in this process (rank 0, or one DDP worker). Build with a config; call
-    :meth:`run`. ``ckptkit.train`` starts the DDP workers for you."""
+    """Runs the loop in this process (rank 0, or one DDP/FSDP worker). Build with a config;
+    call :meth:`run`. ``ckptkit.train`` starts the workers for you."""
 
     def __init__(self, config: TrainConfig) -> None:
         config.check()
         self.config = config
         self.ctx: Context | None = None
+        self._stop_requested = False
+        self._watchdog: threading.Timer | None = None
+        self._last_step_s = 0.0
+        self._vote: StopVote | None = None
+        # --async-save: rank 0 writes on a thread (the other ranks have nothing to write).
+        self._saver: BackgroundSaver | None = None
 
     def run(self) -> TrainResult:
         cfg = self.config
         ctx = self.ctx = setup(Mode(cfg.mode), cfg.device, timeout_s=cfg.timeout_s)
+        if ctx.mode.distributed:  # under torchrun: what the launcher really started
+            cfg.nproc_per_node = ctx.local_world_size
         try:
-            return self._run(ctx)
+            with self._sigterm_requests_a_stop():
+                return self._run(ctx)
+        except RuntimeError as exc:
+            hung = hung_rank(ctx, exc)
+            if hung is None:
+                raise
+            if ctx.rank != 0:  # rank 0 names the hung rank when it can: let its word land first
+                time.sleep(2.0)
+            raise hung from None
         finally:
             teardown(ctx)
 
+    @contextlib.contextmanager
+    def _sigterm_requests_a_stop(self) -> Iterator[None]:
+        """SIGTERM (what schedulers send before preemption) asks for a checkpoint at the next
+        step boundary; the run then stops with :class:`Preempted`."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request(signum: int, frame: Any) -> None:
+            if self._stop_requested:  # already on its way (a launcher forwards it again)
+                return
+            self._stop_requested = True
+            self._arm_watchdog()
+
+        previous = signal.signal(signal.SIGTERM, request)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+
+    def _arm_watchdog(self) -> None:
+        """After SIGTERM: a rank stuck mid-step (hung, or stopped by the launcher after another
+        failed) never reaches the next step boundary, so it leaves after a grace of a few
+        steps' time. Armed again at every boundary until the ranks agree to stop."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        grace = _SIGTERM_GRACE_S + 2 * self._last_step_s
+        self._watchdog = threading.Timer(grace, _leave, (grace, self.config.quiet))
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
     def _run(self, ctx: Context) -> TrainResult:
         cfg = self.config
-        if cfg.batch_size % ctx.world_size:
-            raise UsageError(
-                f"--batch-size {cfg.batch_size} does not split over {ctx.world_size} ranks",
-                f"use a multiple of {ctx.world_size}",
-            )
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        model = _factory(cfg.model, demo_model, "model")
-        dataset: Dataset = _factory(cfg.data, demo_data, "data")
-        wrapped = wrap(model, ctx)
-        if ctx.mode is Mode.DP and ctx.device.type != "cuda" and not cfg.quiet:
-            print("dp: no GPU visible, so DataParallel runs the module on the CPU", file=sys.stderr)
-        inner, chain = unwrap(wrapped)
-        optimizer = torch.optim.SGD(wrapped.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-        # One shuffling rule for every mode: DistributedSampler over the world (of 1 outside
-        # DDP), so a global batch holds the same samples whatever the world size.
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            dataset,
-            num_replicas=ctx.world_size,
-            rank=ctx.rank,
-            shuffle=True,
-            seed=cfg.seed,
-            drop_last=True,
-        )
-        loader = DataLoader(
-            dataset, batch_size=cfg.batch_size // ctx.world_size, sampler=sampler, drop_last=True
-        )
+        if cfg.async_save and ctx.is_main:
+            self._saver = BackgroundSaver()
+        try:
+            return self._train(ctx)
+        finally:
+            if self._saver is not None:  # the last save completes (its error raised) first
+                self._saver.wait()
+
+    def _train(self, ctx: Context) -> TrainResult:
+        cfg = self.config
+        run = build(cfg, ctx)
         out = Path(cfg.out)
         if ctx.is_main:
             _check_writable(out)  # fail now, not after the first epoch
-        state = {"epoch": 0, "step": 0, "samples": 0}
+            checkpoint.remove_stale(out)  # a killed run's temp files: now, not at the next save
+        state = _State()
         torch.manual_seed(cfg.seed + 1000 * ctx.rank)  # per-rank streams (dropout and the like)
         resumed = checkpoint.find_resume(cfg.resume, out)
         if resumed is not None:
-            self._restore(resumed, inner, optimizer, scheduler, state, ctx)
-        result = TrainResult(str(out), 0, str(resumed) if resumed else None, None)
-        for epoch in range(state["epoch"], cfg.epochs):
-            sampler.set_epoch(epoch)
-            metrics = self._epoch(wrapped, loader, optimizer, ctx, epoch)
-            scheduler.step()
-            state["epoch"] = epoch + 1
-            state["step"] += len(loader)
-            state["samples"] += len(loader) * cfg.batch_size
-            result.epochs_run += 1
-            if ctx.is_main:
-                result.metrics.append(metrics)
-                out.mkdir(parents=True, exist_ok=True)
-                with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(metrics) + "\n")
-                if not cfg.quiet:
-                    print(
-                        f"epoch {metrics['epoch']}/{cfg.epochs}  loss {metrics['loss']:.4f}  "
-                        f"acc {metrics['accuracy']:.3f}  {metrics['samples_per_s']:.0f} samples/s",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            if state["epoch"] % cfg.save_every == 0 or state["epoch"] == cfg.epochs:
-                rng = ctx.gather(_rng_state())
-                path = self._save(inner, chain, optimizer, scheduler, state, rng, ctx)
-                if ctx.is_main:
-                    result.checkpoint = str(path)
-                ctx.barrier()  # every rank waits for the commit, so none runs ahead of it
+            self._restore(resumed, run, state, ctx)
+            check_epochs(resumed, state.epoch, cfg.epochs, state.step, cfg.max_steps)
+        if ctx.is_main:  # the lines of what comes after the checkpoint are trained again
+            for log in (METRICS_LOG, STEPS_LOG):
+                _rewind_metrics(out / log, state.step)
+        result = TrainResult(str(out), 0, str(resumed) if resumed else None, None, rank=ctx.rank)
+        while state.epoch < cfg.epochs:
+            stop = self._epoch(run, ctx, state, result)
+            if stop is not None:
+                result.stopped = stop
+                break
+        if self._vote is not None:  # its last round, before the gather below
+            self._vote.close()
+        if self._saver is not None:  # the last checkpoint complete before it is reported
+            self._saver.wait()
+        result.steps = state.step
+        # Every rank (every node's launcher prints) says what rank 0 wrote, and where.
+        result.checkpoint, result.writer_host = ctx.gather((result.checkpoint, platform.node()))[0]
+        if result.stopped == "SIGTERM":
+            raise Preempted(
+                f"stopped by SIGTERM at step {state.step}: saved {result.checkpoint}",
+                "resume with --resume auto",
+            )
         return result
 
-    def _epoch(
-        self,
-        wrapped: nn.Module,
-        loader: DataLoader,
-        optimizer: torch.optim.Optimizer,
-        ctx: Context,
-        epoch: int,
-    ) -> dict[str, Any]:
+    def _epoch(self, run: Run, ctx: Context, state: _State, result: TrainResult) -> str | None:
+        """Train (the rest of) one epoch. Returns why it stopped early: ``max_steps`` or
+        ``SIGTERM`` (a checkpoint saved), or None at the epoch's end."""
         from tqdm import tqdm
 
-        wrapped.train()
-        loss_sum = correct = count = 0.0
-        started = time.perf_counter()
-        show = ctx.is_main and not self.config.quiet and sys.stderr.isatty()
-        for inputs, labels in tqdm(
-            loader, desc=f"epoch {epoch + 1}", leave=False, disable=not show
-        ):
-            inputs, labels = inputs.to(ctx.device), labels.to(ctx.device)
-            optimizer.zero_grad(set_to_none=True)
-            logits = wrapped(inputs)
-            loss = nn.functional.cross_entropy(logits, labels)
-            loss.backward()
-            optimizer.step()
-            loss_sum += float(loss.detach()) * len(labels)
-            correct += float((logits.argmax(1) == labels).sum())
-            count += len(labels)
-        loss_sum, correct, count = ctx.sum([loss_sum, correct, count])
+        cfg = self.config
+        run.wrapped.train()
+        loader = run.loader(state.epoch, state.batch, num_workers=cfg.num_workers,
+                            seed=cfg.seed * 1_000_003 + ctx.rank)  # fmt: skip
+        local = [0.0, 0.0, 0.0]
+        window = [0.0, 0.0, 0.0]  # since the last line of steps.jsonl (rank 0's own)
+        started, first_step = time.perf_counter(), state.step
+        show = ctx.is_main and not cfg.quiet and sys.stderr.isatty()
+        bar = tqdm(loader, desc=f"epoch {state.epoch + 1}", leave=False, disable=not show,
+                   initial=state.batch, total=run.steps_per_epoch)  # fmt: skip
+        stop = None
+        for batch in bar:
+            step_started = time.perf_counter()
+            for i, value in enumerate(self._step(run, batch, ctx, state.step)):
+                local[i] += value
+                window[i] += value
+            self._last_step_s = time.perf_counter() - step_started
+            state.batch += 1
+            state.step += 1
+            state.samples += cfg.batch_size
+            if ctx.is_main and state.step % cfg.log_every == 0:
+                self._log_steps(window, state, run)
+                window = [0.0, 0.0, 0.0]
+            stop = self._stop_reason(ctx, state)
+            if state.batch == run.steps_per_epoch:
+                break  # the epoch's end saves below
+            every = cfg.save_every_steps
+            if stop is not None or (every and state.step % every == 0):
+                partial = state.partial
+                state.partial = [a + b for a, b in zip(partial, ctx.sum(local), strict=True)]
+                self._save_and_record(run, ctx, state, result, mid_epoch=True)
+                state.partial = partial
+            if stop is not None:
+                bar.close()
+                return stop
+        bar.close()
+        totals = [a + b for a, b in zip(state.partial, ctx.sum(local), strict=True)]
         elapsed = time.perf_counter() - started
-        return {
-            "epoch": epoch + 1,
-            "loss": loss_sum / max(count, 1),
-            "accuracy": correct / max(count, 1),
-            "samples_per_s": count / elapsed if elapsed else 0.0,
+        metrics = {
+            "epoch": state.epoch + 1,
+            "step": state.step,
+            "loss": totals[0] / max(totals[2], 1),
+            "accuracy": totals[1] / max(totals[2], 1) if totals[1] == totals[1] else None,
+            "lr": cfg.lr * lr_factor(cfg, state.step - 1, run.steps_per_epoch),
+            "samples_per_s": (state.step - first_step) * cfg.batch_size / elapsed
+            if elapsed
+            else 0.0,
             "world_size": ctx.world_size,
         }
+        state.epoch += 1
+        state.batch = 0
+        state.partial = [0.0, 0.0, 0.0]
+        if run.val_dataset is not None and (
+            state.epoch % cfg.val_every == 0 or state.epoch == cfg.epochs
+        ):
+            metrics.update(self._validate(run, ctx))
+        improved = self._judge(metrics, state)
+        if stop is None and cfg.early_stop_patience and state.bad >= cfg.early_stop_patience:
+            stop = "early_stop"
+        result.epochs_run += 1
+        result.metrics.append(metrics)  # summed over the ranks: the same on every one
+        if ctx.is_main:
+            self._log(metrics)
+        if (
+            stop is not None
+            or improved  # the best one is always saved
+            or state.epoch % cfg.save_every == 0
+            or state.epoch == cfg.epochs
+        ):
+            self._save_and_record(run, ctx, state, result, mid_epoch=False)
+            if improved and ctx.is_main and result.checkpoint:
+                checkpoint.point(Path(cfg.out), checkpoint.BEST, Path(result.checkpoint))
+        return stop
 
-    def _metadata(
-        self, weights: dict[str, Any] | None, chain: list[str], ctx: Context, state: dict[str, int]
-    ) -> dict[str, Any]:
-        """The run's record in every checkpoint; ``weights`` (whole, on rank 0) are hashed,
-        None for a DCP checkpoint, whose shards no rank holds whole."""
+    def _judge(self, metrics: dict[str, Any], state: _State) -> bool:
+        """Whether the ``--monitor`` metric improved this epoch (state keeps the best)."""
+        name = self.config.monitor
+        value = metrics.get(name) if name else None
+        if value is None:
+            return False
+        better = state.best is None or (
+            value < state.best if self.config.monitor_mode == "min" else value > state.best
+        )
+        if better:
+            state.best, state.bad = float(value), 0
+        else:
+            state.bad += 1
+        return better
+
+    def _validate(self, run: Run, ctx: Context) -> dict[str, Any]:
+        """Loss and accuracy on the validation data, every rank a share of it."""
+        run.wrapped.eval()
+        sums = [0.0, 0.0, 0.0]
+        with torch.no_grad():
+            for batch, counted in run.val_batches(ctx.rank, ctx.world_size):
+                with _autocast(ctx, self.config.precision):
+                    loss, output, target = forward(run, _head(batch, counted), ctx.device)
+                n = float(counted)  # 0: a repeated batch that only keeps the ranks in step
+                sums[0] += float(loss) * n
+                sums[1] += _correct(output, target) if counted else 0.0
+                sums[2] += n
+        run.wrapped.train()
+        loss_sum, correct, count = ctx.sum(sums)
+        return {
+            "val_loss": loss_sum / max(count, 1),
+            "val_accuracy": correct / max(count, 1) if correct == correct else None,
+        }
+
+    def _step(self, run: Run, batch: Any, ctx: Context, step: int) -> list[float]:
+        """One optimizer step over ``--grad-accum`` micro-batches. Returns this rank's
+        (loss x samples, correct, samples); correct is NaN when the task is no classification."""
+        cfg = self.config
+        for group in run.optimizer.param_groups:
+            group["lr"] = cfg.lr * lr_factor(cfg, step, run.steps_per_epoch)
+        run.optimizer.zero_grad(set_to_none=True)
+        parts = _split(batch, cfg.grad_accum)
+        sums = [0.0, 0.0, 0.0]
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            # Gradients sum over the micro-batches locally; only the last one all-reduces.
+            with gradient_sync(run.wrapped, ctx, enabled=last), _autocast(ctx, cfg.precision):
+                loss, output, target = forward(run, part, ctx.device)
+            scaled = loss / len(parts)
+            (run.scaler.scale(scaled) if run.scaler else scaled).backward()
+            count = float(target.shape[0]) if torch.is_tensor(target) else 1.0
+            sums[0] += float(loss.detach()) * count
+            sums[1] += _correct(output, target)
+            sums[2] += count
+        if run.scaler is not None:
+            run.scaler.unscale_(run.optimizer)  # clipping sees the true gradients
+        if cfg.clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(run.wrapped.parameters(), cfg.clip_grad_norm)
+        if run.scaler is not None:
+            run.scaler.step(run.optimizer)
+            run.scaler.update()
+        else:
+            run.optimizer.step()
+        return sums
+
+    def _stop_reason(self, ctx: Context, state: _State) -> str | None:
+        """Why to stop after this step, the same on every rank: a SIGTERM any rank received
+        (agreed at the ranks' next vote), or ``--max-steps`` reached."""
+        if self._vote is None:
+            self._vote = StopVote(ctx)
+        if self._vote.cast(self._stop_requested):
+            if self._watchdog is not None:  # agreed: the save may take its time
+                self._watchdog.cancel()
+            return "SIGTERM"
+        if self._stop_requested:  # a boundary reached: not stuck, the vote is on its way
+            self._arm_watchdog()
+        if self.config.max_steps is not None and state.step >= self.config.max_steps:
+            return "max_steps"
+        return None
+
+    def _log_steps(self, window: list[float], state: _State, run: Run) -> None:
+        """A line of steps.jsonl: the last ``--log-every`` steps' mean loss and accuracy on rank
+        0 (no collective: the per-epoch lines are the ranks' sums), and the lr."""
+        cfg = self.config
+        loss, correct, count = window
+        line = {
+            "step": state.step,
+            "epoch": state.epoch + state.batch / run.steps_per_epoch,
+            "loss": loss / max(count, 1),
+            "accuracy": correct / max(count, 1) if correct == correct else None,
+            "lr": cfg.lr * lr_factor(cfg, state.step - 1, run.steps_per_epoch),
+        }
+        with open(Path(cfg.out) / STEPS_LOG, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def _log(self, metrics: dict[str, Any]) -> None:
+        cfg = self.config
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / METRICS_LOG, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if not cfg.quiet:
+            shown = [
+                ("loss", "loss", ".4f"),
+                ("accuracy", "acc", ".3f"),
+                ("val_loss", "val loss", ".4f"),
+                ("val_accuracy", "val acc", ".3f"),
+            ]
+            parts = "  ".join(
+                f"{label} {metrics[name]:{form}}"
+                for name, label, form in shown
+                if metrics.get(name) is not None
+            )
+            print(
+                f"epoch {metrics['epoch']}/{cfg.epochs}  {parts}  "
+                f"{metrics['samples_per_s']:.0f} samples/s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _save_and_record(
+        self, run: Run, ctx: Context, state: _State, result: TrainResult, *, mid_epoch: bool
+    ) -> None:
+        started = time.perf_counter()
+        rng = ctx.gather(_rng_state())
+        path = self._save(run, ctx, state, rng, mid_epoch=mid_epoch)
+        if ctx.is_main:
+            result.checkpoint = str(path)
+        ctx.barrier()  # every rank waits for the commit (or the staging), none runs ahead
+        result.save_stalls.append(time.perf_counter() - started)
+
+    def _metadata(self, chain: list[str], ctx: Context, state: _State) -> dict[str, Any]:
+        """The run's record in every checkpoint. The weights' digest is left to the commit,
+        which hashes them as it writes them (None stays for a DCP checkpoint, whose shards no
+        rank holds whole)."""
         cfg = self.config
         return {
             "ckptkit_version": VERSION,
@@ -257,119 +440,219 @@ class Engine:
             "global_batch_size": cfg.batch_size,
             "per_rank_batch_size": cfg.batch_size // ctx.world_size,
             "seed": cfg.seed,
-            "config": {k: _plain(v) for k, v in dataclasses.asdict(cfg).items()},
+            "config": cfg.recorded(),
             "git_commit": _git_commit(),
             "host": platform.node(),
             "utc_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "weights_sha256": checkpoint.weights_sha256(weights) if weights is not None else None,
-            **state,
+            checkpoint.DIGEST: None,
+            "epoch": state.epoch,
+            "step": state.step,
+            "samples": state.samples,
+            "batch": state.batch,
         }
 
     def _save(
-        self,
-        inner: nn.Module,
-        chain: list[str],
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        state: dict[str, int],
-        rng: list[Any],
-        ctx: Context,
+        self, run: Run, ctx: Context, state: _State, rng: list[Any], *, mid_epoch: bool
     ) -> Path | None:
         """Save a checkpoint; every rank calls it (fsdp gathers, DCP writes on every rank).
         Returns its path (None on the ranks that do not write)."""
         cfg = self.config
         counters = {
-            "scheduler": scheduler.state_dict(),
-            "rng": rng,
-            "epoch": state["epoch"],
-            "step": state["step"],
-            "samples_seen": state["samples"],
+            RNG: rng,
+            EPOCH: state.epoch,
+            STEP: state.step,
+            SAMPLES: state.samples,
+            BATCH: state.batch,
+            PARTIAL: list(state.partial),
+            SCALER: run.scaler.state_dict() if run.scaler is not None else None,
+            MONITOR: {"best": state.best, "bad": state.bad},
         }
+        step = state.step if mid_epoch else None
         if cfg.save_format == "dcp":
-            model_state, optim_state = training_state(inner, optimizer, ctx, sharded=True)
-            meta = self._metadata(None, chain, ctx, state)
+            model_state, optim_state = training_state(run.inner, run.optimizer, ctx, sharded=True)
             return checkpoint.commit_dcp(
                 Path(cfg.out),
-                state["epoch"],
-                {"model": model_state, "optim": optim_state},
-                {**counters, "ckptkit": meta},
+                state.epoch,
+                {MODEL: model_state, OPTIM_DCP: optim_state},
+                {**counters, META: self._metadata(run.chain, ctx, state)},
                 is_main=ctx.is_main,
                 share=lambda value: ctx.gather(value)[0],
                 keep_last=cfg.keep_last,
+                step=step,
             )
-        model_state, optim_state = training_state(inner, optimizer, ctx, sharded=False)
+        model_state, optim_state = training_state(run.inner, run.optimizer, ctx, sharded=False)
         if not ctx.is_main:
             return None
         weights = {k: v.detach().to("cpu") for k, v in model_state.items()}
         payload = {
-            "model": weights,
-            "optimizer": _to_cpu(optim_state),
+            MODEL: weights,
+            OPTIMIZER: map_leaves(optim_state, torch.is_tensor, _on_cpu),
             **counters,
-            "ckptkit": self._metadata(weights, chain, ctx, state),
+            META: self._metadata(run.chain, ctx, state),
         }
         formats = {"pt": ("pt",), "safetensors": ("safetensors",), "both": ("pt", "safetensors")}
-        return checkpoint.commit(
-            Path(cfg.out),
-            state["epoch"],
-            payload,
-            keep_last=cfg.keep_last,
-            formats=formats[cfg.save_format or "pt"],
-        )
+        suffixes = formats[cfg.save_format or "pt"]
 
-    def _restore(
-        self,
-        path: Path,
-        inner: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        state: dict[str, int],
-        ctx: Context,
-    ) -> None:
+        out, epoch, keep = Path(cfg.out), state.epoch, cfg.keep_last  # now: training goes on
+
+        def commit(payload: dict[str, Any]) -> Path:
+            return checkpoint.commit(out, epoch, payload, keep_last=keep, formats=suffixes,
+                                     step=step)  # fmt: skip
+
+        if self._saver is None:
+            return commit(payload)
+        # Staged: copies in CPU memory, written on a thread while training goes on.
+        copy = staged(payload)
+        self._saver.submit(lambda: commit(copy))
+        return out / checkpoint.checkpoint_name(epoch, suffixes[0], step=step)
+
+    def _restore(self, path: Path, run: Run, state: _State, ctx: Context) -> None:
         payload = checkpoint.load_payload(path)
+        inner, optimizer = run.inner, run.optimizer
         if "dcp" in payload:  # a DCP checkpoint: its shards, resharded to this run's world
             parts = payload["dcp"]
             model_state, optim_state = training_state(inner, optimizer, ctx, sharded=True)
-            kept = optim_state if "optim" in parts else None
-            if "model" in parts:  # a training checkpoint: its model, and optimizer if saved
-                wanted = {"model": model_state, "optim": kept}
+            kept = optim_state if OPTIM_DCP in parts else None
+            if MODEL in parts:  # a training checkpoint: its model, and optimizer if saved
+                wanted = {MODEL: model_state, OPTIM_DCP: kept}
                 checkpoint.load_dcp(path, {k: v for k, v in wanted.items() if v is not None})
             else:  # a bare state dict (convert --to dcp)
                 checkpoint.load_dcp(path, model_state)
             load_training_state(inner, optimizer, ctx, model_state, kept, sharded=True)
-            if kept is None and ctx.is_main:
-                print(f"{path} holds weights only: the optimizer starts afresh", file=sys.stderr)
         else:
             target = inner.state_dict()
-            match = match_keys(payload["model"], target)  # any wrapper chain (legacy `module.`)
+            match = match_keys(payload[MODEL], target)  # any wrapper chain (legacy `module.`)
             if not match.exact:
                 raise UsageError(
                     mismatch_message(f"{path} does not fit the model", match),
                     "resume with the same --model",
                 )
             weights = {
-                new: payload["model"][old] for old, new in match.mapping.items() if new is not None
+                new: payload[MODEL][old] for old, new in match.mapping.items() if new is not None
             }
-            load_training_state(inner, optimizer, ctx, weights, payload.get("optimizer"),
-                                sharded=False)  # fmt: skip
-            if "optimizer" not in payload and ctx.is_main:
-                print(f"{path} holds weights only: the optimizer starts afresh", file=sys.stderr)
-        if "scheduler" in payload:
-            scheduler.load_state_dict(payload["scheduler"])
-        state["epoch"] = int(payload.get("epoch", 0))
-        state["step"] = int(payload.get("step", 0))
-        state["samples"] = int(payload.get("samples_seen", 0))
-        rng = payload.get("rng")
+            kept = payload.get(OPTIMIZER)
+            load_training_state(inner, optimizer, ctx, weights, kept, sharded=False)
+        if kept is None and ctx.is_main:
+            print(f"{path} holds weights only: the optimizer starts afresh", file=sys.stderr)
+        if payload.get(SCALER) and run.scaler is not None:
+            run.scaler.load_state_dict(payload[SCALER])
+        state.epoch = int(payload.get(EPOCH, 0))
+        state.step = int(payload.get(STEP, 0))
+        state.samples = int(payload.get(SAMPLES, 0))
+        state.batch = int(payload.get(BATCH, 0) or 0)
+        monitor = payload.get(MONITOR)
+        if isinstance(monitor, Mapping):
+            state.best, state.bad = monitor.get("best"), int(monitor.get("bad", 0))
+        partial = payload.get(PARTIAL)
+        if isinstance(partial, list) and len(partial) == 3:
+            state.partial = [float(v) for v in partial]
+        rng = payload.get(RNG)
         if isinstance(rng, list) and len(rng) == ctx.world_size:
             _set_rng_state(rng[ctx.rank])  # same world size: each rank continues its stream
         if ctx.is_main and not self.config.quiet:
-            print(f"resumed from {path} at epoch {state['epoch']}", file=sys.stderr, flush=True)
+            where = f"epoch {state.epoch}" + (f", step {state.step}" if state.batch else "")
+            print(f"resumed from {path} at {where}", file=sys.stderr, flush=True)
 
 
-def _plain(value: Any) -> Any:
-    """A config value as checkpoint metadata may hold it (a factory becomes its name)."""
-    if callable(value):
-        return f"{value.__module__}:{value.__qualname__}"
-    return value
+_SIGTERM_GRACE_S = 5.0
+
+
+def _leave(grace: float, quiet: bool) -> None:
+    if not quiet:
+        print(f"ckptkit: SIGTERM, and no step boundary within {grace:.0f} s: leaving without "
+              "a checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+    os._exit(143)
+
+
+def check_epochs(
+    path: Path, done: int, epochs: int, step: int = 0, max_steps: int | None = None
+) -> None:
+    """Refuse a resume that leaves nothing to train.
+
+    Raises:
+        UsageError: naming the checkpoint's epoch (step) and ``--epochs`` (``--max-steps``).
+    """
+    if done >= epochs:
+        raise UsageError(
+            f"{path} is at epoch {done} and --epochs is {epochs}: nothing left to train",
+            f"give --epochs above {done} to train further",
+        )
+    if max_steps is not None and step >= max_steps:
+        raise UsageError(
+            f"{path} is at step {step} and --max-steps is {max_steps}: nothing left to train",
+            f"give --max-steps above {step}, or leave it out",
+        )
+
+
+@contextlib.contextmanager
+def _autocast(ctx: Context, precision: str) -> Iterator[None]:
+    if precision == "fp32":
+        yield
+        return
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    with torch.autocast(device_type=ctx.device.type, dtype=dtype):
+        yield
+
+
+def _head(batch: Any, count: int) -> Any:
+    """The first ``count`` items of a batch (all of it when ``count`` is 0: a batch run only
+    to keep the ranks in step)."""
+    if count == 0:
+        return batch
+    if isinstance(batch, Mapping):
+        return {k: v[:count] if torch.is_tensor(v) else v for k, v in batch.items()}
+    return [item[:count] for item in batch]
+
+
+def _split(batch: Any, parts: int) -> list[Any]:
+    """A batch as ``parts`` micro-batches along its first dimension."""
+    if parts == 1:
+        return [batch]
+    if isinstance(batch, Mapping):
+        pieces = {k: torch.tensor_split(v, parts) for k, v in batch.items() if torch.is_tensor(v)}
+        return [{**batch, **{k: v[i] for k, v in pieces.items()}} for i in range(parts)]
+    split = [torch.tensor_split(item, parts) for item in batch]
+    return [[item[i] for item in split] for i in range(parts)]
+
+
+def _correct(output: Any, target: Any) -> float:
+    """Correct predictions of a classifier's logits; NaN for any other task."""
+    if (
+        torch.is_tensor(output)
+        and torch.is_tensor(target)
+        and output.dim() == 2
+        and target.dim() == 1
+        and not target.is_floating_point()
+    ):
+        return float((output.detach().argmax(1) == target).sum())
+    return float("nan")
+
+
+def _rewind_metrics(path: Path, step: int) -> None:
+    """Keep the metric lines of the first ``step`` steps (a resumed run writes the rest)."""
+    if not path.is_file():
+        return
+    from ckptkit.formats.atomic import atomic_output
+
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line).get("step", 0)) <= step:
+                kept.append(line + "\n")
+        except (ValueError, AttributeError):
+            continue  # a torn last line of a killed run
+    with atomic_output(path, force=True) as tmp:
+        tmp.write_text("".join(kept))
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def _check_writable(folder: Path) -> None:
@@ -387,14 +670,8 @@ def _check_writable(folder: Path) -> None:
         ) from None
 
 
-def _to_cpu(obj: Any) -> Any:
-    if torch.is_tensor(obj):
-        return obj.detach().to("cpu")
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    return obj
+def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu")
 
 
 def _rng_state() -> dict[str, Any]:

@@ -1,0 +1,172 @@
+"""A training run's options: one dataclass, checked before any process starts, read from a TOML
+file too (flags override it), and recorded in every checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptkit.errors import UsageError
+
+__all__ = ["TrainConfig", "read_config", "OPTIMIZERS", "SCHEDULES", "PRECISIONS", "LOSSES"]
+
+OPTIMIZERS = ("sgd", "adamw", "adam")
+SCHEDULES = ("constant", "step", "cosine")
+PRECISIONS = ("fp32", "bf16", "fp16")
+LOSSES = ("cross_entropy", "mse")  # or MODULE:FN
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run is made of; saved in every checkpoint."""
+
+    mode: str = "single"
+    epochs: int = 4
+    batch_size: int = 64  # global, of one optimizer step: split over the ranks, then micro-batches
+    grad_accum: int = 1  # micro-batches per optimizer step
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9  # sgd's
+    weight_decay: float = 0.0
+    lr_schedule: str = "step"  # a factor of lr, per optimizer step
+    lr_step_epochs: int = 3  # step: lr times lr_gamma every this many epochs
+    lr_gamma: float = 0.5
+    warmup_steps: int = 0  # linear from 0 to lr, before the schedule
+    precision: str = "fp32"  # bf16 / fp16: autocast; fp16 with a gradient scaler
+    clip_grad_norm: float | None = None
+    max_steps: int | None = None  # stop after this many optimizer steps (a checkpoint is saved)
+    loss: str = "cross_entropy"  # or mse, or MODULE:FN(output, target); unused by a model
+    # that returns its own loss (a mapping with "loss", as Hugging Face models do)
+    # validation: a dataset factory, or a fraction of the training data held out (seeded)
+    val_data: str | Callable[[], Any] | None = None
+    val_fraction: float | None = None
+    val_every: int = 1  # epochs
+    monitor: str | None = None  # a metric (val_loss, val_accuracy, loss...): the `best` pointer
+    monitor_mode: str = "min"
+    early_stop_patience: int | None = None  # validations without improvement before stopping
+    log_every: int = 10  # steps: a line of steps.jsonl (rank 0's loss, accuracy, lr)
+    num_workers: int = 0
+    compile: bool = False
+    seed: int = 0
+    out: str = "runs/ckptkit"
+    save_every: int = 1  # epochs
+    save_every_steps: int | None = None
+    keep_last: int = 3
+    async_save: bool = False  # stage to CPU memory, write on a thread (pt / safetensors)
+    resume: str | None = None  # a checkpoint path, or "auto"
+    device: str = "cpu"
+    save_format: str | None = None  # pt, safetensors, both or dcp; None: dcp in fsdp, else pt
+    # "module:factory" or a callable (picklable, for DDP); None: the built-in demo model / data.
+    model: str | Callable[[], Any] | None = None
+    data: str | Callable[[], Any] | None = None
+    nproc_per_node: int = 2
+    timeout_s: float = 60.0  # process-group timeout: a missing rank fails fast
+    quiet: bool = False
+
+    def check(self) -> None:
+        """Refuse values that cannot work, before any process starts.
+
+        Raises:
+            UsageError: naming the option.
+        """
+        from ckptkit.engine.distributed import Mode
+
+        if self.mode not in {m.value for m in Mode}:
+            raise UsageError(f"unknown mode '{self.mode}'", "use single, dp, ddp or fsdp")
+        if self.save_format is None:
+            self.save_format = "dcp" if self.mode == Mode.FSDP.value else "pt"
+        choices = {
+            "save_format": ("pt", "safetensors", "both", "dcp"),
+            "optimizer": OPTIMIZERS,
+            "lr_schedule": SCHEDULES,
+            "precision": PRECISIONS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise UsageError(
+                    f"unknown --{_flag(name)} '{getattr(self, name)}'", f"use {', '.join(allowed)}"
+                )
+        if self.loss not in LOSSES and ":" not in self.loss:
+            raise UsageError(f"unknown --loss '{self.loss}'", "use cross_entropy, mse or MODULE:FN")
+        for name in ("epochs", "batch_size", "save_every", "nproc_per_node", "grad_accum",
+                     "lr_step_epochs", "log_every"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{_flag(name)} must be at least 1")
+        for name in ("max_steps", "save_every_steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise UsageError(f"--{_flag(name)} must be at least 1")
+        for name in ("warmup_steps", "num_workers", "keep_last"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{_flag(name)} must not be negative")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise UsageError("--clip-grad-norm must be positive")
+        if self.val_fraction is not None and not 0 < self.val_fraction < 1:
+            raise UsageError("--val-fraction must lie between 0 and 1")
+        if self.val_fraction is not None and self.val_data is not None:
+            raise UsageError("--val-data and --val-fraction both name the validation data",
+                             "give one")  # fmt: skip
+        if self.async_save and self.save_format == "dcp":
+            raise UsageError("--async-save writes pt or safetensors checkpoints",
+                             "give --save-format pt (or safetensors, both)")  # fmt: skip
+        if self.monitor_mode not in ("min", "max"):
+            raise UsageError(f"unknown --monitor-mode '{self.monitor_mode}'", "use min or max")
+        if self.early_stop_patience is not None and self.monitor is None:
+            raise UsageError("--early-stop-patience needs --monitor", "e.g. --monitor val_loss")
+        if self.val_every < 1 or (self.early_stop_patience or 1) < 1:
+            raise UsageError("--val-every and --early-stop-patience must be at least 1")
+        if self.monitor is not None and self.monitor.startswith("val_") and not self.validates:
+            raise UsageError(f"--monitor {self.monitor} needs validation data",
+                             "give --val-data or --val-fraction")  # fmt: skip
+
+    @property
+    def validates(self) -> bool:
+        return self.val_data is not None or self.val_fraction is not None
+
+    def recorded(self) -> dict[str, Any]:
+        """The config as a checkpoint records it (a factory becomes its name)."""
+        return {k: _plain(v) for k, v in dataclasses.asdict(self).items()}
+
+
+def _flag(name: str) -> str:
+    return {"timeout_s": "timeout"}.get(name, name.replace("_", "-"))
+
+
+def _plain(value: Any) -> Any:
+    if callable(value):
+        return f"{value.__module__}:{value.__qualname__}"
+    return value
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The options of a TOML run file (``lr = 0.1``, ``grad-accum = 4``; a ``[train]`` table
+    or the top level), as TrainConfig fields.
+
+    Raises:
+        UsageError: the file is missing, not TOML, or names an unknown option.
+    """
+    try:
+        import tomllib  # type: ignore[import-not-found,unused-ignore]  # Python 3.11+
+    except ImportError:
+        raise UsageError("--config needs Python 3.11 or later (tomllib)") from None
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"cannot read --config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"--config {path} is not TOML: {exc}") from None
+    table = data.get("train", data)
+    if not isinstance(table, Mapping):
+        raise UsageError(f"--config {path}: [train] is not a table")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    options = {}
+    for key, value in table.items():
+        name = {"timeout": "timeout_s"}.get(key, key.replace("-", "_"))
+        if name not in fields:
+            raise UsageError(f"--config {path} names an unknown option '{key}'",
+                             "see `ckptkit train --help`")  # fmt: skip
+        options[name] = value
+    return options

@@ -1,0 +1,414 @@
+"""The features of a real training run (issue 13): gradient accumulation, mixed precision,
+optimizers and schedules, losses and models that return their own, --max-steps and mid-epoch
+checkpoints that resume bit-exactly, SIGTERM and Ctrl-C, TOML config files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ckptkit.engine import TrainConfig, train
+from ckptkit.engine.build import lr_factor
+from ckptkit.engine.checkpoint import list_checkpoints
+from ckptkit.engine.demo import BlobData, demo_model
+from ckptkit.errors import UsageError
+
+FAST = {"quiet": True, "timeout_s": 30.0}
+
+
+def run(tmp_path: Path, name: str, **options):
+    return train(TrainConfig(out=str(tmp_path / name), **FAST, **options))
+
+
+def model_of(result) -> dict[str, torch.Tensor]:
+    return torch.load(result.checkpoint, map_location="cpu", weights_only=True)["model"]
+
+
+def bit_equal(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- the update ------------------------------------------------------------------------------
+
+
+def test_grad_accumulation_is_one_batch_of_the_same_size(tmp_path):
+    whole = model_of(run(tmp_path, "whole", epochs=1, lr_schedule="constant"))
+    accum = model_of(run(tmp_path, "accum", epochs=1, lr_schedule="constant", grad_accum=4))
+    assert not bit_equal(whole, accum)  # summed in another order...
+    for key in whole:  # ...to float tolerance the same update
+        torch.testing.assert_close(accum[key], whole[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_grad_accumulation_in_ddp_matches_single(tmp_path):
+    single = model_of(run(tmp_path, "single", epochs=1))
+    ddp = model_of(run(tmp_path, "ddp", epochs=1, mode="ddp", nproc_per_node=2, grad_accum=2))
+    for key in single:
+        torch.testing.assert_close(ddp[key], single[key], rtol=1e-5, atol=1e-6)
+
+
+def test_learning_rate_schedules():
+    cfg = TrainConfig(epochs=4, warmup_steps=4, lr_schedule="cosine")
+    factors = [lr_factor(cfg, step, 10) for step in range(40)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warmup
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:], strict=False))
+    assert factors[-1] < 0.01
+    step = TrainConfig(lr_schedule="step", lr_step_epochs=2, lr_gamma=0.1)
+    assert [lr_factor(step, s, 10) for s in (0, 19, 20, 40)] == [1.0, 1.0, 0.1, pytest.approx(0.01)]
+    assert lr_factor(TrainConfig(lr_schedule="constant"), 99, 10) == 1.0
+
+
+def test_optimizers_precision_and_clipping_train_and_are_recorded(tmp_path):
+    result = run(tmp_path, "adamw", epochs=2, optimizer="adamw", lr=1e-3, weight_decay=0.01,
+                 lr_schedule="cosine", warmup_steps=5, precision="bf16", clip_grad_norm=1.0)  # fmt: skip
+    metrics = result.metrics
+    assert metrics[-1]["loss"] < metrics[0]["loss"] and metrics[-1]["accuracy"] > 0.5
+    assert metrics[-1]["lr"] < metrics[0]["lr"]  # cosine
+    saved = torch.load(result.checkpoint, weights_only=True)
+    assert saved["optimizer"]["param_groups"][0]["weight_decay"] == 0.01
+    assert "exp_avg" in next(iter(saved["optimizer"]["state"].values()))
+    config = saved["ckptkit"]["config"]
+    assert (config["optimizer"], config["precision"], config["clip_grad_norm"]) == (
+        "adamw", "bf16", 1.0)  # fmt: skip
+
+
+def test_fp16_saves_and_resumes_its_gradient_scaler(tmp_path):
+    first = run(tmp_path, "fp16", epochs=1, precision="fp16")
+    scaler = torch.load(first.checkpoint, weights_only=True)["scaler"]
+    assert scaler["scale"] > 0 and "_growth_tracker" in scaler
+    resumed = run(tmp_path, "fp16", epochs=2, precision="fp16", resume="auto")
+    assert resumed.epochs_run == 1 and resumed.metrics[-1]["loss"] == resumed.metrics[-1]["loss"]
+
+
+# --- tasks beyond classification ---------------------------------------------------------------
+
+
+class Regression(Dataset):
+    def __init__(self):
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(256, 16, generator=gen)
+        self.y = self.x @ torch.randn(16, 4, generator=gen)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class OwnLoss(nn.Module):
+    """A model that takes keyword inputs and returns its own loss, as Hugging Face models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = demo_model()
+
+    def forward(self, features, labels):
+        logits = self.net(features)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class Keyed(Dataset):
+    def __init__(self):
+        self.blobs = BlobData(512)
+
+    def __len__(self):
+        return len(self.blobs)
+
+    def __getitem__(self, i):
+        x, y = self.blobs[i]
+        return {"features": x, "labels": y}
+
+
+def l1(output, target):
+    return (output - target).abs().mean()
+
+
+def test_mse_a_custom_loss_and_a_model_that_returns_its_loss(tmp_path):
+    mse = run(tmp_path, "mse", epochs=2, loss="mse", data=Regression, lr=0.01)
+    assert mse.metrics[-1]["loss"] < mse.metrics[0]["loss"]
+    assert mse.metrics[-1]["accuracy"] is None  # not a classification
+    custom = run(tmp_path, "l1", epochs=1, loss=f"{__name__}:l1", data=Regression, lr=0.01)
+    assert custom.metrics[0]["loss"] > 0
+    own = run(tmp_path, "own", epochs=2, model=OwnLoss, data=Keyed, grad_accum=2)
+    assert own.metrics[-1]["accuracy"] > 0.5  # its logits, the labels of the batch
+    with pytest.raises(UsageError, match="unknown --loss 'hinge'"):
+        run(tmp_path, "bad", loss="hinge")
+
+
+# --- stopping and resuming mid-epoch -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["single", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_a_run_stopped_mid_epoch_resumes_bit_exactly(tmp_path, mode):
+    procs = {"mode": mode, "nproc_per_node": 2}
+    straight = run(tmp_path, "straight", epochs=3, **procs)
+    stopped = run(tmp_path, "stopped", epochs=3, max_steps=45, save_every_steps=10, keep_last=0,
+                  **procs)  # fmt: skip
+    assert stopped.stopped == "max_steps" and stopped.steps == 45
+    names = [p.name for p in list_checkpoints(tmp_path / "stopped")]
+    assert names == ["ckpt-epoch0000-step00000010.pt", "ckpt-epoch0000-step00000020.pt",
+                     "ckpt-epoch0000-step00000030.pt", "ckpt-epoch0001.pt",
+                     "ckpt-epoch0001-step00000040.pt", "ckpt-epoch0001-step00000045.pt"]  # fmt: skip
+    with pytest.raises(UsageError, match="is at step 45 and --max-steps is 45: nothing left"):
+        run(tmp_path, "stopped", epochs=3, resume="auto", max_steps=45, **procs)
+    resumed = run(tmp_path, "stopped", epochs=3, resume="auto", **procs)
+    assert resumed.steps == 96 and resumed.epochs_run == 2
+    assert bit_equal(model_of(resumed), model_of(straight))
+    # the epoch cut in two reports what the straight run reported
+    assert resumed.metrics[0]["loss"] == straight.metrics[1]["loss"]
+    lines = (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [1, 2, 3]
+
+
+def test_data_loader_workers_give_the_same_run(tmp_path):
+    plain = run(tmp_path, "w0", epochs=1)
+    workers = run(tmp_path, "w2", epochs=1, num_workers=2)
+    assert bit_equal(model_of(plain), model_of(workers))
+
+
+# --- signals, in real processes ----------------------------------------------------------------
+
+SLOW = """
+import time
+from torch import nn
+from ckptkit.engine.demo import demo_model
+
+
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = demo_model()
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return self.net(x)
+
+
+def slow():
+    return Slow()
+"""
+
+
+def _start(cwd: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ckptkit", "train", "--model", "helpers_slow:slow", *args],
+        cwd=cwd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group, as a terminal or a scheduler has
+    )  # fmt: skip
+
+
+def _signal_after_first_epoch(proc: subprocess.Popen, sig: int) -> str:
+    seen = []
+    for line in proc.stderr:  # type: ignore[union-attr]
+        seen.append(line)
+        if line.startswith("epoch 1/"):
+            time.sleep(0.3)  # well into epoch 2
+            os.killpg(proc.pid, sig)
+            break
+    _, rest = proc.communicate(timeout=120)
+    return "".join(seen) + rest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["single", "ddp"])
+def test_sigterm_saves_at_the_next_step_and_the_run_resumes_exactly(tmp_path, mode):
+    (tmp_path / "helpers_slow.py").write_text(SLOW)
+    common = ["--mode", mode, "--epochs", "3", "--timeout", "30"]
+    straight = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "train", "--model", "helpers_slow:slow", *common,
+         "--out", "straight", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert straight.returncode == 0, straight.stderr
+    proc = _start(tmp_path, *common, "--out", "cut")
+    stderr = _signal_after_first_epoch(proc, signal.SIGTERM)
+    assert proc.returncode == 143, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: stopped by SIGTERM") and "ckpt-epoch0001-step" in last, stderr
+    assert last.endswith("resume with --resume auto") and "Traceback" not in stderr
+    resumed = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "train", "--model", "helpers_slow:slow", *common,
+         "--out", "cut", "--resume", "auto", "-q"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    a = torch.load(tmp_path / "straight" / "ckpt-epoch0003.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "cut" / "ckpt-epoch0003.pt", weights_only=True)["model"]
+    assert bit_equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["single", "ddp"])
+def test_ctrl_c_stops_cleanly(tmp_path, mode):
+    (tmp_path / "helpers_slow.py").write_text(SLOW)
+    proc = _start(tmp_path, "--mode", mode, "--epochs", "5", "--out", "int")
+    stderr = _signal_after_first_epoch(proc, signal.SIGINT)
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "Error: interrupted"
+    assert "Traceback" not in stderr
+
+
+# --- config files -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def run_cli(run):
+    return run
+
+
+def test_a_toml_config_with_flags_over_it(tmp_path, run_cli):
+    (tmp_path / "run.toml").write_text(
+        '[train]\nepochs = 1\nlr = 0.1\ngrad-accum = 2\noptimizer = "adam"\nout = "toml-run"\n'
+    )
+    result = run_cli("train", "--config", "run.toml", "--lr", "0.2", "-q", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    saved = torch.load(doc["checkpoint"], weights_only=True)["ckptkit"]["config"]
+    assert (saved["epochs"], saved["lr"], saved["grad_accum"], saved["optimizer"]) == (
+        1, 0.2, 2, "adam")  # fmt: skip
+    (tmp_path / "bad.toml").write_text("lr = 0.1\nlearning_rate = 3\n")
+    result = run_cli("train", "--config", "bad.toml")
+    assert result.exit_code == 2
+    assert "names an unknown option 'learning_rate'" in result.stderr
+
+
+@pytest.mark.slow
+def test_compiled_model_saves_canonical_keys(tmp_path):
+    result = run(tmp_path, "compiled", epochs=1, compile=True)
+    saved = torch.load(result.checkpoint, weights_only=True)
+    assert all(not k.startswith("_orig_mod.") for k in saved["model"])
+    assert saved["ckptkit"]["removed_prefixes"] == ["_orig_mod."]
+    demo_model().load_state_dict(saved["model"])
+
+
+# --- validation, best and early stopping ---------------------------------------------------------
+
+
+def test_validation_best_pointer_and_early_stopping(tmp_path):
+    result = run(tmp_path, "val", epochs=12, val_fraction=0.25, monitor="val_accuracy",
+                 monitor_mode="max", keep_last=1, early_stop_patience=2)  # fmt: skip
+    metrics = result.metrics
+    assert all(m["val_loss"] > 0 and 0 <= m["val_accuracy"] <= 1 for m in metrics)
+    accuracy = [m["val_accuracy"] for m in metrics]
+    first_best = accuracy.index(max(accuracy))
+    # it stops two validations without a better accuracy after its best (the demo reaches 1.0)
+    assert result.stopped == "early_stop" and len(metrics) == first_best + 3 < 12
+    out = tmp_path / "val"
+    best = (out / "best").read_text().strip()
+    assert best == f"ckpt-epoch{first_best + 1:04d}.pt"
+    assert (out / best).is_file()  # kept whatever --keep-last says
+    saved = torch.load(out / best, weights_only=True)
+    assert saved["monitor"] == {"best": max(accuracy), "bad": 0}
+    last = torch.load(result.checkpoint, weights_only=True)["monitor"]
+    assert last["bad"] == 2 and (out / "latest").read_text().strip() != best
+
+
+def test_validation_data_split_over_ranks_counts_every_item_once(tmp_path):
+    from ckptkit.engine.build import Run
+
+    holder = Run.__new__(Run)
+    holder.val_dataset, holder.per_rank_batch = BlobData(10), 4
+    seen = []
+    for rank in range(3):  # 10 items over 3 ranks: 4 batches-worth each, 2 repeated
+        batches = list(holder.val_batches(rank, 3))
+        assert len(batches) == 1 and batches[0][0][0].shape[0] == 4
+        seen.append(batches[0][1])
+    assert seen == [4, 3, 3]
+
+
+@pytest.mark.slow
+def test_validation_in_ddp_agrees_with_single(tmp_path):
+    single = run(tmp_path, "vs", epochs=1, val_fraction=0.3)
+    ddp = run(tmp_path, "vd", epochs=1, val_fraction=0.3, mode="ddp", nproc_per_node=2)
+    assert ddp.metrics[0]["val_loss"] == pytest.approx(single.metrics[0]["val_loss"], rel=1e-5)
+    assert ddp.metrics[0]["val_accuracy"] == single.metrics[0]["val_accuracy"]
+
+
+def test_monitoring_needs_what_it_monitors(tmp_path):
+    with pytest.raises(UsageError, match="--monitor val_loss needs validation data"):
+        run(tmp_path, "x", monitor="val_loss")
+    with pytest.raises(UsageError, match="--early-stop-patience needs --monitor"):
+        run(tmp_path, "x", early_stop_patience=2)
+
+
+# --- logs and plots ------------------------------------------------------------------------------
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+@pytest.mark.slow
+def test_plot_draws_a_single_and_a_ddp_run_side_by_side(tmp_path, run):
+    pytest.importorskip("matplotlib")
+    single = tmp_path / "single"
+    run_result = train(TrainConfig(out=str(single), epochs=2, val_fraction=0.2, **FAST))
+    ddp = train(TrainConfig(out=str(tmp_path / "ddp"), epochs=2, val_fraction=0.2, mode="ddp",
+                            nproc_per_node=2, **FAST))  # fmt: skip
+    steps = [json.loads(line) for line in (single / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(10, run_result.steps + 1, 10))
+    assert all(s["lr"] == 0.05 and 0 < s["loss"] for s in steps)
+    result = run("plot", single, tmp_path / "ddp", "-o", "curves.png", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["image"] == "curves.png" and len(doc["runs"]) == 2
+    assert _png_size(tmp_path / "curves.png") == (1200, 400)
+    assert (tmp_path / "curves.png").stat().st_size > 10_000  # curves drawn, not a blank frame
+    again = run("plot", single, "-o", "curves.png")
+    assert again.exit_code == 1 and "exists" in again.stderr
+    assert ddp.steps == run_result.steps
+
+
+def test_plot_refuses_a_folder_that_is_no_run(tmp_path, run):
+    result = run("plot", tmp_path, "-o", "c.png")
+    assert result.exit_code == 1
+    assert "holds no steps.jsonl or metrics.jsonl" in result.stderr
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_steps_log_is_rewound_on_resume(tmp_path):
+    run(tmp_path, "s", epochs=3, keep_last=0)
+    run(tmp_path, "s", epochs=3, resume=str(tmp_path / "s" / "ckpt-epoch0001.pt"))
+    steps = [json.loads(line)["step"] for line in (tmp_path / "s" / "steps.jsonl").open()]
+    assert steps == list(range(10, 97, 10))
+
+
+# --- saving in the background ----------------------------------------------------------------
+
+
+def test_async_save_writes_what_a_synchronous_save_writes(tmp_path):
+    sync = run(tmp_path, "sync", epochs=3, keep_last=2)
+    background = run(tmp_path, "async", epochs=3, keep_last=2, async_save=True)
+    assert len(background.save_stalls) == 3
+    assert bit_equal(model_of(background), model_of(sync))
+    a = torch.load(sync.checkpoint, weights_only=True)
+    b = torch.load(background.checkpoint, weights_only=True)
+    assert a["ckptkit"]["weights_sha256"] == b["ckptkit"]["weights_sha256"]
+    names = [p.name for p in list_checkpoints(tmp_path / "async")]
+    assert names == ["ckpt-epoch0002.pt", "ckpt-epoch0003.pt"]  # committed and pruned alike
+    assert (tmp_path / "async" / "latest").read_text().strip() == "ckpt-epoch0003.pt"
+    resumed = run(tmp_path, "async", epochs=4, resume="auto", async_save=True)
+    assert resumed.epochs_run == 1
+    with pytest.raises(UsageError, match="--async-save writes pt or safetensors"):
+        run(tmp_path, "x", async_save=True, save_format="dcp")
+
+
+def test_a_failed_background_save_is_raised(tmp_path):
+    out = tmp_path / "ro"
+    out.mkdir()
+    blocker = out / "ckpt-epoch0001.pt"
+    blocker.mkdir()  # the commit cannot replace a folder with the file
+    with pytest.raises(Exception, match="ckpt-epoch0001"):
+        run(tmp_path, "ro", epochs=2, async_save=True)
