@@ -242,7 +242,8 @@ def _train_option(*decls: str, **kwargs: Any) -> Any:
     default = _train_default(name)
     if kwargs.get("is_flag"):
         return click.option(*decls, name, default=default, **kwargs)
-    return click.option(*decls, name, default=default, show_default=default is not None, **kwargs)
+    shown = default is not None and default != ()
+    return click.option(*decls, name, default=default, show_default=shown, **kwargs)
 
 
 @cli.command()
@@ -321,6 +322,11 @@ def _train_option(*decls: str, **kwargs: Any) -> Any:
 @_train_option("--monitor-mode", type=click.Choice(["min", "max"]))
 @_train_option("--early-stop-patience", type=click.IntRange(min=1),
                help="Stop after N validations without --monitor improving.")  # fmt: skip
+@_train_option("--log-every", type=click.IntRange(min=1),
+               help="A line of steps.jsonl (loss, accuracy, lr) every N steps.")  # fmt: skip
+@_train_option("--log", type=click.Choice(["tensorboard"]), multiple=True,
+               help="Also write TensorBoard event files to OUT/tensorboard (needs the "
+               "ckptkit[tensorboard] extra).")  # fmt: skip
 @_train_option("--num-workers", type=click.IntRange(min=0), help="DataLoader worker processes.")
 @_train_option("--compile", is_flag=True, help="torch.compile the model (keys stay canonical).")
 @_train_option(

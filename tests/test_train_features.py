@@ -385,6 +385,56 @@ def test_steps_log_is_rewound_on_resume(tmp_path):
     assert steps == list(range(10, 97, 10))
 
 
+def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
+    """--log tensorboard: the jsonl values as event files, read back by TensorBoard's own
+    reader; a resumed run purges what the first one logged past its checkpoint."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(tmp_path, "tb", epochs=3, keep_last=0, log=("tensorboard",), val_fraction=0.25)
+    run(tmp_path, "tb", epochs=3, resume=str(tmp_path / "tb" / "ckpt-epoch0001.pt"),
+        log=("tensorboard",), val_fraction=0.25)  # fmt: skip
+    board = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
+    board.Reload()
+    lines = [json.loads(line) for line in (tmp_path / "tb" / "steps.jsonl").open()]
+    losses = board.Scalars("train/loss")
+    assert [e.step for e in losses] == [line["step"] for line in lines]  # each once, in order
+    for event, line in zip(losses, lines, strict=True):
+        assert event.value == pytest.approx(line["loss"], rel=1e-6)
+    epochs = [json.loads(line) for line in (tmp_path / "tb" / "metrics.jsonl").open()]
+    assert [e.step for e in board.Scalars("epoch/val_loss")] == [m["step"] for m in epochs]
+    assert [e.value for e in board.Scalars("epoch/lr")] == pytest.approx([m["lr"] for m in epochs])
+    with pytest.raises(UsageError, match="unknown --log 'csv'"):
+        TrainConfig(log=("csv",)).check()
+
+
+def test_progress_lines_go_through_logging(tmp_path, capsys):
+    """Rank 0's lines reach stderr, and any handler an application adds to ckptkit.train."""
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("ckptkit.train").addHandler(keep)
+    try:
+        train(TrainConfig(out=str(tmp_path / "a"), epochs=2, timeout_s=30.0))
+        train(TrainConfig(out=str(tmp_path / "a"), epochs=3, resume="auto", timeout_s=30.0))
+        shown = len(seen)
+        train(TrainConfig(out=str(tmp_path / "q"), epochs=1, timeout_s=30.0, quiet=True))
+    finally:
+        logging.getLogger("ckptkit.train").removeHandler(keep)
+    assert [line.split("  ")[0] for line in seen] == [
+        "epoch 1/2", "epoch 2/2", f"resumed from {tmp_path / 'a' / 'ckpt-epoch0002.pt'} at epoch 2",
+        "epoch 3/3",
+    ]  # fmt: skip
+    assert shown == len(seen)  # --quiet: none
+    err = capsys.readouterr().err
+    assert "epoch 1/2  loss " in err and "samples/s" in err
+
+
 # --- saving in the background ----------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 from ckptkit.engine.config import TrainConfig
 from ckptkit.engine.demo import demo_data, demo_model
 from ckptkit.engine.distributed import Context, Mode, unwrap, wrap
+from ckptkit.engine.runlog import logger
 from ckptkit.errors import UsageError
 
 __all__ = ["Run", "build", "factory"]
@@ -131,8 +132,8 @@ def build(cfg: TrainConfig, ctx: Context) -> Run:
     if cfg.compile:
         model = torch.compile(model)
     wrapped = wrap(model, ctx)
-    if ctx.mode is Mode.DP and ctx.device.type != "cuda" and not cfg.quiet:
-        print("dp: no GPU visible, so DataParallel runs the module on the CPU", file=sys.stderr)
+    if ctx.mode is Mode.DP and ctx.device.type != "cuda":
+        logger.info("dp: no GPU visible, so DataParallel runs the module on the CPU")
     inner, chain = unwrap(wrapped)
     # One shuffling rule for every mode: DistributedSampler over the world (of 1 outside DDP),
     # so a global batch holds the same samples whatever the world size.

@@ -48,6 +48,7 @@ class TrainConfig:
     monitor_mode: str = "min"
     early_stop_patience: int | None = None  # validations without improvement before stopping
     log_every: int = 10  # steps: a line of steps.jsonl (rank 0's loss, accuracy, lr)
+    log: tuple[str, ...] = ()  # beside the jsonl files: "tensorboard"
     num_workers: int = 0
     compile: bool = False
     seed: int = 0
@@ -73,6 +74,7 @@ class TrainConfig:
             UsageError: naming the option.
         """
         from ckptkit.engine.distributed import Mode
+        from ckptkit.engine.runlog import check_sinks
 
         if self.mode not in {m.value for m in Mode}:
             raise UsageError(f"unknown mode '{self.mode}'", "use single, dp, ddp or fsdp")
@@ -108,6 +110,10 @@ class TrainConfig:
         if self.val_fraction is not None and self.val_data is not None:
             raise UsageError("--val-data and --val-fraction both name the validation data",
                              "give one")  # fmt: skip
+        if isinstance(self.log, str):  # one sink, as a TOML file may give it
+            self.log = (self.log,)
+        self.log = tuple(self.log)
+        check_sinks(self.log)
         if self.async_save and self.save_format == "dcp":
             raise UsageError("--async-save writes pt or safetensors checkpoints",
                              "give --save-format pt (or safetensors, both)")  # fmt: skip

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import platform
 import random
@@ -56,16 +55,14 @@ from ckptkit.engine.distributed import (
     teardown,
     training_state,
 )
+from ckptkit.engine.runlog import RunLog, logger, show_progress
 from ckptkit.engine.saver import BackgroundSaver, staged
 from ckptkit.errors import Preempted, UsageError
 from ckptkit.formats.tree import map_leaves
 from ckptkit.keys import match_keys, mismatch_message
 from ckptkit.meta import VERSION
 
-__all__ = ["TrainConfig", "TrainResult", "Engine", "check_epochs", "METRICS_LOG", "STEPS_LOG"]
-
-METRICS_LOG = "metrics.jsonl"  # a line per epoch: the ranks' sums, validation
-STEPS_LOG = "steps.jsonl"  # a line per --log-every steps: rank 0's loss, accuracy, lr
+__all__ = ["TrainConfig", "TrainResult", "Engine", "check_epochs"]
 
 
 @dataclass
@@ -115,15 +112,19 @@ class Engine:
         self._vote: StopVote | None = None
         # --async-save: rank 0 writes on a thread (the other ranks have nothing to write).
         self._saver: BackgroundSaver | None = None
+        self._log: RunLog | None = None  # rank 0's
 
     def run(self) -> TrainResult:
         cfg = self.config
         ctx = self.ctx = setup(Mode(cfg.mode), cfg.device, timeout_s=cfg.timeout_s)
+        show_progress(ctx.is_main, cfg.quiet)
         if ctx.mode.distributed:  # under torchrun: what the launcher really started
             cfg.nproc_per_node = ctx.local_world_size
         try:
             with self._sigterm_requests_a_stop():
-                return self._run(ctx)
+                result = self._run(ctx)
+            ctx.barrier()  # no rank tears the group down while another still uses it
+            return result
         except RuntimeError as exc:
             hung = hung_rank(ctx, exc)
             if hung is None:
@@ -163,7 +164,7 @@ class Engine:
         if self._watchdog is not None:
             self._watchdog.cancel()
         grace = _SIGTERM_GRACE_S + 2 * self._last_step_s
-        self._watchdog = threading.Timer(grace, _leave, (grace, self.config.quiet))
+        self._watchdog = threading.Timer(grace, _leave, (grace,))
         self._watchdog.daemon = True
         self._watchdog.start()
 
@@ -176,6 +177,8 @@ class Engine:
         finally:
             if self._saver is not None:  # the last save completes (its error raised) first
                 self._saver.wait()
+            if self._log is not None:
+                self._log.close()
 
     def _train(self, ctx: Context) -> TrainResult:
         cfg = self.config
@@ -190,9 +193,8 @@ class Engine:
         if resumed is not None:
             self._restore(resumed, run, state, ctx)
             check_epochs(resumed, state.epoch, cfg.epochs, state.step, cfg.max_steps)
-        if ctx.is_main:  # the lines of what comes after the checkpoint are trained again
-            for log in (METRICS_LOG, STEPS_LOG):
-                _rewind_metrics(out / log, state.step)
+        if ctx.is_main:  # rewound: what comes after the checkpoint is trained again
+            self._log = RunLog(out, cfg.log, state.step)
         result = TrainResult(str(out), 0, str(resumed) if resumed else None, None, rank=ctx.rank)
         while state.epoch < cfg.epochs:
             stop = self._epoch(run, ctx, state, result)
@@ -238,7 +240,7 @@ class Engine:
             state.batch += 1
             state.step += 1
             state.samples += cfg.batch_size
-            if ctx.is_main and state.step % cfg.log_every == 0:
+            if self._log is not None and state.step % cfg.log_every == 0:
                 self._log_steps(window, state, run)
                 window = [0.0, 0.0, 0.0]
             stop = self._stop_reason(ctx, state)
@@ -279,8 +281,9 @@ class Engine:
             stop = "early_stop"
         result.epochs_run += 1
         result.metrics.append(metrics)  # summed over the ranks: the same on every one
-        if ctx.is_main:
-            self._log(metrics)
+        if self._log is not None:
+            self._log.epoch(metrics)
+            self._show(metrics)
         if (
             stop is not None
             or improved  # the best one is always saved
@@ -384,33 +387,26 @@ class Engine:
             "accuracy": correct / max(count, 1) if correct == correct else None,
             "lr": cfg.lr * lr_factor(cfg, state.step - 1, run.steps_per_epoch),
         }
-        with open(Path(cfg.out) / STEPS_LOG, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        assert self._log is not None  # rank 0's
+        self._log.steps(line)
 
-    def _log(self, metrics: dict[str, Any]) -> None:
-        cfg = self.config
-        out = Path(cfg.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / METRICS_LOG, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if not cfg.quiet:
-            shown = [
-                ("loss", "loss", ".4f"),
-                ("accuracy", "acc", ".3f"),
-                ("val_loss", "val loss", ".4f"),
-                ("val_accuracy", "val acc", ".3f"),
-            ]
-            parts = "  ".join(
-                f"{label} {metrics[name]:{form}}"
-                for name, label, form in shown
-                if metrics.get(name) is not None
-            )
-            print(
-                f"epoch {metrics['epoch']}/{cfg.epochs}  {parts}  "
-                f"{metrics['samples_per_s']:.0f} samples/s",
-                file=sys.stderr,
-                flush=True,
-            )
+    def _show(self, metrics: dict[str, Any]) -> None:
+        """The epoch's line: loss, accuracy, validation, throughput."""
+        shown = [
+            ("loss", "loss", ".4f"),
+            ("accuracy", "acc", ".3f"),
+            ("val_loss", "val loss", ".4f"),
+            ("val_accuracy", "val acc", ".3f"),
+        ]
+        parts = "  ".join(
+            f"{label} {metrics[name]:{form}}"
+            for name, label, form in shown
+            if metrics.get(name) is not None
+        )
+        logger.info(
+            "epoch %d/%d  %s  %.0f samples/s",
+            metrics["epoch"], self.config.epochs, parts, metrics["samples_per_s"],
+        )  # fmt: skip
 
     def _save_and_record(
         self, run: Run, ctx: Context, state: _State, result: TrainResult, *, mid_epoch: bool
@@ -533,7 +529,7 @@ class Engine:
             kept = payload.get(OPTIMIZER)
             load_training_state(inner, optimizer, ctx, weights, kept, sharded=False)
         if kept is None and ctx.is_main:
-            print(f"{path} holds weights only: the optimizer starts afresh", file=sys.stderr)
+            logger.warning("%s holds weights only: the optimizer starts afresh", path)
         if payload.get(SCALER) and run.scaler is not None:
             run.scaler.load_state_dict(payload[SCALER])
         state.epoch = int(payload.get(EPOCH, 0))
@@ -549,18 +545,16 @@ class Engine:
         rng = payload.get(RNG)
         if isinstance(rng, list) and len(rng) == ctx.world_size:
             _set_rng_state(rng[ctx.rank])  # same world size: each rank continues its stream
-        if ctx.is_main and not self.config.quiet:
-            where = f"epoch {state.epoch}" + (f", step {state.step}" if state.batch else "")
-            print(f"resumed from {path} at {where}", file=sys.stderr, flush=True)
+        where = f"epoch {state.epoch}" + (f", step {state.step}" if state.batch else "")
+        logger.info("resumed from %s at %s", path, where)
 
 
 _SIGTERM_GRACE_S = 5.0
 
 
-def _leave(grace: float, quiet: bool) -> None:
-    if not quiet:
-        print(f"ckptkit: SIGTERM, and no step boundary within {grace:.0f} s: leaving without "
-              "a checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+def _leave(grace: float) -> None:
+    logger.warning("ckptkit: SIGTERM, and no step boundary within %.0f s: leaving without a "
+                   "checkpoint", grace)  # fmt: skip
     os._exit(143)
 
 
@@ -626,23 +620,6 @@ def _correct(output: Any, target: Any) -> float:
     ):
         return float((output.detach().argmax(1) == target).sum())
     return float("nan")
-
-
-def _rewind_metrics(path: Path, step: int) -> None:
-    """Keep the metric lines of the first ``step`` steps (a resumed run writes the rest)."""
-    if not path.is_file():
-        return
-    from ckptkit.formats.atomic import atomic_output
-
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if int(json.loads(line).get("step", 0)) <= step:
-                kept.append(line + "\n")
-        except (ValueError, AttributeError):
-            continue  # a torn last line of a killed run
-    with atomic_output(path, force=True) as tmp:
-        tmp.write_text("".join(kept))
 
 
 def _git_commit() -> str | None:
