@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from ckptkit.engine.runlog import logger, show_progress
 from ckptkit.errors import CkptkitError, Preempted
 
 if TYPE_CHECKING:
@@ -122,12 +123,10 @@ def _worker_env(config: TrainConfig) -> Iterator[None]:
     if os.environ.get("CKPTKIT_DEBUG") != "1":
         wanted["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     added = {k: v for k, v in wanted.items() if k not in os.environ}
-    if "OMP_NUM_THREADS" in added and not config.quiet:
-        print(
-            f"ckptkit: OMP_NUM_THREADS=1 in each of the {config.nproc_per_node} workers, as "
-            "torchrun sets it (set OMP_NUM_THREADS to choose)",
-            file=sys.stderr,
-        )
+    if "OMP_NUM_THREADS" in added:
+        show_progress(True, config.quiet)  # the launcher speaks for the job
+        logger.info("ckptkit: OMP_NUM_THREADS=1 in each of the %d workers, as torchrun sets it "
+                    "(set OMP_NUM_THREADS to choose)", config.nproc_per_node)  # fmt: skip
     os.environ.update(added)
     try:
         yield
