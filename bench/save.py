@@ -3,6 +3,7 @@
 
     python3 bench/save.py             # 0.5 GB of weights (+ SGD momentum), 3 saves a run
     python3 bench/save.py --quick     # small; the test suite runs this so it keeps working
+    python3 bench/save.py --mode fsdp # 2 FSDP2 ranks saving DCP folders (dcp.async_save)
 
 Each run trains a few steps per epoch and saves every epoch; the engine reports each save's
 stall (``save_stalls`` in ``--json``: from the moment training stops for it until every rank
@@ -46,6 +47,8 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--mode", choices=["single", "fsdp"], default="single",
+                        help="fsdp: 2 ranks, each writing its shards of a DCP folder")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     repeat = 1 if args.quick else args.repeat
@@ -65,7 +68,7 @@ def main() -> None:
                 argv = [sys.executable, "-m", "ckptkit", "train", "--model",
                         "bench_save_factories:model", "--data", "bench_save_factories:data",
                         "--epochs", "3", "--keep-last", "1", "--lr-schedule", "constant",
-                        "--out", str(out), "--json", "-q"]  # fmt: skip
+                        "--out", str(out), "--json", "-q", "--mode", args.mode]  # fmt: skip
                 if name == "--async-save":
                     argv.append("--async-save")
                 subprocess.run(["sync"], check=True)
@@ -82,8 +85,9 @@ def main() -> None:
         print(json.dumps(results, indent=2))
         return
     params = width * width * layers
-    print(f"{params * 4 / 1e9:.2f} GB of weights (and as much SGD momentum), 3 saves a run, "
-          f"repeats: {repeat}, {os.cpu_count()} cores\n")  # fmt: skip
+    where = "2 FSDP2 ranks, DCP folders" if args.mode == "fsdp" else "single device, .pt files"
+    print(f"{params * 4 / 1e9:.2f} GB of weights (and as much SGD momentum), {where}, 3 saves "
+          f"a run, repeats: {repeat}, {os.cpu_count()} cores\n")  # fmt: skip
     base = results["synchronous"]["median_stall_s"]
     print("| way | stall per checkpoint (median) | against synchronous |")
     print("|---|---|---|")

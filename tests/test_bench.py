@@ -10,10 +10,10 @@ import pytest
 from conftest import ROOT
 
 
-def quick(script: str) -> dict:
+def quick(script: str, *args: str) -> dict:
     """``bench/SCRIPT --quick --json``'s results, the run checked to have ended well."""
-    proc = subprocess.run([sys.executable, f"bench/{script}", "--quick", "--json"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run([sys.executable, f"bench/{script}", "--quick", "--json", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -49,6 +49,7 @@ def test_dcp_bench_quick_runs_and_reports_every_way():
 def test_train_and_save_benches_quick_run_and_report_every_way():
     ways = quick("train.py")
     assert len(ways) == 5 and all(r["loop_samples_per_s"] > 0 for r in ways.values())
-    stalls = quick("save.py")
-    assert set(stalls) == {"synchronous", "--async-save"}
-    assert all(r["saves"] == 3 and r["median_stall_s"] > 0 for r in stalls.values())
+    for mode in ("single", "fsdp"):
+        stalls = quick("save.py", "--mode", mode)
+        assert set(stalls) == {"synchronous", "--async-save"}
+        assert all(r["saves"] == 3 and r["median_stall_s"] > 0 for r in stalls.values())

@@ -86,6 +86,25 @@ def test_fsdp_resume_is_exact(tmp_path, fsdp_run):
     assert ma["step"] == mb["step"] == 96 and ma["batch_in_epoch"] == mb["batch_in_epoch"] == 0
 
 
+@pytest.mark.slow
+def test_fsdp_async_save_writes_what_a_synchronous_save_writes(tmp_path, fsdp_run):
+    """--async-save in fsdp: every rank stages its shards and writes them on a thread (DCP's
+    collectives on a group of their own); rank 0 commits once all are written. The folders
+    hold the same weights, and the run resumes from them."""
+    sync = fsdp_run.parent
+    background = run(tmp_path, "async", mode="fsdp", epochs=2, async_save=True)
+    assert [p.name for p in list_checkpoints(tmp_path / "async")] == [
+        p.name for p in list_checkpoints(sync)
+    ]
+    assert sorted(os.listdir(background.checkpoint)) == sorted(os.listdir(fsdp_run))
+    for name in ("ckpt-epoch0001", "ckpt-epoch0002"):
+        a = final_weights(str(sync / name), tmp_path)
+        b = final_weights(str(tmp_path / "async" / name), tmp_path)
+        assert all(bit_equal(a[k], b[k]) for k in a)
+    resumed = run(tmp_path, "async", mode="fsdp", epochs=3, async_save=True, resume="auto")
+    assert resumed.epochs_run == 1 and resumed.checkpoint.endswith("ckpt-epoch0003")
+
+
 @pytest.mark.parametrize(
     ("first", "then"),
     [

@@ -34,6 +34,14 @@ def model_of(result) -> dict[str, torch.Tensor]:
     return torch.load(result.checkpoint, map_location="cpu", weights_only=True)["model"]
 
 
+def dcp_weights(folder: Path) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    state = demo_model().state_dict()
+    dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
+    return state
+
+
 def bit_equal(a: dict, b: dict) -> bool:
     return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -451,8 +459,23 @@ def test_async_save_writes_what_a_synchronous_save_writes(tmp_path):
     assert (tmp_path / "async" / "latest").read_text().strip() == "ckpt-epoch0003.pt"
     resumed = run(tmp_path, "async", epochs=4, resume="auto", async_save=True)
     assert resumed.epochs_run == 1
-    with pytest.raises(UsageError, match="--async-save writes pt or safetensors"):
-        run(tmp_path, "x", async_save=True, save_format="dcp")
+
+
+def test_async_dcp_save_commits_what_a_synchronous_one_does(tmp_path):
+    """A DCP checkpoint written in the background (dcp.async_save) is the same folder, and the
+    `best` pointer moves only once the checkpoint it names is complete."""
+    options = {"epochs": 3, "keep_last": 1, "save_format": "dcp", "monitor": "loss"}
+    sync = run(tmp_path, "sync", **options)
+    background = run(tmp_path, "async", async_save=True, **options)
+    assert len(background.save_stalls) == 3
+    for name in ("latest", "best"):
+        assert (tmp_path / "async" / name).read_text() == "ckpt-epoch0003\n"
+    assert [p.name for p in list_checkpoints(tmp_path / "async")] == ["ckpt-epoch0003"]
+    assert not list((tmp_path / "async").glob(".*.tmp"))
+    a, b = (dcp_weights(Path(r.checkpoint)) for r in (sync, background))
+    assert bit_equal(a, b)
+    meta = torch.load(Path(background.checkpoint) / "meta.pt", weights_only=True)
+    assert meta["step"] == 96
 
 
 def test_a_failed_background_save_is_raised(tmp_path):

@@ -5,7 +5,11 @@ previous checkpoint complete and findable.
 A DCP checkpoint (``--save-format dcp``) is a folder: every rank writes its own shards into a
 temp folder with ``torch.distributed.checkpoint.save`` (``.metadata`` last), rank 0 adds
 ``meta.pt`` (the rest of the training state, as Lightning's FSDP strategy keeps it) and renames
-the folder into place; then ``latest`` moves, then pruning, as for a file."""
+the folder into place; then ``latest`` moves, then pruning, as for a file.
+
+With a :class:`~ckptkit.engine.saver.BackgroundSaver` both kinds are written on a thread: the
+state is first staged to CPU memory, and the same steps run once the bytes are written (a DCP
+save through ``dcp.async_save`` on a process group of its own)."""
 
 from __future__ import annotations
 
@@ -14,14 +18,17 @@ import hashlib
 import pickle
 import re
 import shutil
+import warnings
 import zipfile
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ckptkit.engine.ptwriter import write_payload
+from ckptkit.engine.saver import BackgroundSaver, staged
 from ckptkit.errors import CkptkitError, FormatError
 from ckptkit.formats.atomic import atomic_folder, atomic_output
 from ckptkit.formats.tensors import as_bytes, dtype_name
@@ -89,11 +96,13 @@ def commit(
     keep_last: int,
     formats: tuple[str, ...] = ("pt",),
     step: int | None = None,
+    best: bool = False,
 ) -> Path:
     """Write one checkpoint by the commit protocol and return its path (the ``.pt`` if any).
 
     ``pt`` is the whole training state; ``safetensors`` the weights, with the run's metadata in
-    the header. Every file is complete before the ``latest`` pointer moves.
+    the header. Every file is complete before the ``latest`` pointer (and with ``best`` the
+    ``best`` one) moves.
     """
     remove_stale(folder)
     written = []
@@ -108,8 +117,7 @@ def commit(
                     meta[DIGEST] = weights_sha256(payload[MODEL])
                 _write_weights(tmp, payload)
         written.append(path)
-    _point_latest(folder, written[0])
-    _prune(folder, keep_last, keep=written[0])
+    _publish(folder, written[0], keep_last=keep_last, best=best)
     return written[0]
 
 
@@ -124,8 +132,12 @@ def remove_stale(folder: Path) -> None:
                 stale.unlink()
 
 
-def _point_latest(folder: Path, path: Path) -> None:
+def _publish(folder: Path, path: Path, *, keep_last: int, best: bool) -> None:
+    """A complete checkpoint becomes ``latest`` (and ``best``), then the old ones go."""
     point(folder, LATEST, path)
+    if best:
+        point(folder, BEST, path)
+    _prune(folder, keep_last, keep=path)
 
 
 def point(folder: Path, pointer: str, path: Path) -> None:
@@ -144,6 +156,9 @@ def commit_dcp(
     share: Callable[[str | None], str],
     keep_last: int,
     step: int | None = None,
+    best: bool = False,
+    saver: BackgroundSaver | None = None,
+    group: Any = None,
 ) -> Path:
     """Write one DCP checkpoint by the commit protocol; every rank calls it.
 
@@ -152,23 +167,53 @@ def commit_dcp(
         train_state: the rest, written by rank 0 as ``meta.pt`` (plain values and tensors).
         is_main: this is rank 0, which makes the temp folder, renames it and moves ``latest``.
         share: gives every rank rank 0's value (the temp folder's name).
+        saver: write in the background: ``dcp.async_save`` stages the shards to CPU memory and
+            writes them on a thread; rank 0's saver commits once every rank's part is written
+            (DCP gathers the ranks' results before it writes ``.metadata``).
+        group: the process group of background saves (not the one training runs on).
     """
     import torch.distributed.checkpoint as dcp
 
+    _quiet_single_process_dcp()
     final = folder / checkpoint_name(epoch, "dcp", step=step)
+    if saver is not None:
+        saver.wait()  # one save in flight, on every rank
+
+    def write(tmp: Path) -> Callable[[], Any]:
+        """Start this rank's part; returns what waits for it."""
+        if saver is None:  # collective; rank 0 writes .metadata last
+            dcp.save(shards, checkpoint_id=tmp)
+            return lambda: None
+        future = dcp.async_save(shards, checkpoint_id=tmp, process_group=group)
+        assert isinstance(future, Future)  # the thread executor's (a process one answers else)
+        return future.result
+
     if not is_main:
-        dcp.save(shards, checkpoint_id=Path(share(None)))  # into rank 0's temp folder
+        written = write(Path(share(None)))  # into rank 0's temp folder
+        if saver is not None:
+            saver.submit(written)
         return final
     folder.mkdir(parents=True, exist_ok=True)
+    train_state = staged(train_state)
     # A temp folder beside the checkpoint, renamed into place (replacing the same epoch saved
     # by an earlier, resumed run); a killed run's is removed by the next save.
-    with atomic_folder(final, force=True) as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(atomic_folder(final, force=True))
         share(str(tmp))
-        dcp.save(shards, checkpoint_id=tmp)  # collective; rank 0 writes .metadata last
-        with atomic_output(tmp / TRAIN_STATE, force=True) as part:
-            _torch_save(train_state, part)
-    _point_latest(folder, final)
-    _prune(folder, keep_last, keep=final)
+        written = write(tmp)
+        pending = stack.pop_all()  # the folder is committed once its shards are written
+
+    def finish() -> None:
+        with pending:  # renamed on success, removed on failure
+            written()
+            with atomic_output(tmp / TRAIN_STATE, force=True) as part:
+                _torch_save(train_state, part)
+        _publish(folder, final, keep_last=keep_last, best=best)
+
+    if saver is None:
+        finish()
+    else:
+        saver.submit(finish)
     return final
 
 
@@ -322,6 +367,15 @@ def _dcp_train_state(path: Path) -> dict[str, Any]:
     return {**payload, "dcp": {"model", "optim"} & parts or {"state dict"}}
 
 
+def _quiet_single_process_dcp() -> None:
+    """DCP warns on every save and load outside a process group, which is what a single-device
+    run means to do: that one warning is left out (a filter on its text, kept)."""
+    warnings.filterwarnings(
+        "ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+        category=UserWarning,
+    )  # fmt: skip
+
+
 def load_dcp(path: Path, shards: dict[str, Any]) -> None:
     """Fill ``shards`` (``model``, ``optim``: each rank's own, as saved) from a DCP
     checkpoint; DCP reshards to this run's world. Plain values stored in it are read with
@@ -329,6 +383,7 @@ def load_dcp(path: Path, shards: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    _quiet_single_process_dcp()
     try:
         dcp.load(shards, checkpoint_id=path, planner=_safe_load_planner())
     except (Exception, CheckpointException) as exc:

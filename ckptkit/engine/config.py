@@ -56,7 +56,7 @@ class TrainConfig:
     save_every: int = 1  # epochs
     save_every_steps: int | None = None
     keep_last: int = 3
-    async_save: bool = False  # stage to CPU memory, write on a thread (pt / safetensors)
+    async_save: bool = False  # stage to CPU memory, write on a thread
     resume: str | None = None  # a checkpoint path, or "auto"
     device: str = "cpu"
     save_format: str | None = None  # pt, safetensors, both or dcp; None: dcp in fsdp, else pt
@@ -114,9 +114,6 @@ class TrainConfig:
             self.log = (self.log,)
         self.log = tuple(self.log)
         check_sinks(self.log)
-        if self.async_save and self.save_format == "dcp":
-            raise UsageError("--async-save writes pt or safetensors checkpoints",
-                             "give --save-format pt (or safetensors, both)")  # fmt: skip
         if self.monitor_mode not in ("min", "max"):
             raise UsageError(f"unknown --monitor-mode '{self.monitor_mode}'", "use min or max")
         if self.early_stop_patience is not None and self.monitor is None:

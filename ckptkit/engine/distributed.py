@@ -63,6 +63,9 @@ class Context:
     # gloo's; nccl has none).
     monitor: Any = None
     timeout_s: float = 60.0
+    # Another gloo group, for the collectives of a DCP save running in the background: on the
+    # training group they would interleave with the training's own.
+    saves: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -124,8 +127,9 @@ def setup(mode: Mode, device: str = "cpu", *, timeout_s: float = 60.0) -> Contex
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     monitor = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    saves = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return Context(mode, rank, local_rank, world, local_world, max(1, world // local_world),
-                   backend, dev, monitor, timeout_s)  # fmt: skip
+                   backend, dev, monitor, timeout_s, saves)  # fmt: skip
 
 
 class StopVote:

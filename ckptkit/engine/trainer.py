@@ -110,7 +110,7 @@ class Engine:
         self._watchdog: threading.Timer | None = None
         self._last_step_s = 0.0
         self._vote: StopVote | None = None
-        # --async-save: rank 0 writes on a thread (the other ranks have nothing to write).
+        # --async-save: writes on a thread (rank 0's files, or every rank's DCP shards).
         self._saver: BackgroundSaver | None = None
         self._log: RunLog | None = None  # rank 0's
 
@@ -170,7 +170,7 @@ class Engine:
 
     def _run(self, ctx: Context) -> TrainResult:
         cfg = self.config
-        if cfg.async_save and ctx.is_main:
+        if cfg.async_save:
             self._saver = BackgroundSaver()
         try:
             return self._train(ctx)
@@ -250,7 +250,7 @@ class Engine:
             if stop is not None or (every and state.step % every == 0):
                 partial = state.partial
                 state.partial = [a + b for a, b in zip(partial, ctx.sum(local), strict=True)]
-                self._save_and_record(run, ctx, state, result, mid_epoch=True)
+                self._save_and_record(run, ctx, state, result, mid_epoch=True, best=False)
                 state.partial = partial
             if stop is not None:
                 bar.close()
@@ -290,9 +290,7 @@ class Engine:
             or state.epoch % cfg.save_every == 0
             or state.epoch == cfg.epochs
         ):
-            self._save_and_record(run, ctx, state, result, mid_epoch=False)
-            if improved and ctx.is_main and result.checkpoint:
-                checkpoint.point(Path(cfg.out), checkpoint.BEST, Path(result.checkpoint))
+            self._save_and_record(run, ctx, state, result, mid_epoch=False, best=improved)
         return stop
 
     def _judge(self, metrics: dict[str, Any], state: _State) -> bool:
@@ -409,11 +407,19 @@ class Engine:
         )  # fmt: skip
 
     def _save_and_record(
-        self, run: Run, ctx: Context, state: _State, result: TrainResult, *, mid_epoch: bool
+        self,
+        run: Run,
+        ctx: Context,
+        state: _State,
+        result: TrainResult,
+        *,
+        mid_epoch: bool,
+        best: bool,
     ) -> None:
+        """Save (``best``: and point ``best`` at it once complete) and time the stall."""
         started = time.perf_counter()
         rng = ctx.gather(_rng_state())
-        path = self._save(run, ctx, state, rng, mid_epoch=mid_epoch)
+        path = self._save(run, ctx, state, rng, mid_epoch=mid_epoch, best=best)
         if ctx.is_main:
             result.checkpoint = str(path)
         ctx.barrier()  # every rank waits for the commit (or the staging), none runs ahead
@@ -448,7 +454,7 @@ class Engine:
         }
 
     def _save(
-        self, run: Run, ctx: Context, state: _State, rng: list[Any], *, mid_epoch: bool
+        self, run: Run, ctx: Context, state: _State, rng: list[Any], *, mid_epoch: bool, best: bool
     ) -> Path | None:
         """Save a checkpoint; every rank calls it (fsdp gathers, DCP writes on every rank).
         Returns its path (None on the ranks that do not write)."""
@@ -475,6 +481,9 @@ class Engine:
                 share=lambda value: ctx.gather(value)[0],
                 keep_last=cfg.keep_last,
                 step=step,
+                best=best,
+                saver=self._saver,
+                group=ctx.saves,
             )
         model_state, optim_state = training_state(run.inner, run.optimizer, ctx, sharded=False)
         if not ctx.is_main:
@@ -493,7 +502,7 @@ class Engine:
 
         def commit(payload: dict[str, Any]) -> Path:
             return checkpoint.commit(out, epoch, payload, keep_last=keep, formats=suffixes,
-                                     step=step)  # fmt: skip
+                                     step=step, best=best)  # fmt: skip
 
         if self._saver is None:
             return commit(payload)
