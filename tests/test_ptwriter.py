@@ -89,3 +89,19 @@ def test_staging_copies_each_tensor_once_and_keeps_the_tree():
     assert copy["model"]["a"] is copy["model"]["b"] is copy["pair"][0]
     assert torch.equal(copy["model"]["a"], torch.arange(6.0).reshape(2, 3))
     assert copy["step"] == 3 and copy["pair"][1] == [1.5]
+
+
+def test_staging_copies_into_the_same_memory_at_every_save():
+    """A background save's copies are kept: the next save copies into them, not into fresh
+    memory, and a state that changed shape gets new ones."""
+    from ckptkit.engine.saver import Staging
+
+    staging = Staging()
+    weight = torch.zeros(4, 3)
+    first = staging.stage({"w": weight, "n": 1})
+    weight.add_(2)
+    second = staging.stage({"w": weight, "n": 2})
+    assert second["w"].data_ptr() == first["w"].data_ptr()
+    assert torch.equal(second["w"], torch.full((4, 3), 2.0)) and second["n"] == 2
+    third = staging.stage({"w": torch.ones(5)})
+    assert third["w"].shape == (5,) and torch.equal(third["w"], torch.ones(5))

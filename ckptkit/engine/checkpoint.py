@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ckptkit.engine.ptwriter import write_payload
-from ckptkit.engine.saver import BackgroundSaver, staged
+from ckptkit.engine.saver import BackgroundSaver, Staging, dcp_stager, staged
 from ckptkit.errors import CkptkitError, FormatError
 from ckptkit.formats.atomic import atomic_folder, atomic_output
 from ckptkit.formats.tensors import as_bytes, dtype_name
@@ -158,6 +158,7 @@ def commit_dcp(
     step: int | None = None,
     best: bool = False,
     saver: BackgroundSaver | None = None,
+    staging: Staging | None = None,
     group: Any = None,
 ) -> Path:
     """Write one DCP checkpoint by the commit protocol; every rank calls it.
@@ -170,6 +171,7 @@ def commit_dcp(
         saver: write in the background: ``dcp.async_save`` stages the shards to CPU memory and
             writes them on a thread; rank 0's saver commits once every rank's part is written
             (DCP gathers the ranks' results before it writes ``.metadata``).
+        staging: where a background save stages the shards (its copies kept between saves).
         group: the process group of background saves (not the one training runs on).
     """
     import torch.distributed.checkpoint as dcp
@@ -184,7 +186,8 @@ def commit_dcp(
         if saver is None:  # collective; rank 0 writes .metadata last
             dcp.save(shards, checkpoint_id=tmp)
             return lambda: None
-        future = dcp.async_save(shards, checkpoint_id=tmp, process_group=group)
+        future = dcp.async_save(shards, checkpoint_id=tmp, process_group=group,
+                                async_stager=dcp_stager(staging or Staging()))  # fmt: skip
         assert isinstance(future, Future)  # the thread executor's (a process one answers else)
         return future.result
 

@@ -56,7 +56,7 @@ from ckptkit.engine.distributed import (
     training_state,
 )
 from ckptkit.engine.runlog import RunLog, logger, show_progress
-from ckptkit.engine.saver import BackgroundSaver, staged
+from ckptkit.engine.saver import BackgroundSaver, Staging
 from ckptkit.errors import Preempted, UsageError
 from ckptkit.formats.tree import map_leaves
 from ckptkit.keys import match_keys, mismatch_message
@@ -112,6 +112,7 @@ class Engine:
         self._vote: StopVote | None = None
         # --async-save: writes on a thread (rank 0's files, or every rank's DCP shards).
         self._saver: BackgroundSaver | None = None
+        self._staging: Staging | None = None  # its copies of the state, kept between saves
         self._log: RunLog | None = None  # rank 0's
 
     def run(self) -> TrainResult:
@@ -171,7 +172,7 @@ class Engine:
     def _run(self, ctx: Context) -> TrainResult:
         cfg = self.config
         if cfg.async_save:
-            self._saver = BackgroundSaver()
+            self._saver, self._staging = BackgroundSaver(), Staging()
         try:
             return self._train(ctx)
         finally:
@@ -483,6 +484,7 @@ class Engine:
                 step=step,
                 best=best,
                 saver=self._saver,
+                staging=self._staging,
                 group=ctx.saves,
             )
         model_state, optim_state = training_state(run.inner, run.optimizer, ctx, sharded=False)
@@ -504,10 +506,12 @@ class Engine:
             return checkpoint.commit(out, epoch, payload, keep_last=keep, formats=suffixes,
                                      step=step, best=best)  # fmt: skip
 
-        if self._saver is None:
+        if self._saver is None or self._staging is None:
             return commit(payload)
-        # Staged: copies in CPU memory, written on a thread while training goes on.
-        copy = staged(payload)
+        # Staged: copies in CPU memory, written on a thread while training goes on. The last
+        # save is written first: its copies are the ones staged into.
+        self._saver.wait()
+        copy = self._staging.stage(payload)
         self._saver.submit(lambda: commit(copy))
         return out / checkpoint.checkpoint_name(epoch, suffixes[0], step=step)
 
