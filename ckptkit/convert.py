@@ -313,10 +313,10 @@ def _refuse_special(src: Path, entries: dict[str, TensorInfo], fmt: str) -> None
                 f"'{key}' in {src} is {what}, which safetensors cannot store (dense tensors only)",
                 "write a .pt output, which keeps it, or make it dense in PyTorch first",
             )
-        elif info.kind == "DTensor":  # the same refusal as when torch's safe set lacks DTensor
+        elif info.kind in ("DTensor", "ShardedTensor"):  # as when torch's safe set lacks it
             from ckptkit.formats.rank_files import one_rank_refusal
 
-            raise one_rank_refusal(Path(src))
+            raise one_rank_refusal(Path(src), info.kind)
         else:
             hint = "convert it to a dense tensor in PyTorch first"
         raise FormatError(f"tensor '{key}' in {src} is {what}; ckptkit cannot convert it", hint)

@@ -98,10 +98,46 @@ def test_files_of_two_saves_or_two_sets_are_refused(tmp_path):
         ckptkit.summarize(tmp_path / "nothing_rank*.pt")
 
 
-def test_fsdp1_sharded_tensors_are_refused_with_the_reason(run):
-    result = run("convert", DCP / "fsdp1_ranks", "out.safetensors")
-    assert result.exit_code == 1
-    assert "holds FSDP1 ShardedTensors" in result.stderr and "dcp.save" in result.stderr
+def test_fsdp1_sharded_state_dicts_merge_to_the_full_model(tmp_path, run):
+    """FSDP1's SHARDED_STATE_DICT, one torch.save per rank (ShardedTensors, written by FSDP1
+    itself): each shard's offsets come from its metadata, and ShardedTensor.ProcessGroupState,
+    which the pickle reaches through builtins.getattr, is named, never looked up."""
+    folder = DCP / "fsdp1_ranks"
+    result = run("convert", folder, "out.safetensors")
+    assert result.exit_code == 0, result.output
+    written = load_file(tmp_path / "out.safetensors")
+    full = torch.load(DCP / "fsdp1_full.pt", weights_only=True)
+    assert {k: bits(v) for k, v in written.items()} == {k: bits(v) for k, v in full.items()}
+    alone = run("convert", folder / "model_rank1.pt", "x.safetensors")
+    assert alone.exit_code == 1
+    assert "model_rank1.pt is one rank's part of a sharded save (ShardedTensors)" in alone.stderr
+    one = tmp_path / "one"
+    one.mkdir()
+    shutil.copy(folder / "model_rank0.pt", one / "model_rank0.pt")  # rank 1's rows missing
+    missing = run("convert", one, "y.safetensors")
+    assert missing.exit_code == 1 and "does not hold all of '0.weight'" in missing.stderr
+    assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "y.safetensors").exists()
+
+
+def test_getattr_in_a_rank_file_reaches_only_the_nested_class_it_names(tmp_path):
+    """The one getattr admitted in rank files is ShardedTensor.ProcessGroupState: the same
+    files asking getattr for any other attribute are refused, naming what they reach."""
+    import zipfile
+
+    from ckptkit.errors import UnsafeCheckpointError
+
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    for rank in (0, 1):
+        src = DCP / "fsdp1_ranks" / f"model_rank{rank}.pt"
+        with zipfile.ZipFile(src) as zin, zipfile.ZipFile(forged / src.name, "w") as zout:
+            for item in zin.infolist():
+                data = zin.read(item)
+                if item.filename.endswith("data.pkl"):
+                    data = data.replace(b"ProcessGroupState", b"ProcessGroupStatX")
+                zout.writestr(item, data)
+    with pytest.raises(UnsafeCheckpointError, match=r"ShardedTensor\.ProcessGroupStatX"):
+        ckptkit.load_state_dict(forged)
 
 
 def test_inspect_reads_rank_files_without_importing_torch():

@@ -90,6 +90,22 @@ def test_getattr_trick_is_dangerous(tmp_path, monkeypatch):
     assert found.verdict() == "dangerous"
 
 
+def test_getattr_on_a_named_global_names_the_attribute_as_a_global():
+    """getattr(<global os.path>, "os").system("true") reaches os.system through two lookups:
+    each is named as the global it reaches and the call is one of os.path.os.system; getattr
+    stays named too, and a dunder is never resolved."""
+    reach = (b"\x80\x02cbuiltins\ngetattr\nq\x00cbuiltins\ngetattr\ncos\npath\n"
+             b"X\x02\x00\x00\x00os\x86RX\x06\x00\x00\x00system\x86R")  # fmt: skip
+    found = scan_pickle(reach + b"X\x04\x00\x00\x00true\x85R.")
+    assert {"builtins.getattr", "os.path", "os.path.os", "os.path.os.system"} <= set(found.globals)
+    assert found.calls == {"os.path.os.system": 1}
+    assert found.verdict() == "dangerous"
+    dunder = b"\x80\x02cbuiltins\ngetattr\ncos\npath\nX\x08\x00\x00\x00__dict__\x86R."
+    found = scan_pickle(dunder)
+    assert "os.path.__dict__" not in found.globals and found.calls == {"builtins.getattr": 1}
+    assert found.verdict() == "dangerous"
+
+
 def test_pickle_hidden_in_a_second_zip_member(tmp_path):
     path = tmp_path / "hidden.pt"
     torch.save({"w": torch.ones(2)}, path)

@@ -159,6 +159,23 @@ Handler = Callable[..., Any]
 PickleData = bytes | bytearray | memoryview | mmap.mmap
 
 
+def _attribute_of_global(target: Global, args: tuple[Any, ...], kwargs: Any) -> str | None:
+    """``C.Name`` for ``builtins.getattr(C, "Name")`` on a named global ``C`` (how torch pickles
+    a nested class, e.g. ``ShardedTensor.ProcessGroupState``), else None.
+
+    Naming ``C.Name`` is exactly what that call reaches, so it is recorded as a global in its
+    own right and judged as one; ``builtins.getattr`` stays recorded too (a safety verdict
+    still sees it), and a dunder or a value made at load time is never resolved."""
+    if target.name != "builtins.getattr" or kwargs or len(args) != 2:
+        return None
+    owner, attribute = args
+    if not isinstance(owner, Global) or not isinstance(attribute, str):
+        return None
+    if not attribute.isidentifier() or attribute.startswith("__"):
+        return None
+    return f"{owner.name}.{attribute}"
+
+
 class _Machine:
     def __init__(
         self,
@@ -252,6 +269,10 @@ class _Machine:
         if not isinstance(target, Global):
             self.run.problem("call of a value made at load time (not a named global)")
             return Opaque("<computed>", args, kwargs)
+        name = _attribute_of_global(target, args, kwargs)
+        if name is not None:  # getattr(<global>, "Name"): the global <global>.Name, as named
+            self.run.globals[name] = self.run.globals.get(name, 0) + 1
+            return Global(name)
         handler = self.calls.get(target.name)
         if handler is None:
             self.run.calls[target.name] = self.run.calls.get(target.name, 0) + 1

@@ -4,6 +4,7 @@ Trainers that shard a model often save each rank's ``model.state_dict()`` with `
 ``model_rank0.pt``, ``model_world_size_2_rank_1.pt``, ``pytorch_model_fsdp_0_rank1.bin``. Its
 values are FSDP2's DTensors, each holding this rank's shard and where that shard lies, which is
 read here as data: the classes are admitted by name and never imported, nothing is executed.
+FSDP1's ``SHARDED_STATE_DICT`` saves ShardedTensors the same way.
 
 - A DTensor records its placements and this rank's mesh coordinate. ``Shard(d)`` on a mesh
   dimension of ``n`` ranks puts coordinate ``c``'s piece at ``c * ceil(N / n)`` along ``d``
@@ -11,9 +12,10 @@ read here as data: the classes are admitted by name and never imported, nothing 
   the highest coordinate seen plus one, so a missing last rank leaves a gap that is refused.
   ``Replicate`` repeats the piece (the first rank's copy is read). Partial sums and strided
   shards are refused.
-- FSDP1's ShardedTensors (``SHARDED_STATE_DICT``) are refused: their pickle reaches
-  ``ShardedTensor.ProcessGroupState`` through ``builtins.getattr``, a call ckptkit's static
-  reader does not admit, and ``torch.load`` needs a process group for them.
+- A ShardedTensor (FSDP1) records each local shard's offsets and sizes outright. Its pickle
+  names ``ShardedTensor.ProcessGroupState`` through ``builtins.getattr(ShardedTensor, ...)``,
+  which the static reader resolves to that nested class's name (nothing is called); this
+  reader admits that one use. ``torch.load`` of these files needs a process group.
 - A plain tensor is taken as replicated: every rank holds all of it.
 
 The pieces are chunks of the full tensor (``formats.chunks``): row shards are copied as bytes.
@@ -26,7 +28,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ckptkit.errors import FormatError, UnsafeCheckpointError
+from ckptkit.errors import FormatError
 from ckptkit.formats.chunks import Chunk, ChunkedSource, ChunkedTensor, check_cover
 from ckptkit.formats.pickle_vm import Opaque, build_state, fields
 from ckptkit.formats.static_unpickler import SHARDED_KINDS, TensorStub, UnsupportedTensor
@@ -54,6 +56,25 @@ RANK_GLOBALS = frozenset(
         "torch.distributed.device_mesh.DeviceMesh",
         "torch.distributed._mesh_layout._MeshLayout",
         "torch.distributed._mesh_layout._FlatLayout",
+    }
+)
+
+_ST = "torch.distributed._shard."
+# What an FSDP1 ShardedTensor pickles, read as data and never imported.
+SHARDED_TENSOR_GLOBALS = frozenset(
+    {
+        _ST + "sharded_tensor.api.ShardedTensor",
+        _ST + "sharded_tensor.api.ShardedTensor.ProcessGroupState",
+        _ST + "sharded_tensor.shard.Shard",
+        _ST + "sharded_tensor.metadata.ShardedTensorMetadata",
+        _ST + "sharded_tensor.metadata.TensorProperties",
+        _ST + "sharded_tensor.metadata.MEM_FORMAT_ENCODING",
+        _ST + "metadata.ShardMetadata",
+        _ST + "sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
+        "torch.distributed.remote_device._remote_device",
+        # Only ever resolved to ShardedTensor.ProcessGroupState above: getattr on any other
+        # global names a global outside this set, which is refused.
+        "builtins.getattr",
     }
 )
 
@@ -139,17 +160,7 @@ class RankFilesSource(ChunkedSource):
 
         roots, parts = [], []
         for file in files:
-            try:
-                scan, layout, raw, _ = scan_torch_file(file, RANK_GLOBALS)
-            except UnsafeCheckpointError:
-                if _holds_sharded_tensors(file):
-                    raise FormatError(
-                        f"{file} holds FSDP1 ShardedTensors, whose pickle calls builtins.getattr "
-                        "(for ShardedTensor.ProcessGroupState), which ckptkit does not admit",
-                        "load the files with torch in a process group and save with "
-                        "torch.distributed.checkpoint (dcp.save), which ckptkit reads",
-                    ) from None
-                raise
+            scan, layout, raw, _ = scan_torch_file(file, RANK_GLOBALS | SHARDED_TENSOR_GLOBALS)
             try:
                 found: dict[tuple[str, ...], Any] = {}
                 for path, leaf in _leaves(scan.root, ()):
@@ -176,6 +187,8 @@ class RankFilesSource(ChunkedSource):
                 "the parameters inside it are not in the file",
                 "save with StateDictType.SHARDED_STATE_DICT or FULL_STATE_DICT, or with DCP",
             )
+        if leaf.kind == "ShardedTensor":
+            return leaf.shape, leaf.dtype, self._local_shards(file, key, leaf, piece)
         # A DTensor: its local tensor and its spec (placements, this rank's mesh coordinate).
         state = build_state(leaf.state)
         if not isinstance(state, dict):
@@ -209,6 +222,30 @@ class RankFilesSource(ChunkedSource):
                 )
             p.shard_dims.append((mesh_dim, dim % max(1, len(leaf.shape))))
         return leaf.shape, leaf.dtype, [p]
+
+    @staticmethod
+    def _local_shards(file: Path, key: str, leaf: Any, piece: Any) -> list[_Piece]:
+        """A ShardedTensor's local shards, each with the offsets its metadata records."""
+        state = leaf.state  # (local shards, metadata, process group state, spec, rrefs)
+        if not isinstance(state, tuple) or not state or not isinstance(state[0], list):
+            raise FormatError(f"{file} is damaged at '{key}' (a ShardedTensor without shards)")
+        pieces = []
+        for shard in state[0]:
+            shard_fields = fields(shard)
+            meta = fields(shard_fields.get("metadata"))
+            offsets, sizes = meta.get("shard_offsets"), meta.get("shard_sizes")
+            p = piece(shard_fields.get("tensor"))
+            if (
+                not isinstance(offsets, list)
+                or len(offsets) != len(leaf.shape)
+                or not all(type(o) is int and o >= 0 for o in offsets)
+                or list(p.stub.shape) != sizes
+            ):
+                raise FormatError(f"{file} is damaged at '{key}' (a shard's metadata does not "
+                                  "fit its tensor)", "copy it again")  # fmt: skip
+            p.offsets = tuple(offsets)
+            pieces.append(p)
+        return pieces
 
     def _merge(self, parts: list[dict[tuple[str, ...], Any]]) -> dict[tuple[str, ...], Any]:
         """Each path's full tensor, its chunks from every file (replicas read once)."""
@@ -258,28 +295,31 @@ class RankFilesSource(ChunkedSource):
         return list(self._files)
 
 
-def _holds_sharded_tensors(file: Path, kind: str = "ShardedTensor") -> bool:
+def _sharded_kind(file: Path) -> str | None:
+    """The sharded tensor class a file's pickle names (DTensor, ShardedTensor), if any."""
     from ckptkit.formats.detect import readings
 
-    return any(
-        g.endswith("." + kind)
-        for reading in readings(file)
-        for findings in reading.pickles
-        for g in findings.globals
-    )
+    for reading in readings(file):
+        for findings in reading.pickles:
+            for g in findings.globals:
+                kind = next((k for k in SHARDED_KINDS if g.endswith("." + k)), None)
+                if kind is not None:
+                    return kind
+    return None
 
 
 def one_rank_error(file: Path) -> FormatError | None:
     """The error for one rank's file of a sharded save given alone (None: it is not one)."""
-    return one_rank_refusal(file) if _holds_sharded_tensors(file, "DTensor") else None
+    kind = _sharded_kind(file)
+    return one_rank_refusal(file, kind) if kind is not None else None
 
 
-def one_rank_refusal(file: Path) -> FormatError:
-    """The error for one rank's file of a sharded (DTensor) save, naming how to give the set."""
+def one_rank_refusal(file: Path, kind: str = "DTensor") -> FormatError:
+    """The error for one rank's file of a sharded save, naming how to give the set."""
     match = _RANK.fullmatch(file.name)
     pattern = file.parent / (f"{match[1]}*{match[3]}" if match else f"*{file.suffix}")
     return FormatError(
-        f"{file} is one rank's part of a sharded save (DTensors)",
+        f"{file} is one rank's part of a sharded save ({kind}s)",
         f"give every rank's file: their folder, or a glob such as '{pattern}'",
     )
 
