@@ -526,6 +526,22 @@ def test_cuda_modes(tmp_path, mode):
     demo_model().load_state_dict(weights(result.checkpoint), strict=True)  # loads on the CPU
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_cuda_mixed_precision_saves_and_resumes(tmp_path, precision):
+    """Autocast on CUDA; fp16's gradient scaler state is saved in the checkpoint and taken
+    up on resume; the weights stay fp32 and load on the CPU."""
+    first = run(tmp_path, precision, epochs=1, device="cuda", precision=precision)
+    payload = torch.load(first.checkpoint, map_location="cpu", weights_only=True)
+    assert (payload["scaler"] is not None) == (precision == "fp16")
+    assert all(v.dtype == torch.float32 for v in payload["model"].values() if v.is_floating_point())
+    resumed = run(tmp_path, precision, epochs=2, device="cuda", precision=precision,
+                  resume="auto")  # fmt: skip
+    assert resumed.epochs_run == 1 and resumed.metrics[-1]["loss"] < first.metrics[-1]["loss"]
+    demo_model().load_state_dict(weights(resumed.checkpoint), strict=True)
+
+
 def test_package_exposes_the_engine_lazily(tmp_path):
     code = (
         "import sys, ckptkit\n"
