@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -160,3 +161,19 @@ def state_dicts(draw):
         first = next(iter(state))
         state["tied.alias"] = state[first]
     return state
+
+
+@pytest.fixture
+def corrupt_head_bias_copy(monkeypatch):
+    """The byte copier flips the last byte of head.bias (the fixtures' one 12-byte tensor) as
+    it writes it: what only verification can catch."""
+    import ckptkit.formats.transfer as transfer_module
+
+    real = transfer_module.copy_range
+
+    def corrupting(src_fd, offset, count, dst_fd):
+        real(src_fd, offset, count, dst_fd)
+        if count == 12:  # head.bias: 3 float32
+            os.pwrite(dst_fd, b"\xff", os.lseek(dst_fd, 0, os.SEEK_CUR) - 1)
+
+    monkeypatch.setattr(transfer_module, "copy_range", corrupting)

@@ -121,17 +121,7 @@ def test_a_file_is_not_a_dcp_output(tmp_path, run):
     assert "o.safetensors ends in .safetensors, which is not a pt output" in result.stderr
 
 
-def test_a_corrupted_write_leaves_nothing(tmp_path, monkeypatch):
-    import ckptkit.formats.transfer as transfer_module
-
-    real = transfer_module.copy_range
-
-    def corrupting(src_fd, offset, count, dst_fd):
-        real(src_fd, offset, count, dst_fd)
-        if count == 12:  # head.bias: 3 float32
-            os.pwrite(dst_fd, b"\xff", os.lseek(dst_fd, 0, os.SEEK_CUR) - 1)
-
-    monkeypatch.setattr(transfer_module, "copy_range", corrupting)
+def test_a_corrupted_write_leaves_nothing(tmp_path, corrupt_head_bias_copy):
     with pytest.raises(VerificationError, match="'head.bias' read back from .*out differs"):
         ckptkit.convert(FIXTURE_DIR / "single.pt", tmp_path / "out", to="dcp")
     assert list(tmp_path.iterdir()) == []
