@@ -52,7 +52,7 @@ def ddp_run(tmp_path_factory):
     return Path(result.checkpoint)
 
 
-@pytest.mark.parametrize("mode", ["single", "ddp"])
+@pytest.mark.parametrize("mode", ["single", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_resume_is_exact(tmp_path, mode):
     straight = run(tmp_path, "straight", mode=mode, epochs=4)
     run(tmp_path, "split", mode=mode, epochs=2)
@@ -329,6 +329,7 @@ def test_workers_run_one_thread_each_as_under_torchrun(helpers):
     assert (helpers / "threads-1.txt").read_text() == "2 2"
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_loses_nothing(helpers):
     out = helpers / "killed"
     proc = subprocess.Popen(
@@ -388,6 +389,7 @@ def _file_size_limit(limit):
     return apply
 
 
+@pytest.mark.slow
 def test_a_save_that_runs_out_of_space_keeps_the_previous_checkpoint(helpers):
     out = helpers / "full"
     assert cli(helpers, "--epochs", "1", "--out", str(out), "-q").returncode == 0
@@ -418,6 +420,7 @@ def test_a_save_that_runs_out_of_space_keeps_the_previous_checkpoint(helpers):
     ]
 
 
+@pytest.mark.slow
 def test_a_read_only_run_folder_fails_before_training(helpers):
     out = helpers / "frozen"
     assert cli(helpers, "--epochs", "1", "--out", str(out), "-q").returncode == 0
@@ -444,6 +447,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_simulated_on_localhost(tmp_path):
     """examples/two_nodes.sh: two torchrun agents, one per 'node', rendezvous over TCP on
     localhost; ckptkit runs in place under each."""
@@ -463,6 +467,7 @@ def test_two_nodes_simulated_on_localhost(tmp_path):
     assert meta["config"]["nproc_per_node"] == 1  # what torchrun started, not the default 2
 
 
+@pytest.mark.slow
 def test_examples_train_own_model_and_load_anywhere(tmp_path):
     out = tmp_path / "own"
     proc = subprocess.run(
