@@ -4,11 +4,11 @@ from each run folder's ``steps.jsonl`` (rank 0, every ``--log-every`` steps) and
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptkit.engine.runlog import METRICS_LOG, STEPS_LOG, records
 from ckptkit.errors import FormatError, OutputError, UsageError
 
 __all__ = ["Curves", "read_curves", "plot_runs"]
@@ -25,18 +25,6 @@ class Curves:
     epochs: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _lines(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            value = json.loads(line)
-        except ValueError:
-            continue  # a torn last line of a killed run
-        if isinstance(value, dict):
-            out.append(value)
-    return out
-
-
 def read_curves(run: str | Path) -> Curves:
     """A run folder's logged points.
 
@@ -44,14 +32,14 @@ def read_curves(run: str | Path) -> Curves:
         FormatError: the folder holds no ``steps.jsonl`` nor ``metrics.jsonl``.
     """
     folder = Path(run)
-    steps, epochs = folder / "steps.jsonl", folder / "metrics.jsonl"
+    steps, epochs = folder / STEPS_LOG, folder / METRICS_LOG
     if not steps.is_file() and not epochs.is_file():
         raise FormatError(f"{folder} holds no steps.jsonl or metrics.jsonl",
                           "give a run folder of `ckptkit train` (its --out)")  # fmt: skip
     return Curves(
         folder.name or str(folder),
-        _lines(steps) if steps.is_file() else [],
-        _lines(epochs) if epochs.is_file() else [],
+        records(steps) if steps.is_file() else [],
+        records(epochs) if epochs.is_file() else [],
     )
 
 

@@ -197,7 +197,8 @@ def commit_dcp(
             saver.submit(written)
         return final
     folder.mkdir(parents=True, exist_ok=True)
-    train_state = staged(train_state)
+    if saver is not None:  # written later, from copies
+        train_state = staged(train_state)
     # A temp folder beside the checkpoint, renamed into place (replacing the same epoch saved
     # by an earlier, resumed run); a killed run's is removed by the next save.
     with contextlib.ExitStack() as stack:

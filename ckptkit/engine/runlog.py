@@ -21,7 +21,7 @@ from typing import Any, TextIO
 from ckptkit.errors import UsageError
 
 __all__ = ["METRICS_LOG", "STEPS_LOG", "TENSORBOARD_DIR", "SINKS", "logger", "show_progress",
-           "RunLog", "check_sinks", "rewind"]  # fmt: skip
+           "RunLog", "check_sinks", "records", "rewind"]  # fmt: skip
 
 METRICS_LOG = "metrics.jsonl"
 STEPS_LOG = "steps.jsonl"
@@ -70,21 +70,36 @@ def check_sinks(sinks: tuple[str, ...]) -> None:
                          "pip install 'ckptkit[tensorboard]'")  # fmt: skip
 
 
+def records(path: Path) -> list[dict[str, Any]]:
+    """A jsonl log's records; a torn last line of a killed run (or any line that is no JSON
+    object) is skipped."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
+
+
 def rewind(path: Path, step: int) -> None:
-    """Keep the lines of the first ``step`` steps (a resumed run writes the rest)."""
+    """Keep the records of the first ``step`` steps (a resumed run writes the rest)."""
     if not path.is_file():
         return
     from ckptkit.formats.atomic import atomic_output
 
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if int(json.loads(line).get("step", 0)) <= step:
-                kept.append(line + "\n")
-        except (ValueError, AttributeError):
-            continue  # a torn last line of a killed run
+    kept = [json.dumps(r) + "\n" for r in records(path) if _step_of(r) <= step]
     with atomic_output(path, force=True) as tmp:
         tmp.write_text("".join(kept))
+
+
+def _step_of(record: dict[str, Any]) -> float:
+    try:
+        return int(record.get("step", 0))
+    except (TypeError, ValueError):
+        return float("inf")  # not a step: dropped with what comes after the checkpoint
 
 
 class RunLog:
