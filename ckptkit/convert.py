@@ -16,19 +16,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CastError, FormatError, KeyMatchError, UsageError
-from ckptkit.formats import Source, TensorInfo, open_source, output_format
-from ckptkit.formats.atomic import (
+from ckptkit.formats.base.dtypes import DTYPES, TensorSpec
+from ckptkit.formats.base.source import KEPT_IN_TORCH, KINDS, Source, TensorInfo
+from ckptkit.formats.base.tree import DroppedPart
+from ckptkit.formats.io.atomic import (
     atomic_folder,
     atomic_outputs,
     check_folder_output,
     check_output,
     syncing,
 )
-from ckptkit.formats.dtypes import DTYPES
-from ckptkit.formats.safetensors import TensorSpec
-from ckptkit.formats.source import KEPT_IN_TORCH, KINDS
-from ckptkit.formats.transfer import Item, Transfer
-from ckptkit.formats.tree import DroppedPart
+from ckptkit.formats.open import open_source
+from ckptkit.formats.output import output_format
+from ckptkit.formats.output.transfer import Item, Transfer
 from ckptkit.keys import (
     KeyMatch,
     KeyPlan,
@@ -314,7 +314,7 @@ def _refuse_special(src: Path, entries: dict[str, TensorInfo], fmt: str) -> None
                 "write a .pt output, which keeps it, or make it dense in PyTorch first",
             )
         elif info.kind in ("DTensor", "ShardedTensor"):  # as when torch's safe set lacks it
-            from ckptkit.formats.rank_files import one_rank_refusal
+            from ckptkit.formats.folders.rank_files import one_rank_refusal
 
             raise one_rank_refusal(Path(src), info.kind)
         else:

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.formats import Source, TensorInfo, open_source
-from ckptkit.formats.dtypes import DTYPES
+from ckptkit.formats.base.dtypes import DTYPES
+from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.formats.open import open_source
 from ckptkit.keys import build_plan, match_keys
 from ckptkit.progress import progress_bar
 
@@ -204,14 +205,14 @@ class _Reader:
     reused buffers per side, so nothing the size of a tensor is ever in memory."""
 
     def __init__(self) -> None:
-        from ckptkit.formats.bytecopy import RangeReader
+        from ckptkit.formats.io.bytecopy import RangeReader
 
         self._files = RangeReader()
 
     def same_bytes(self, a: tuple[Path, int, int] | None, b: tuple[Path, int, int] | None) -> bool:
         if a is None or b is None or a[2] != b[2]:
             return False
-        from ckptkit.formats.bytecopy import same_bytes
+        from ckptkit.formats.io.bytecopy import same_bytes
 
         return same_bytes(self._files.fd(a[0]), a[1], self._files.fd(b[0]), b[1], a[2])
 
@@ -233,7 +234,7 @@ class _Reader:
         else:
             import torch
 
-            from ckptkit.formats.tensors import torch_dtype
+            from ckptkit.formats.base.tensors import torch_dtype
 
             make = functools.partial(torch.frombuffer, dtype=torch_dtype(info.dtype))
         path, offset, length = span

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import KeyMatchError
-from ckptkit.formats import open_source
+from ckptkit.formats.open import open_source
 from ckptkit.keys import (
     KeyMatch,
     build_plan,

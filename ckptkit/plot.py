@@ -63,7 +63,7 @@ def plot_runs(runs: list[str | Path], out: str | Path, *, force: bool = False) -
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    from ckptkit.formats.atomic import atomic_output
+    from ckptkit.formats.io.atomic import atomic_output
 
     curves = [read_curves(run) for run in runs]
     out = Path(out)

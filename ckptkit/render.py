@@ -11,8 +11,8 @@ import json
 from typing import Any
 
 from ckptkit.errors import CkptkitError
-from ckptkit.formats.dtypes import DTYPES
-from ckptkit.formats.source import KINDS, TensorInfo
+from ckptkit.formats.base.dtypes import DTYPES
+from ckptkit.formats.base.source import KINDS, TensorInfo
 from ckptkit.meta import NAMESPACE
 
 __all__ = [

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import CkptkitError, FormatError
-from ckptkit.formats.detect import Reading, folder_parts, readings
-from ckptkit.formats.pickle_scan import (
+from ckptkit.formats.files.readings import Reading, readings
+from ckptkit.formats.folders.layouts import folder_parts
+from ckptkit.formats.pickles.safe_globals import safe_globals
+from ckptkit.formats.pickles.verdicts import (
     DAMAGED,
     DANGEROUS,
     SAFE,
@@ -24,7 +26,6 @@ from ckptkit.formats.pickle_scan import (
     classify,
     worst_of,
 )
-from ckptkit.formats.torch_safe_globals import safe_globals
 
 __all__ = ["scan", "scan_many", "overall_verdict", "report_of", "ScanReport"]
 
@@ -174,14 +175,14 @@ def _structure_damage(path: Path, found: list[Reading]) -> str | None:
     """Damage a loader would hit beyond the pickles: storages, tensor extents, headers."""
     kind = found[0].kind
     if kind == "safetensors":
-        from ckptkit.formats.safetensors import read_header
+        from ckptkit.formats.files.safetensors import read_header
 
         try:
             read_header(path)
         except FormatError as exc:
             return exc.message
         return None
-    from ckptkit.formats.torchfile import structure_damage
+    from ckptkit.formats.files.torchfile import structure_damage
 
     return structure_damage(path, found)
 

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.convert import TRAINING_KEY
-from ckptkit.formats import TensorInfo, open_source
-from ckptkit.formats.tree import Candidate, DroppedPart
+from ckptkit.formats.base.source import TensorInfo
+from ckptkit.formats.base.tree import Candidate, DroppedPart
+from ckptkit.formats.open import open_source
 from ckptkit.keys import Wrapper, build_plan, detect_wrappers
 from ckptkit.meta import NAMESPACE, CheckpointMeta
 from ckptkit.scan import ScanReport, report_of, scan
@@ -184,7 +185,7 @@ def summarize(path: str | Path, *, select: str | None = None) -> Summary:
 def _folder_parts(folder: Path, opened: ScanReport | None) -> list[dict[str, Any]]:
     """Each file of a folder, what it is and its verdict; the file already opened (and
     scanned) as the folder's model is not scanned again."""
-    from ckptkit.formats.detect import folder_parts
+    from ckptkit.formats.folders.layouts import folder_parts
     from ckptkit.scan import scan_many
 
     named = folder_parts(folder)

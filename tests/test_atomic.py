@@ -17,7 +17,7 @@ from conftest import FIXTURE_DIR, ROOT
 
 import ckptkit
 from ckptkit.errors import OutputError
-from ckptkit.formats.atomic import _commit, atomic_outputs, remove_stale_temps
+from ckptkit.formats.io.atomic import _commit, atomic_outputs, remove_stale_temps
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 

@@ -23,9 +23,9 @@ from safetensors.torch import load_file, load_model
 
 import ckptkit
 from ckptkit.errors import KeyMatchError, KeyTransformError, OutputError, VerificationError
-from ckptkit.formats.tensors import bit_equal
+from ckptkit.formats.base.tensors import bit_equal
 
-transfer_module = importlib.import_module("ckptkit.formats.transfer")
+transfer_module = importlib.import_module("ckptkit.formats.output.transfer")
 GOOD = [f for f in FIXTURES if not f.bad]
 
 

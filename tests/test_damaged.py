@@ -17,7 +17,7 @@ from damaged import corpus, must_fail
 from safetensors import safe_open
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.safetensors import read_header
+from ckptkit.formats.files.safetensors import read_header
 
 COMMANDS = ("inspect", "scan", "convert", "diff")
 # Plain pickles that are whole and harmless: scan may call them safe.
@@ -210,7 +210,7 @@ def test_a_large_protocol_0_pickle_reads_in_linear_time():
     per line made a 4 MB protocol-0 pickle 2.4x slower)."""
     import pickle
 
-    from ckptkit.formats.static_unpickler import read_pickle
+    from ckptkit.formats.pickles.unpickler import read_pickle
 
     data = pickle.dumps([f"name{i}" for i in range(200_000)], protocol=0)
     scan = read_pickle(data)

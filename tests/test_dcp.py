@@ -105,7 +105,7 @@ def test_a_truncated_rank_file_is_refused(folder, tmp_path):
 
 
 def test_chunks_that_do_not_cover_or_overlap_are_refused(tmp_path):
-    from ckptkit.formats.chunks import Chunk, ChunkedTensor, check_cover, contiguous_start
+    from ckptkit.formats.folders.chunks import Chunk, ChunkedTensor, check_cover, contiguous_start
 
     def tensor(*chunks):
         return ChunkedTensor(

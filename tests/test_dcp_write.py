@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import ckptkit
 from ckptkit.errors import OutputError, VerificationError
-from ckptkit.formats.tensors import bit_equal
+from ckptkit.formats.base.tensors import bit_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # dcp without a process group
 
@@ -137,7 +137,7 @@ def test_a_killed_run_s_temp_folder_is_removed_by_the_next(tmp_path):
     code = (
         "import os, sys, time\n"
         "from pathlib import Path\n"
-        "from ckptkit.formats.atomic import atomic_folder\n"
+        "from ckptkit.formats.io.atomic import atomic_folder\n"
         "with atomic_folder(Path(sys.argv[1])) as tmp:\n"
         "    (tmp / 'part').write_bytes(b'x' * 100)\n"
         "    print(tmp, flush=True)\n"

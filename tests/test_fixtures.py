@@ -8,7 +8,7 @@ import sys
 from conftest import FIXTURE_DIR, FIXTURES
 
 import ckptkit
-from ckptkit.formats.tensors import bit_equal
+from ckptkit.formats.base.tensors import bit_equal
 
 
 def opts(fx):

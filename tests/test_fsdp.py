@@ -19,7 +19,7 @@ import ckptkit
 from ckptkit.engine import TrainConfig, train
 from ckptkit.engine.checkpoint import LATEST, list_checkpoints
 from ckptkit.engine.demo import demo_model
-from ckptkit.formats.tensors import bit_equal
+from ckptkit.formats.base.tensors import bit_equal
 
 FAST = {"quiet": True, "timeout_s": 30.0}
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # dcp without a process group

@@ -16,7 +16,7 @@ from hostile import CASES
 
 import ckptkit
 from ckptkit.errors import CkptkitError, UnsafeCheckpointError
-from ckptkit.formats.static_unpickler import read_pickle
+from ckptkit.formats.pickles.unpickler import read_pickle
 from ckptkit.scan import scan
 
 LIVE = {name for name, (_, loader) in CASES.items() if loader != "none"}

@@ -16,6 +16,10 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+# The rooms of ckptkit.formats, lowest first: each may import only its own and lower ones.
+FORMAT_ROOMS = ("io", "base", "pickles", "files", "folders", "open", "output")
+
+
 def layer(name: str) -> int:
     if name in CORE:
         return 0
@@ -24,6 +28,14 @@ def layer(name: str) -> int:
     if name in ("ckptkit.cli", "ckptkit.__main__"):
         return 3
     return 2  # convert, load, summary, diff, engine
+
+
+def room(name: str) -> int:
+    """A module's rank among the rooms of ``ckptkit.formats``."""
+    parts = name.split(".")
+    assert parts[:2] == ["ckptkit", "formats"] and len(parts) > 2, name
+    assert parts[2] in FORMAT_ROOMS, f"{name} is in no room of ckptkit.formats"
+    return FORMAT_ROOMS.index(parts[2])
 
 
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
@@ -49,6 +61,30 @@ def test_imports_point_down(name):
         if target.startswith("ckptkit"):
             assert target != "ckptkit.cli" or name == "ckptkit.__main__", f"{name} imports the CLI"
             assert layer(target) <= layer(name), f"{name} (layer {layer(name)}) imports {target}"
+
+
+FORMAT_MODULES = sorted(n for n in MODULES if n.startswith("ckptkit.formats."))
+
+
+@pytest.mark.parametrize("name", FORMAT_MODULES)
+def test_format_rooms_import_down(name):
+    for target in imports(MODULES[name]):
+        if target == "ckptkit.formats":
+            raise AssertionError(f"{name} imports the package front; import the module itself")
+        if target.startswith("ckptkit.formats."):
+            assert room(target) <= room(name), f"{name} imports {target}, a higher room"
+
+
+def test_every_format_module_is_in_a_room():
+    assert {name.split(".")[2] for name in FORMAT_MODULES} == set(FORMAT_ROOMS)
+
+
+def test_the_room_check_catches_an_upward_import(tmp_path):
+    # The check itself: a module of files/ that imports folders/ is refused.
+    module = tmp_path / "bad.py"
+    module.write_text("from ckptkit.formats.folders.dcp import DCPSource\n")
+    target = imports(module)[0]
+    assert room(target) > room("ckptkit.formats.files.bad")
 
 
 @pytest.mark.parametrize("name", sorted(CORE))

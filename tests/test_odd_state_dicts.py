@@ -42,7 +42,7 @@ class Odd(torch.nn.Module):
 
 
 def _same(a, b) -> bool:
-    from ckptkit.formats.tensors import same_value
+    from ckptkit.formats.base.tensors import same_value
 
     return same_value(a, b)
 

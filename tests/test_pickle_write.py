@@ -14,7 +14,7 @@ from conftest import FIXTURE_DIR, no_torch_imported
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptkit.formats.pickle_write import Call, New, PersistentId, Ref, dumps
+from ckptkit.formats.pickles.writer import Call, New, PersistentId, Ref, dumps
 
 plain = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),

@@ -16,9 +16,10 @@ from conftest import FIXTURE_DIR, FIXTURES, ROOT
 import ckptkit
 from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError, UsageError
 from ckptkit.formats import detect_format, open_source
-from ckptkit.formats.safetensors import TensorSpec, header_bytes, write_tensors
-from ckptkit.formats.static_unpickler import OpaqueObject, TensorStub, read_pickle
-from ckptkit.formats.tensors import bit_equal, dtype_name
+from ckptkit.formats.base.dtypes import TensorSpec
+from ckptkit.formats.base.tensors import bit_equal, dtype_name
+from ckptkit.formats.files.safetensors import header_bytes, write_tensors
+from ckptkit.formats.pickles.unpickler import OpaqueObject, TensorStub, read_pickle
 from ckptkit.scan import scan
 
 TORCH_FIXTURES = [f for f in FIXTURES if not f.name.endswith(".safetensors")]
@@ -268,7 +269,7 @@ def test_plain_data_objects_are_decoded_without_flags(tmp_path, monkeypatch):
 
 def test_data_classes_are_names_not_modules(tmp_path):
     """Only the exact data classes decode: pathlib's functions stay dangerous."""
-    from ckptkit.formats.pickle_scan import classify
+    from ckptkit.formats.pickles.verdicts import classify
 
     assert classify("pathlib.PosixPath") == "data"
     assert classify("pathlib.Path.write_text") == "dangerous"

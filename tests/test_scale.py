@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 import ckptkit
 from ckptkit.convert import parse_size
 from ckptkit.errors import CastError, UsageError, VerificationError
-from ckptkit.formats import transfer as transfer_module
-from ckptkit.formats.source import Source
-from ckptkit.formats.tensors import bit_equal
+from ckptkit.formats.base.source import Source
+from ckptkit.formats.base.tensors import bit_equal
+from ckptkit.formats.output import transfer as transfer_module
 
 GOOD = [f for f in FIXTURES if not f.bad]
 
@@ -39,9 +39,9 @@ def convert_both_ways(monkeypatch, src, tmp, **options):
 
 
 def _source_classes():
-    from ckptkit.formats.safetensors import SafetensorsSource
-    from ckptkit.formats.sharded import ShardedSource
-    from ckptkit.formats.torchfile import TorchFileSource
+    from ckptkit.formats.files.safetensors import SafetensorsSource
+    from ckptkit.formats.files.torchfile import TorchFileSource
+    from ckptkit.formats.folders.sharded import ShardedSource
 
     return (TorchFileSource, SafetensorsSource, ShardedSource)
 

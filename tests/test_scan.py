@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import FIXTURE_DIR, FIXTURES
 
-from ckptkit.formats.pickle_scan import classify, scan_pickle
+from ckptkit.formats.pickles.verdicts import classify, scan_pickle
 from ckptkit.scan import scan
 
 
@@ -186,8 +186,8 @@ def test_hostile_pickle_that_breaks_the_reader_is_still_refused_as_unsafe(tmp_pa
 
 def test_safe_set_is_torchs_own_allow_list():
     """The torch-free table equals torch's weights_only allow-list (regenerate it with
-    `python -m ckptkit.formats.torch_safe_globals` when torch changes)."""
-    from ckptkit.formats.torch_safe_globals import TORCH_SAFE_GLOBALS, generate
+    `python -m ckptkit.formats.pickles.safe_globals` when torch changes)."""
+    from ckptkit.formats.pickles.safe_globals import TORCH_SAFE_GLOBALS, generate
 
     assert set(generate()) == TORCH_SAFE_GLOBALS
     for name in ("torch.FloatTensor", "torch.int4", "torch.cuda.sparse.HalfTensor"):
@@ -198,7 +198,7 @@ def test_safe_set_is_torchs_own_allow_list():
 def test_names_registered_with_torch_count_as_safe():
     import fractions
 
-    from ckptkit.formats.torch_safe_globals import safe_globals
+    from ckptkit.formats.pickles.safe_globals import safe_globals
 
     assert "fractions.Fraction" not in safe_globals()
     with torch.serialization.safe_globals([fractions.Fraction]):

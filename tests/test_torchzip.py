@@ -9,10 +9,10 @@ import zipfile
 import pytest
 import torch
 
-from ckptkit.formats.bytecopy import write_all
-from ckptkit.formats.safetensors import TensorSpec
-from ckptkit.formats.tensors import as_bytes, bit_equal, dtype_name
-from ckptkit.formats.torchzip import ALIGNMENT, begin_archive, state_pickle
+from ckptkit.formats.base.dtypes import TensorSpec
+from ckptkit.formats.base.tensors import as_bytes, bit_equal, dtype_name
+from ckptkit.formats.files.torchzip import ALIGNMENT, begin_archive, state_pickle
+from ckptkit.formats.io.bytecopy import write_all
 
 STATE = {
     "a": torch.arange(6.0).reshape(2, 3),

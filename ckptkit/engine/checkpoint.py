@@ -30,8 +30,8 @@ import torch
 from ckptkit.engine.ptwriter import write_payload
 from ckptkit.engine.saver import BackgroundSaver, Staging, dcp_stager, staged
 from ckptkit.errors import CkptkitError, FormatError
-from ckptkit.formats.atomic import atomic_folder, atomic_output
-from ckptkit.formats.tensors import as_bytes, dtype_name
+from ckptkit.formats.base.tensors import as_bytes, dtype_name
+from ckptkit.formats.io.atomic import atomic_folder, atomic_output
 
 __all__ = [
     "checkpoint_name",
@@ -251,7 +251,7 @@ def _torch_save(payload: Any, path: Path) -> None:
 
 
 def _write_weights(path: Path, payload: dict[str, Any]) -> None:
-    from ckptkit.formats.safetensors import write_tensors
+    from ckptkit.formats.files.safetensors import write_tensors
     from ckptkit.meta import CheckpointMeta
 
     meta = payload.get("ckptkit", {})
@@ -360,7 +360,7 @@ def _load_weights(path: Path) -> dict[str, Any]:
 def _dcp_train_state(path: Path) -> dict[str, Any]:
     """A DCP checkpoint's ``meta.pt``, its ``.metadata`` checked (read statically): the shards
     themselves are read by :func:`load_dcp`."""
-    from ckptkit.formats.dcp import METADATA, read_metadata
+    from ckptkit.formats.folders.dcp import METADATA, read_metadata
 
     items = read_metadata(path / METADATA).get("state_dict_metadata")  # FormatError if damaged
     payload = _safe_load(path / TRAIN_STATE) if (path / TRAIN_STATE).is_file() else {}

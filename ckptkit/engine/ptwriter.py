@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from ckptkit.formats.bytecopy import write_all
-from ckptkit.formats.pickle_write import dumps
-from ckptkit.formats.tensors import as_bytes, dtype_name
-from ckptkit.formats.torchzip import ArchiveWriter, StorageRecord, tensor_record
-from ckptkit.formats.tree import map_leaves
+from ckptkit.formats.base.tensors import as_bytes, dtype_name
+from ckptkit.formats.base.tree import map_leaves
+from ckptkit.formats.files.torchzip import ArchiveWriter, StorageRecord, tensor_record
+from ckptkit.formats.io.bytecopy import write_all
+from ckptkit.formats.pickles.writer import dumps
 
 __all__ = ["write_payload"]
 

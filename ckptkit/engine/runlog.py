@@ -88,7 +88,7 @@ def rewind(path: Path, step: int) -> None:
     """Keep the records of the first ``step`` steps (a resumed run writes the rest)."""
     if not path.is_file():
         return
-    from ckptkit.formats.atomic import atomic_output
+    from ckptkit.formats.io.atomic import atomic_output
 
     kept = [json.dumps(r) + "\n" for r in records(path) if _step_of(r) <= step]
     with atomic_output(path, force=True) as tmp:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ckptkit.formats.tree import map_leaves
+from ckptkit.formats.base.tree import map_leaves
 
 __all__ = ["BackgroundSaver", "Staging", "dcp_stager", "staged"]
 

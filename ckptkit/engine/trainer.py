@@ -58,7 +58,7 @@ from ckptkit.engine.distributed import (
 from ckptkit.engine.runlog import RunLog, logger, show_progress
 from ckptkit.engine.saver import BackgroundSaver, Staging
 from ckptkit.errors import Preempted, UsageError
-from ckptkit.formats.tree import map_leaves
+from ckptkit.formats.base.tree import map_leaves
 from ckptkit.keys import match_keys, mismatch_message
 from ckptkit.meta import VERSION
 

@@ -1,7 +1,7 @@
 """The globals torch's ``weights_only`` loader admits, as a table that needs no torch import.
 
 The table is generated from torch itself (``torch._weights_only_unpickler._get_allowed_globals``):
-``python -m ckptkit.formats.torch_safe_globals`` rewrites it from the installed torch, and a test
+``python -m ckptkit.formats.pickles.safe_globals`` rewrites it from the installed torch, and a test
 fails when the two differ. :func:`safe_globals` adds what the running process registered with
 ``torch.serialization.add_safe_globals`` when torch is already imported (importing it just for
 that would cost a second).

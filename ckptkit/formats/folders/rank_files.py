@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.chunks import Chunk, ChunkedSource, ChunkedTensor, check_cover
-from ckptkit.formats.pickle_vm import Opaque, build_state, fields
-from ckptkit.formats.static_unpickler import SHARDED_KINDS, TensorStub, UnsupportedTensor
+from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, check_cover
+from ckptkit.formats.pickles.machine import Opaque, build_state, fields
+from ckptkit.formats.pickles.unpickler import SHARDED_KINDS, TensorStub, UnsupportedTensor
 
 __all__ = [
     "RankFilesSource",
@@ -156,7 +156,7 @@ class RankFilesSource(ChunkedSource):
 
     def _read(self, files: list[Path]) -> tuple[list[Any], list[dict[tuple[str, ...], Any]]]:
         """Each file's pickle, and its tensors by path: (full shape, dtype, its pieces)."""
-        from ckptkit.formats.torchfile import scan_torch_file
+        from ckptkit.formats.files.torchfile import scan_torch_file
 
         roots, parts = [], []
         for file in files:
@@ -297,7 +297,7 @@ class RankFilesSource(ChunkedSource):
 
 def _sharded_kind(file: Path) -> str | None:
     """The sharded tensor class a file's pickle names (DTensor, ShardedTensor), if any."""
-    from ckptkit.formats.detect import readings
+    from ckptkit.formats.files.readings import readings
 
     for reading in readings(file):
         for findings in reading.pickles:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.source import Source, TensorInfo
+from ckptkit.formats.base.source import Source, TensorInfo
 
 if TYPE_CHECKING:
     import torch

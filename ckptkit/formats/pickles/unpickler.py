@@ -20,9 +20,9 @@ from pathlib import PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
-from ckptkit.formats import dtypes
-from ckptkit.formats.dtypes import DTYPES, STORAGE_DTYPES
-from ckptkit.formats.pickle_vm import (
+from ckptkit.formats.base import dtypes
+from ckptkit.formats.base.dtypes import DTYPES, STORAGE_DTYPES
+from ckptkit.formats.pickles.machine import (
     Global,
     Opaque,
     PickleData,
@@ -30,7 +30,7 @@ from ckptkit.formats.pickle_vm import (
     python3_name,
     run_pickle,
 )
-from ckptkit.formats.torch_safe_globals import safe_globals
+from ckptkit.formats.pickles.safe_globals import safe_globals
 
 __all__ = [
     "StorageRef",

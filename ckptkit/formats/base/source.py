@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
-from ckptkit.formats import dtypes
-from ckptkit.formats.tree import Candidate, DroppedPart, Selection
+from ckptkit.formats.base import dtypes
+from ckptkit.formats.base.tree import Candidate, DroppedPart, Selection
 
 if TYPE_CHECKING:
     import torch

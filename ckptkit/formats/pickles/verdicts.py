@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkit.errors import UsageError
-from ckptkit.formats.pickle_vm import FRAME_PROBLEM, PickleData, PickleRun
-from ckptkit.formats.static_unpickler import DATA_GLOBALS, PickleScan, read_pickle
-from ckptkit.formats.torch_safe_globals import safe_globals
+from ckptkit.formats.pickles.machine import FRAME_PROBLEM, PickleData, PickleRun
+from ckptkit.formats.pickles.safe_globals import safe_globals
+from ckptkit.formats.pickles.unpickler import DATA_GLOBALS, PickleScan, read_pickle
 
 __all__ = [
     "SAFE",

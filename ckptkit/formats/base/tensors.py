@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.formats.dtypes import DTYPES
+from ckptkit.formats.base.dtypes import DTYPES
 
 if TYPE_CHECKING:
     import torch

@@ -30,10 +30,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptkit.formats.bytecopy import write_all
-from ckptkit.formats.dtypes import DTYPES, STORAGE_DTYPES
-from ckptkit.formats.pickle_write import Call, PersistentId, Ref, dumps
-from ckptkit.formats.safetensors import TensorSpec
+from ckptkit.formats.base.dtypes import DTYPES, STORAGE_DTYPES, TensorSpec
+from ckptkit.formats.io.bytecopy import write_all
+from ckptkit.formats.pickles.writer import Call, PersistentId, Ref, dumps
 
 __all__ = [
     "ArchiveWriter",

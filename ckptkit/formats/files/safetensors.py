@@ -11,16 +11,14 @@ import json
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.bytecopy import preallocate, write_all
-from ckptkit.formats.detect import HF_SHARDING
-from ckptkit.formats.dtypes import DTYPES, from_safetensors, nbytes
-from ckptkit.formats.source import Source, TensorInfo
-from ckptkit.formats.tensors import as_bytes, dtype_name
+from ckptkit.formats.base.dtypes import DTYPES, TensorSpec, from_safetensors, nbytes
+from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.formats.base.tensors import as_bytes, dtype_name
+from ckptkit.formats.io.bytecopy import preallocate, write_all
 from ckptkit.meta import NAMESPACE, CheckpointMeta
 
 if TYPE_CHECKING:
@@ -29,6 +27,8 @@ if TYPE_CHECKING:
 __all__ = [
     "SafetensorsSource",
     "TensorSpec",
+    "HF_SHARDING",
+    "dcp_sharding_info",
     "read_header",
     "tied_names",
     "header_bytes",
@@ -38,6 +38,28 @@ __all__ = [
 ]
 
 MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers
+
+HF_SHARDING = "DCP_SHARDING_INFO"  # DCP's HuggingFaceStorageWriter: each chunk's offsets
+
+
+def dcp_sharding_info(path: Path) -> str | None:
+    """The chunk offsets a safetensors file's header records when DCP's Hugging Face writer
+    wrote it as one rank's shard (a JSON text), else None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+            text = f.read(min(length, 100_000_000)) if length > 1 else b""
+    except OSError:
+        return None
+    if HF_SHARDING.encode() not in text:
+        return None
+    try:
+        meta = json.loads(text).get("__metadata__") or {}
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    value = meta.get(HF_SHARDING) if isinstance(meta, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -216,19 +238,6 @@ def tied_names(metadata: Mapping[str, str], stored: Iterable[str]) -> dict[str, 
     recorded = CheckpointMeta.from_header(metadata).aliases
     ties.update({a: t for a, t in recorded.items() if t in stored and a != t})
     return ties
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """What the writer must know of a tensor before its data: name, dtype, shape."""
-
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return nbytes(self.dtype, self.shape)
 
 
 def header_bytes(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:

@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import VerificationError
-from ckptkit.formats.bytecopy import (
+from ckptkit.formats.base.dtypes import DTYPES, TensorSpec
+from ckptkit.formats.base.source import Source
+from ckptkit.formats.files.safetensors import read_header, write_safetensors
+from ckptkit.formats.io.bytecopy import (
     RangeReader,
     copy_range,
     preallocate,
@@ -28,9 +31,6 @@ from ckptkit.formats.bytecopy import (
     same_bytes,
     write_all,
 )
-from ckptkit.formats.dtypes import DTYPES
-from ckptkit.formats.safetensors import TensorSpec, read_header, write_safetensors
-from ckptkit.formats.source import Source
 
 if TYPE_CHECKING:
     import torch
@@ -108,7 +108,7 @@ class Transfer:
 
     def tensor(self, item: Item) -> torch.Tensor:
         """The output tensor as torch sees it: loaded, cast if asked, contiguous."""
-        from ckptkit.formats.tensors import torch_dtype
+        from ckptkit.formats.base.tensors import torch_dtype
 
         tensor = self.source.load(item.old)
         if item.cast:
@@ -126,7 +126,7 @@ class Transfer:
         """
         import torch
 
-        from ckptkit.formats.tensors import torch_dtype
+        from ckptkit.formats.base.tensors import torch_dtype
 
         flat = self.source.load(item.old).reshape(-1)  # a view, unless the tensor is strided
         step = max(1, PIECE // DTYPES[item.spec.dtype].itemsize)
@@ -226,7 +226,7 @@ class Transfer:
         storage), laid out as ``torch.save`` lays it out (see ``torchzip``), each storage's
         bytes copied from the source where they lie as they must, else made by torch a piece
         at a time. With ``verify`` copied bytes are compared as they are written."""
-        from ckptkit.formats.torchzip import begin_archive, state_pickle
+        from ckptkit.formats.files.torchzip import begin_archive, state_pickle
 
         by_key = {item.spec.key: item for item in items}
         pickled, storages = state_pickle([item.spec for item in items], aliases)
@@ -285,7 +285,7 @@ class Transfer:
         """Read the written ``.pt`` back statically and compare it with the plan: the keys,
         dtypes, shapes and ties, then every tensor's bytes (copied ones as they were written,
         the rest with their output bytes made again from the source)."""
-        from ckptkit.formats.torchfile import TorchFileSource
+        from ckptkit.formats.files.torchfile import TorchFileSource
 
         with TorchFileSource(path) as written:
             self._compare(written, items, aliases, shown)
@@ -300,8 +300,8 @@ class Transfer:
         survive. ``header`` goes beside them in ``ckptkit.json``."""
         import json
 
-        from ckptkit.formats.dcp import DISTCP, METADATA, SIDECAR, dcp_metadata
-        from ckptkit.formats.torchzip import begin_archive, state_pickle
+        from ckptkit.formats.files.torchzip import begin_archive, state_pickle
+        from ckptkit.formats.folders.dcp import DISTCP, METADATA, SIDECAR, dcp_metadata
 
         by_key = {item.spec.key: item for item in items}
         data = folder / DISTCP
@@ -340,7 +340,7 @@ class Transfer:
     ) -> None:  # fmt: skip
         """Read the written DCP folder back statically, as any DCP folder is read, and compare
         it with the plan: keys, dtypes, shapes, ties, metadata, then every tensor's bytes."""
-        from ckptkit.formats.dcp import DCPSource
+        from ckptkit.formats.folders.dcp import DCPSource
 
         with DCPSource(folder) as written:
             if written.metadata != header:
@@ -390,7 +390,7 @@ class Transfer:
         value with the source."""
         import torch
 
-        from ckptkit.formats.tensors import bit_equal, same_value
+        from ckptkit.formats.base.tensors import bit_equal, same_value
 
         special = set(special)
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -415,7 +415,7 @@ def _differs(key: str, shown: Path) -> VerificationError:
 
 
 def _raw(tensor: Any) -> memoryview:
-    from ckptkit.formats.tensors import as_bytes
+    from ckptkit.formats.base.tensors import as_bytes
 
     return as_bytes(tensor)
 

@@ -18,20 +18,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, UnsafeCheckpointError
-from ckptkit.formats.detect import LEGACY_MAGIC, Reading, readings
-from ckptkit.formats.dtypes import DTYPES
-from ckptkit.formats.pickle_scan import check_allowed, is_dangerous
-from ckptkit.formats.source import Source, TensorInfo
-from ckptkit.formats.static_unpickler import (
+from ckptkit.formats.base.dtypes import DTYPES
+from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.formats.base.tensors import dtype_name, from_buffer, torch_dtype
+from ckptkit.formats.base.tree import node_at, nodes, select_state_dict
+from ckptkit.formats.files.readings import LEGACY_MAGIC, Reading, readings
+from ckptkit.formats.pickles.safe_globals import safe_globals
+from ckptkit.formats.pickles.unpickler import (
     DATA_GLOBALS,
     PickleScan,
     StorageRef,
     TensorStub,
     UnsupportedTensor,
 )
-from ckptkit.formats.tensors import dtype_name, from_buffer, torch_dtype
-from ckptkit.formats.torch_safe_globals import safe_globals
-from ckptkit.formats.tree import node_at, nodes, select_state_dict
+from ckptkit.formats.pickles.verdicts import check_allowed, is_dangerous
 from ckptkit.keys import module_prefixes
 
 if TYPE_CHECKING:

@@ -25,15 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import FormatError, UnsafeCheckpointError
-from ckptkit.formats.chunks import Chunk, ChunkedSource, ChunkedTensor, Piece, check_cover
-from ckptkit.formats.detect import HF_SHARDING
-from ckptkit.formats.dtypes import DTYPES, from_safetensors
-from ckptkit.formats.pickle_scan import scan_pickle
-from ckptkit.formats.pickle_vm import Global, Opaque, fields
-from ckptkit.formats.pickle_write import Call, New, Ref, dumps
-from ckptkit.formats.static_unpickler import DATA_GLOBALS, TensorStub
-from ckptkit.formats.torch_safe_globals import safe_globals
-from ckptkit.formats.tree import nodes
+from ckptkit.formats.base.dtypes import DTYPES, from_safetensors
+from ckptkit.formats.base.tree import nodes
+from ckptkit.formats.files.safetensors import HF_SHARDING
+from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, Piece, check_cover
+from ckptkit.formats.pickles.machine import Global, Opaque, fields
+from ckptkit.formats.pickles.safe_globals import safe_globals
+from ckptkit.formats.pickles.unpickler import DATA_GLOBALS, TensorStub
+from ckptkit.formats.pickles.verdicts import scan_pickle
+from ckptkit.formats.pickles.writer import Call, New, Ref, dumps
 from ckptkit.meta import jsonable
 
 __all__ = ["DCPSource", "DCP_GLOBALS", "METADATA", "DISTCP", "SIDECAR", "dcp_metadata"]
@@ -170,7 +170,7 @@ class DCPSource(ChunkedSource):
         """The tensors DCP's Hugging Face writer saved: each rank's ``.safetensors`` file holds
         its chunks, and its header each chunk's offset in the full tensor. The full shape is
         where the chunks end, as torch's ``HuggingFaceStorageReader`` takes it."""
-        from ckptkit.formats.safetensors import read_header
+        from ckptkit.formats.files.safetensors import read_header
 
         found: dict[str, tuple[str, list[Chunk]]] = {}
         for path in sorted(folder.glob("*.safetensors")):
@@ -238,7 +238,7 @@ class DCPSource(ChunkedSource):
 
     def _archive(self, path: Path, start: int, length: int, what: str) -> tuple[Any, Any]:
         """A chunk's (or value's) torch.save archive: its statically read root and layout."""
-        from ckptkit.formats.torchfile import _ZipLayout
+        from ckptkit.formats.files.torchfile import _ZipLayout
 
         size = path.stat().st_size if path.is_file() else -1
         if start < 0 or length <= 0 or start + length > size:
@@ -302,7 +302,7 @@ def _trainer_state(path: Path) -> dict[str, Any]:
     statically; empty when there is none."""
     if not path.is_file():
         return {}
-    from ckptkit.formats.torchfile import scan_torch_file
+    from ckptkit.formats.files.torchfile import scan_torch_file
 
     scan, _, raw, _ = scan_torch_file(path)
     raw.close()

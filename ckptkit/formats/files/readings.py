@@ -19,7 +19,6 @@ from __future__ import annotations
 import io
 import mmap
 import os
-import re
 import stat
 import struct
 import tarfile
@@ -28,19 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.pickle_scan import PickleFindings, scan_pickle
-from ckptkit.formats.pickle_vm import PickleRun
-from ckptkit.formats.static_unpickler import PickleScan
+from ckptkit.formats.pickles.machine import PickleRun
+from ckptkit.formats.pickles.unpickler import PickleScan
+from ckptkit.formats.pickles.verdicts import PickleFindings, scan_pickle
 
 __all__ = [
     "detect_format",
-    "model_file_in",
-    "folder_parts",
-    "find_deepspeed",
-    "find_dcp",
-    "dcp_sharding_info",
-    "HF_SHARDING",
-    "MODEL_FILES",
     "regular_file",
     "readings",
     "starts_as_pickle",
@@ -81,7 +73,8 @@ def regular_file(path: Path) -> int:
         raise FormatError(f"cannot read {path}: {exc.strerror}") from None
     if stat.S_ISDIR(info.st_mode):
         raise FormatError(
-            f"{path} is a folder with no sharded index, {', '.join(MODEL_FILES)}, "
+            # The folder layouts open_source knows (folders/layouts.py names the files).
+            f"{path} is a folder with no sharded index, model.safetensors, pytorch_model.bin, "
             "DeepSpeed or DCP checkpoint",
             "give the checkpoint file inside it",
         )
@@ -91,153 +84,6 @@ def regular_file(path: Path) -> int:
     if not os.access(path, os.R_OK):
         raise FormatError(f"cannot read {path}: permission denied")
     return info.st_size
-
-
-# The weights file of a Hugging Face model folder (save_pretrained), in transformers' order.
-MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
-
-
-def model_file_in(folder: Path, select: str | None = None) -> Path | None:
-    """The weights file of a model folder (``save_pretrained``'s ``model.safetensors`` or
-    ``pytorch_model.bin``, safetensors first, as transformers reads them), or None. In an
-    Accelerate ``save_state`` folder ``select`` may name another model (``model_1``)."""
-    stems = [select] if select else ["model", "pytorch_model"]
-    names = [f"{stem}{ext}" for stem in stems for ext in (".safetensors", ".bin")]
-    if not select:
-        names = list(MODEL_FILES)
-    return next((folder / n for n in names if (folder / n).is_file()), None)
-
-
-# Accelerate's save_state names its parts (accelerate/checkpointing.py); N counts models,
-# optimizers and processes.
-_PARTS = (
-    (re.compile(r"(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)"), "model weights"),
-    (re.compile(r"optimizer(_\d+)?\.bin"), "optimizer state"),
-    (re.compile(r"scheduler(_\d+)?\.bin"), "scheduler state"),
-    (re.compile(r"sampler(_\d+)?\.bin"), "sampler state"),
-    (re.compile(r"dl_state_dict(_\d+)?\.bin"), "dataloader state"),
-    (re.compile(r"random_states_\d+\.pkl"), "RNG states of one process"),
-    (re.compile(r"custom_checkpoint_\d+\.pkl"), "a registered custom object"),
-    (re.compile(r"scaler\.pt"), "gradient scaler state"),
-)
-
-
-# DeepSpeed's engine.save_checkpoint (deepspeed/runtime/engine.py names them).
-_DEEPSPEED_PARTS = (
-    (re.compile(r"latest"), "the tag of the latest checkpoint"),
-    (re.compile(r"mp_rank_\d+_model_states\.pt"), "model states: the module, shapes, ties"),
-    (re.compile(r"zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt"), "model states of one rank"),
-    (re.compile(r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt"),
-     "fp32 master weights and optimizer state of one rank"),
-)  # fmt: skip
-
-
-# torch.distributed.checkpoint's FileSystemWriter; meta.pt is Lightning's FSDP strategy's.
-_DCP_PARTS = (
-    (re.compile(r"\.metadata"), "DCP metadata: every key's shape, dtype and chunks"),
-    (re.compile(r"__\d+_\d+\.distcp"), "one writer's tensor chunks and values"),
-    (re.compile(r"meta\.pt"), "the trainer's state (Lightning, ckptkit train)"),
-    (re.compile(r"ckptkit\.json"), "the metadata ckptkit wrote with the folder"),
-    (re.compile(r".*\.safetensors"), "one writer's tensor chunks (DCP's Hugging Face writer)"),
-)
-
-
-def folder_parts(folder: Path) -> list[tuple[str, str]]:
-    """The files of a checkpoint folder and what each is (Accelerate's and DeepSpeed's names,
-    the latter's tag folder included as ``tag/name``), sorted."""
-    tag = find_deepspeed(folder)
-    known = _DEEPSPEED_PARTS if tag is not None else _DCP_PARTS if find_dcp(folder) else _PARTS
-    files = sorted(p for p in folder.iterdir() if p.is_file())
-    if tag is not None and tag != folder:
-        files += sorted(p for p in tag.iterdir() if p.is_file())
-    out = []
-    for path in files:
-        kind = next((what for rx, what in known if rx.fullmatch(path.name)), "other file")
-        out.append((path.relative_to(folder).as_posix(), kind))
-    return out
-
-
-# DeepSpeed's engine.save_checkpoint: `latest` names the tag folder holding the model states.
-_DEEPSPEED_MODEL = re.compile(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
-
-
-def _holds_model_states(folder: Path) -> bool:
-    return folder.is_dir() and any(_DEEPSPEED_MODEL.fullmatch(p.name) for p in folder.iterdir())
-
-
-def find_deepspeed(folder: Path) -> Path | None:
-    """The tag folder of a DeepSpeed checkpoint (``folder`` itself, or the one ``latest``
-    names), or None when ``folder`` is not one.
-
-    Raises:
-        FormatError: ``latest`` names a folder that is missing or outside ``folder``.
-    """
-    if not folder.is_dir():
-        return None
-    if _holds_model_states(folder):
-        return folder
-    latest = folder / "latest"
-    if latest.is_file():
-        tag = latest.read_text(errors="replace").strip()
-        if not tag or Path(tag).name != tag or tag in (".", ".."):
-            raise FormatError(f"{latest} names no tag folder ({tag!r})")
-        if not _holds_model_states(folder / tag):
-            raise FormatError(
-                f"{folder} is a DeepSpeed checkpoint whose latest tag '{tag}' is missing",
-                "copy the tag folder there, or give another tag folder itself",
-            )
-        return folder / tag
-    tags = [p for p in sorted(folder.iterdir()) if p.is_dir() and _holds_model_states(p)]
-    if len(tags) == 1:
-        return tags[0]
-    if tags:
-        raise FormatError(
-            f"{folder} holds DeepSpeed checkpoints {', '.join(p.name for p in tags)} "
-            "and no 'latest'",
-            f"give one of them, e.g. {tags[-1]}",
-        )
-    return None
-
-
-def find_dcp(path: Path) -> Path | None:
-    """The folder of a ``torch.distributed.checkpoint`` save (it, or its ``.metadata`` file),
-    or of DCP's Hugging Face writer (``.safetensors`` files whose headers carry each chunk's
-    offsets, and no index)."""
-    if path.name == ".metadata" and path.is_file():
-        return path.parent
-    if not path.is_dir():
-        return None
-    if (path / ".metadata").is_file():
-        return path
-    if any(path.glob("*.index.json")):
-        return None
-    shards = sorted(path.glob("*.safetensors"))
-    return path if any(dcp_sharding_info(p) is not None for p in shards) else None
-
-
-HF_SHARDING = "DCP_SHARDING_INFO"  # DCP's HuggingFaceStorageWriter: each chunk's offsets
-
-
-def dcp_sharding_info(path: Path) -> str | None:
-    """The chunk offsets a safetensors file's header records when DCP's Hugging Face writer
-    wrote it as one rank's shard (a JSON text), else None."""
-    import json
-
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
-            text = f.read(min(length, 100_000_000)) if length > 1 else b""
-    except OSError:
-        return None
-    if HF_SHARDING.encode() not in text:
-        return None
-    try:
-        meta = json.loads(text).get("__metadata__") or {}
-    except (ValueError, AttributeError, RecursionError):
-        return None
-    value = meta.get(HF_SHARDING) if isinstance(meta, dict) else None
-    return value if isinstance(value, str) else None
 
 
 def _looks_like_safetensors(head: bytes, size: int) -> bool:
@@ -480,8 +326,8 @@ def _tar_reading(tar: tarfile.TarFile) -> Reading:
 def _tar_member_pickles(name: str, data: bytes) -> list[PickleFindings]:
     """A member's pickles: one count, then (for storages and tensors) a record pickle followed
     by raw bytes whose length the record gives."""
-    from ckptkit.formats.dtypes import DTYPES
-    from ckptkit.formats.static_unpickler import storage_dtype
+    from ckptkit.formats.base.dtypes import DTYPES
+    from ckptkit.formats.pickles.unpickler import storage_dtype
 
     first = scan_pickle(data, f"{name}: pickle 1")
     out = [first]

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, SelectError
-from ckptkit.formats.bytecopy import RangeReader
-from ckptkit.formats.dtypes import DTYPES
-from ckptkit.formats.source import Source, TensorInfo
-from ckptkit.formats.static_unpickler import TensorStub
-from ckptkit.formats.tree import DroppedPart, nodes, select_state_dict
+from ckptkit.formats.base.dtypes import DTYPES
+from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.formats.base.tree import DroppedPart, nodes, select_state_dict
+from ckptkit.formats.io.bytecopy import RangeReader
+from ckptkit.formats.pickles.unpickler import TensorStub
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +74,7 @@ class _TorchFile:
     """One of the folder's torch files, read statically."""
 
     def __init__(self, path: Path, allowed: frozenset[str]) -> None:
-        from ckptkit.formats.torchfile import scan_torch_file
+        from ckptkit.formats.files.torchfile import scan_torch_file
 
         scan, self.layout, self.raw, self.readings = scan_torch_file(path, allowed)
         self.path, self.root = path, scan.root
@@ -318,7 +318,7 @@ class DeepSpeedSource(Source):
     def load(self, key: str) -> torch.Tensor:
         import torch
 
-        from ckptkit.formats.tensors import as_bytes, torch_dtype
+        from ckptkit.formats.base.tensors import as_bytes, torch_dtype
 
         part = self._parts[self._aliases.get(key, key)]
         numel = math.prod(part.shape)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["DType", "DTYPES", "STORAGE_DTYPES", "dtype", "nbytes", "from_safetensors"]
+__all__ = ["DType", "DTYPES", "STORAGE_DTYPES", "TensorSpec", "dtype", "nbytes", "from_safetensors"]
 
 
 @dataclass(frozen=True)
@@ -103,3 +103,16 @@ def nbytes(name: str, shape: tuple[int, ...]) -> int:
 def from_safetensors(code: str) -> DType:
     """Look a dtype up by safetensors code (``F32``); KeyError when unknown."""
     return _BY_SAFETENSORS[code]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the writer must know of a tensor before its data: name, dtype, shape."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.dtype, self.shape)

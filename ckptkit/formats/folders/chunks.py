@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.bytecopy import RangeReader
-from ckptkit.formats.dtypes import DTYPES
-from ckptkit.formats.source import Source, TensorInfo
-from ckptkit.formats.tree import select_state_dict
+from ckptkit.formats.base.dtypes import DTYPES
+from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.formats.base.tree import select_state_dict
+from ckptkit.formats.io.bytecopy import RangeReader
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +105,7 @@ class ChunkedSource(Source):
     def load(self, key: str) -> torch.Tensor:
         import torch
 
-        from ckptkit.formats.tensors import as_bytes, torch_dtype
+        from ckptkit.formats.base.tensors import as_bytes, torch_dtype
 
         tensor = self._tensors[key]
         out = torch.empty(tensor.shape, dtype=torch_dtype(tensor.dtype))

@@ -1,0 +1,137 @@
+"""What a checkpoint folder is, by the names of the files inside it.
+
+Hugging Face model folders (``save_pretrained``), Accelerate's ``save_state``, DeepSpeed's tag
+folders and ``torch.distributed.checkpoint`` saves each lay out their files by fixed names; these
+functions tell them apart without reading a tensor. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ckptkit.errors import FormatError
+from ckptkit.formats.files.safetensors import dcp_sharding_info
+
+__all__ = ["MODEL_FILES", "model_file_in", "folder_parts", "find_deepspeed", "find_dcp"]
+
+# The weights file of a Hugging Face model folder (save_pretrained), in transformers' order.
+MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def model_file_in(folder: Path, select: str | None = None) -> Path | None:
+    """The weights file of a model folder (``save_pretrained``'s ``model.safetensors`` or
+    ``pytorch_model.bin``, safetensors first, as transformers reads them), or None. In an
+    Accelerate ``save_state`` folder ``select`` may name another model (``model_1``)."""
+    stems = [select] if select else ["model", "pytorch_model"]
+    names = [f"{stem}{ext}" for stem in stems for ext in (".safetensors", ".bin")]
+    if not select:
+        names = list(MODEL_FILES)
+    return next((folder / n for n in names if (folder / n).is_file()), None)
+
+
+# Accelerate's save_state names its parts (accelerate/checkpointing.py); N counts models,
+# optimizers and processes.
+_PARTS = (
+    (re.compile(r"(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin)"), "model weights"),
+    (re.compile(r"optimizer(_\d+)?\.bin"), "optimizer state"),
+    (re.compile(r"scheduler(_\d+)?\.bin"), "scheduler state"),
+    (re.compile(r"sampler(_\d+)?\.bin"), "sampler state"),
+    (re.compile(r"dl_state_dict(_\d+)?\.bin"), "dataloader state"),
+    (re.compile(r"random_states_\d+\.pkl"), "RNG states of one process"),
+    (re.compile(r"custom_checkpoint_\d+\.pkl"), "a registered custom object"),
+    (re.compile(r"scaler\.pt"), "gradient scaler state"),
+)
+
+
+# DeepSpeed's engine.save_checkpoint (deepspeed/runtime/engine.py names them).
+_DEEPSPEED_PARTS = (
+    (re.compile(r"latest"), "the tag of the latest checkpoint"),
+    (re.compile(r"mp_rank_\d+_model_states\.pt"), "model states: the module, shapes, ties"),
+    (re.compile(r"zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt"), "model states of one rank"),
+    (re.compile(r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt"),
+     "fp32 master weights and optimizer state of one rank"),
+)  # fmt: skip
+
+
+# torch.distributed.checkpoint's FileSystemWriter; meta.pt is Lightning's FSDP strategy's.
+_DCP_PARTS = (
+    (re.compile(r"\.metadata"), "DCP metadata: every key's shape, dtype and chunks"),
+    (re.compile(r"__\d+_\d+\.distcp"), "one writer's tensor chunks and values"),
+    (re.compile(r"meta\.pt"), "the trainer's state (Lightning, ckptkit train)"),
+    (re.compile(r"ckptkit\.json"), "the metadata ckptkit wrote with the folder"),
+    (re.compile(r".*\.safetensors"), "one writer's tensor chunks (DCP's Hugging Face writer)"),
+)
+
+
+def folder_parts(folder: Path) -> list[tuple[str, str]]:
+    """The files of a checkpoint folder and what each is (Accelerate's and DeepSpeed's names,
+    the latter's tag folder included as ``tag/name``), sorted."""
+    tag = find_deepspeed(folder)
+    known = _DEEPSPEED_PARTS if tag is not None else _DCP_PARTS if find_dcp(folder) else _PARTS
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    if tag is not None and tag != folder:
+        files += sorted(p for p in tag.iterdir() if p.is_file())
+    out = []
+    for path in files:
+        kind = next((what for rx, what in known if rx.fullmatch(path.name)), "other file")
+        out.append((path.relative_to(folder).as_posix(), kind))
+    return out
+
+
+# DeepSpeed's engine.save_checkpoint: `latest` names the tag folder holding the model states.
+_DEEPSPEED_MODEL = re.compile(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
+
+
+def _holds_model_states(folder: Path) -> bool:
+    return folder.is_dir() and any(_DEEPSPEED_MODEL.fullmatch(p.name) for p in folder.iterdir())
+
+
+def find_deepspeed(folder: Path) -> Path | None:
+    """The tag folder of a DeepSpeed checkpoint (``folder`` itself, or the one ``latest``
+    names), or None when ``folder`` is not one.
+
+    Raises:
+        FormatError: ``latest`` names a folder that is missing or outside ``folder``.
+    """
+    if not folder.is_dir():
+        return None
+    if _holds_model_states(folder):
+        return folder
+    latest = folder / "latest"
+    if latest.is_file():
+        tag = latest.read_text(errors="replace").strip()
+        if not tag or Path(tag).name != tag or tag in (".", ".."):
+            raise FormatError(f"{latest} names no tag folder ({tag!r})")
+        if not _holds_model_states(folder / tag):
+            raise FormatError(
+                f"{folder} is a DeepSpeed checkpoint whose latest tag '{tag}' is missing",
+                "copy the tag folder there, or give another tag folder itself",
+            )
+        return folder / tag
+    tags = [p for p in sorted(folder.iterdir()) if p.is_dir() and _holds_model_states(p)]
+    if len(tags) == 1:
+        return tags[0]
+    if tags:
+        raise FormatError(
+            f"{folder} holds DeepSpeed checkpoints {', '.join(p.name for p in tags)} "
+            "and no 'latest'",
+            f"give one of them, e.g. {tags[-1]}",
+        )
+    return None
+
+
+def find_dcp(path: Path) -> Path | None:
+    """The folder of a ``torch.distributed.checkpoint`` save (it, or its ``.metadata`` file),
+    or of DCP's Hugging Face writer (``.safetensors`` files whose headers carry each chunk's
+    offsets, and no index)."""
+    if path.name == ".metadata" and path.is_file():
+        return path.parent
+    if not path.is_dir():
+        return None
+    if (path / ".metadata").is_file():
+        return path
+    if any(path.glob("*.index.json")):
+        return None
+    shards = sorted(path.glob("*.safetensors"))
+    return path if any(dcp_sharding_info(p) is not None for p in shards) else None

@@ -1,0 +1,1 @@
+"""Bytes on disk: atomic commits, byte ranges and the kernel copy. Stdlib only."""
