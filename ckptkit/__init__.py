@@ -11,8 +11,6 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.meta import VERSION as __version__
-
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from ckptkit.convert import ConvertReport, convert
     from ckptkit.diff import DiffReport, diff
@@ -70,6 +68,10 @@ _WHERE = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read from the package metadata on first use
+        from ckptkit.meta import version
+
+        return version()
     if name not in _WHERE:
         raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
     value = getattr(importlib.import_module(_WHERE[name]), name)

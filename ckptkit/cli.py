@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from ckptkit.errors import CkptkitError, UsageError
-from ckptkit.meta import VERSION
+from ckptkit.meta import DISTRIBUTION
 
 __all__ = ["cli", "main"]
 
@@ -96,7 +96,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(VERSION, prog_name="ckptkit")
+@click.version_option(package_name=DISTRIBUTION, prog_name="ckptkit")
 def cli() -> None:
     """Move PyTorch checkpoints between single-device, DataParallel, DDP and safetensors."""
 

@@ -39,16 +39,13 @@ from ckptkit.keys import (
     parse_rename_rule,
     plan_ties,
 )
-from ckptkit.meta import CheckpointMeta
+from ckptkit.meta import TRAINING_KEY, CheckpointMeta
 from ckptkit.progress import progress_bar
 
 if TYPE_CHECKING:
     pass
 
 __all__ = ["convert", "ConvertReport", "TRAINING_KEY"]
-
-# Where ckptkit's training engine keeps a run's metadata inside its checkpoints.
-TRAINING_KEY = "ckptkit"
 
 
 @dataclass

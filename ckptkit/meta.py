@@ -7,18 +7,34 @@ tools wrote are kept untouched in ``other``. Stdlib only.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["VERSION", "NAMESPACE", "CheckpointMeta", "jsonable"]
+__all__ = ["DISTRIBUTION", "NAMESPACE", "TRAINING_KEY", "CheckpointMeta", "jsonable", "version"]
 
-# The one place the version is written: pyproject.toml reads it from here. A constant, not
-# importlib.metadata, which costs every command 50 ms of start-up.
-VERSION = "0.1.0"
+# The name this project is installed under: `ckptkit` on the public index is another project.
+# The import name and the command stay `ckptkit`.
+DISTRIBUTION = "torch-ckptkit"
 NAMESPACE = "ckptkit."
+# Where ckptkit's training engine keeps a run's metadata inside its checkpoints.
+TRAINING_KEY = "ckptkit"
+
+
+@functools.cache
+def version() -> str:
+    """The installed version, from the package metadata (pyproject.toml is the one place it is
+    written). Read on first use only: importlib.metadata costs a command tens of ms."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed(DISTRIBUTION)
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
 
 
 @dataclass
@@ -35,7 +51,7 @@ class CheckpointMeta:
     dropped: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)
-    writer: str = field(default_factory=lambda: f"ckptkit {VERSION}")
+    writer: str = field(default_factory=lambda: f"ckptkit {version()}")
     # Metadata from other tools (a source safetensors header, say), kept as it was.
     other: dict[str, str] = field(default_factory=dict)
 

@@ -13,7 +13,7 @@ from typing import Any
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import KINDS, TensorInfo
-from ckptkit.meta import NAMESPACE
+from ckptkit.meta import NAMESPACE, TRAINING_KEY
 
 __all__ = [
     "SCHEMAS",
@@ -33,7 +33,6 @@ __all__ = [
 
 #: The version of each command's JSON document; bump one when its shape changes.
 SCHEMAS = {"inspect": 2, "convert": 2, "scan": 2, "diff": 2, "train": 2, "plot": 1, "error": 1}
-_TRAINING_KEY = "ckptkit"  # convert._TRAINING_KEY, without importing convert
 
 
 def document(command: str, body: dict[str, Any]) -> str:
@@ -207,7 +206,7 @@ def summary_lines(summary: Any) -> list[str]:
         if run.get("weights_sha256"):  # a DCP checkpoint's shards are not hashed whole
             lines.append(f"weights     sha256 {run['weights_sha256']}")
     for key, value in summary.extras.items():
-        if key != _TRAINING_KEY:
+        if key != TRAINING_KEY:
             lines.append(f"also        {key} = {_short(value)}")
     for key, value in summary.metadata.items():
         if not key.startswith(NAMESPACE):

@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptkit.convert import TRAINING_KEY
 from ckptkit.formats.base.source import TensorInfo
 from ckptkit.formats.base.tree import Candidate, DroppedPart
 from ckptkit.formats.open import open_source
 from ckptkit.keys import Wrapper, build_plan, detect_wrappers
-from ckptkit.meta import NAMESPACE, CheckpointMeta
+from ckptkit.meta import NAMESPACE, TRAINING_KEY, CheckpointMeta
 from ckptkit.scan import ScanReport, report_of, scan
 
 __all__ = ["summarize", "Summary", "collapse", "keep"]

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,9 +240,13 @@ def test_version(run):
 
     result = run("--version")
     assert result.exit_code == 0
-    # One version everywhere: the installed package's metadata is read from ckptkit.meta.
-    assert result.stdout == f"ckptkit, version {version('ckptkit')}\n"
-    assert ckptkit.__version__ == version("ckptkit")
+    # One version everywhere: pyproject.toml's, read from the installed package's metadata,
+    # under the distribution name (`ckptkit` on the public index is another project).
+    installed = version("torch-ckptkit")
+    assert result.stdout == f"ckptkit, version {installed}\n"
+    assert ckptkit.__version__ == installed
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    assert f'\nversion = "{installed}"\n' in pyproject
 
 
 def test_debug_shows_the_traceback(tmp_path):

@@ -32,6 +32,7 @@ from ckptkit.engine.saver import BackgroundSaver, Staging, dcp_stager, staged
 from ckptkit.errors import CkptkitError, FormatError
 from ckptkit.formats.base.tensors import as_bytes, dtype_name
 from ckptkit.formats.io.atomic import atomic_folder, atomic_output
+from ckptkit.meta import TRAINING_KEY
 
 __all__ = [
     "checkpoint_name",
@@ -52,7 +53,7 @@ _NAME = re.compile(r"ckpt-epoch(\d{4,})(?:-step(\d{8,}))?(?:\.(pt|safetensors))?
 _PREFERENCE = {".pt": 0, "": 1, ".safetensors": 2}  # which one a step saved twice resumes from
 
 # The parts of a training checkpoint, named once: the trainer writes them, resume reads them.
-MODEL, OPTIMIZER, OPTIM_DCP, META = "model", "optimizer", "optim", "ckptkit"
+MODEL, OPTIMIZER, OPTIM_DCP, META = "model", "optimizer", "optim", TRAINING_KEY
 EPOCH, STEP, SAMPLES, BATCH = "epoch", "step", "samples_seen", "batch_in_epoch"
 PARTIAL, RNG, SCALER, MONITOR = "epoch_partial", "rng", "scaler", "monitor"
 DIGEST = "weights_sha256"  # in META: set by commit() as the weights are written
@@ -254,7 +255,7 @@ def _write_weights(path: Path, payload: dict[str, Any]) -> None:
     from ckptkit.formats.files.safetensors import write_tensors
     from ckptkit.meta import CheckpointMeta
 
-    meta = payload.get("ckptkit", {})
+    meta = payload.get(META, {})
     header = CheckpointMeta(training=meta, removed_prefixes=meta.get("removed_prefixes", []))
     state = {k: v.detach().to("cpu") for k, v in payload["model"].items()}
     write_tensors(path, state, header.to_header())

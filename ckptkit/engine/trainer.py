@@ -60,7 +60,7 @@ from ckptkit.engine.saver import BackgroundSaver, Staging
 from ckptkit.errors import Preempted, UsageError
 from ckptkit.formats.base.tree import map_leaves
 from ckptkit.keys import match_keys, mismatch_message
-from ckptkit.meta import VERSION
+from ckptkit.meta import version
 
 __all__ = ["TrainConfig", "TrainResult", "Engine", "check_epochs"]
 
@@ -432,7 +432,7 @@ class Engine:
         rank holds whole)."""
         cfg = self.config
         return {
-            "ckptkit_version": VERSION,
+            "ckptkit_version": version(),
             "torch_version": str(torch.__version__),  # a str subclass weights_only would refuse
             "mode": cfg.mode,
             "world_size": ctx.world_size,
