@@ -6,18 +6,23 @@ exit code; ``CKPTKIT_DEBUG=1`` shows the traceback instead.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import traceback
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ckptkit.errors import CkptkitError, UsageError
 from ckptkit.meta import DISTRIBUTION
 
-__all__ = ["cli", "main"]
+if TYPE_CHECKING:
+    from ckptkit.keys import KeyRules
+
+__all__ = ["cli", "main", "key_rule_options"]
 
 
 def _progress(quiet: bool) -> bool:
@@ -47,6 +52,76 @@ allow_global_option = click.option(
     help="Admit pickle global NAME (module.Class); it is never imported. Names that run "
     "code are refused.",
 )
+
+
+def key_rule_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The key-rewriting options (strip, add, rename, match), given to ``command`` as one
+    ``keys`` argument: the ``KeyRules`` the library takes."""
+    options = [
+        click.option(
+            "--strip-module",
+            is_flag=True,
+            help="Strip one leading 'module.' (DataParallel / DDP).",
+        ),
+        click.option(
+            "--strip-wrappers",
+            is_flag=True,
+            help="Strip the whole detected wrapper chain (module., _orig_mod., ...).",
+        ),
+        click.option(
+            "--strip-prefix",
+            multiple=True,
+            metavar="P",
+            help="Strip prefix P, e.g. Lightning's 'model.' (repeatable).",
+        ),
+        click.option(
+            "--add-module",
+            is_flag=True,
+            help="Add 'module.' so the result loads into a DP / DDP model.",
+        ),
+        click.option(
+            "--add-prefix",
+            multiple=True,
+            metavar="P",
+            help="Add prefix P to every key (repeatable).",
+        ),
+        click.option(
+            "--rename",
+            multiple=True,
+            metavar="REGEX=REPL",
+            help="Rewrite keys with re.sub (repeatable, in order).",
+        ),
+        click.option(
+            "--match-to",
+            metavar="REF",
+            help="Map keys onto the layout of reference checkpoint REF.",
+        ),
+    ]
+
+    @functools.wraps(command)
+    def with_keys(
+        *args: Any,
+        strip_module: bool,
+        strip_wrappers: bool,
+        strip_prefix: tuple[str, ...],
+        add_module: bool,
+        add_prefix: tuple[str, ...],
+        rename: tuple[str, ...],
+        match_to: str | None,
+        **kwargs: Any,
+    ) -> Any:
+        from ckptkit.keys import KeyRules
+
+        if strip_module and strip_wrappers:
+            raise UsageError("--strip-module and --strip-wrappers overlap", "use one of them")
+        keys = KeyRules(
+            strip_wrappers, strip_module, strip_prefix, add_module, add_prefix, rename, match_to
+        )
+        return command(*args, keys=keys, **kwargs)
+
+    for option in reversed(options):
+        with_keys = option(with_keys)
+    return with_keys
 
 
 def _report_error(exc: BaseException) -> int:
@@ -114,35 +189,7 @@ def cli() -> None:
     is_flag=True,
     help="Take the EMA copy of the weights (state_dict_ema, model_ema, ema...).",
 )
-@click.option(
-    "--strip-module", is_flag=True, help="Strip one leading 'module.' (DataParallel / DDP)."
-)
-@click.option(
-    "--strip-wrappers",
-    is_flag=True,
-    help="Strip the whole detected wrapper chain (module., _orig_mod., ...).",
-)
-@click.option(
-    "--strip-prefix",
-    multiple=True,
-    metavar="P",
-    help="Strip prefix P, e.g. Lightning's 'model.' (repeatable).",
-)
-@click.option(
-    "--add-module", is_flag=True, help="Add 'module.' so the result loads into a DP / DDP model."
-)
-@click.option(
-    "--add-prefix", multiple=True, metavar="P", help="Add prefix P to every key (repeatable)."
-)
-@click.option(
-    "--rename",
-    multiple=True,
-    metavar="REGEX=REPL",
-    help="Rewrite keys with re.sub (repeatable, in order).",
-)
-@click.option(
-    "--match-to", metavar="REF", help="Map keys onto the layout of reference checkpoint REF."
-)
+@key_rule_options
 @click.option(
     "--dtype",
     type=click.Choice(["bf16", "fp16", "fp32"]),
@@ -184,14 +231,17 @@ def cli() -> None:
 def convert(
     src: str,
     dst: str,
-    strip_prefix: tuple[str, ...],
-    add_prefix: tuple[str, ...],
-    rename: tuple[str, ...],
+    keys: KeyRules,
+    select: str | None,
+    ema: bool,
+    trust: bool,
     allow_global: tuple[str, ...],
+    dry_run: bool,
+    force: bool,
     no_verify: bool,
     as_json: bool,
     quiet: bool,
-    **options: Any,
+    **output: Any,
 ) -> None:
     """Convert SRC's state dict to DST (.safetensors, .pt, or a DCP folder with --to dcp),
     rewriting key prefixes.
@@ -204,20 +254,19 @@ def convert(
     ckptkit convert single.pt ddp-ready.pt --add-module
     ckptkit convert big.pt out/model.safetensors --dtype bf16 --max-shard-size 5GB
     """
-    from ckptkit.convert import convert as run
+    from ckptkit.convert import OutputOptions, ReadOptions, convert_checkpoint
 
-    if options["strip_module"] and options["strip_wrappers"]:
-        raise UsageError("--strip-module and --strip-wrappers overlap", "use one of them")
-    report = run(
+    output["keep_dtype"] = tuple(output["keep_dtype"])
+    report = convert_checkpoint(
         src,
         dst,
-        strip_prefixes=strip_prefix,
-        add_prefixes=add_prefix,
-        renames=rename,
-        allow_globals=allow_global,
+        read=ReadOptions(select, ema, trust, allow_global),
+        keys=keys,
+        output=OutputOptions(**output),
+        dry_run=dry_run,
+        force=force,
         verify=not no_verify,
         progress=_progress(quiet or as_json),
-        **options,
     )
     if as_json:
         _emit("convert", report.to_dict())

@@ -1,19 +1,20 @@
-"""``convert``: plan from headers, stream tensors one at a time into the output, verify.
+"""``convert``: plan from headers, write tensor by tensor, report what was done.
 
-The key plan (select, strip, add, rename, match) is computed from headers before any tensor is
-read, so ``dry_run`` shows it and collisions fail before anything is written. The output appears
-atomically, only after it was read back and compared bit-exact with the source.
+The plan (which tensors, under which keys, in which dtype, in which shard) is computed from
+headers before any tensor is read, so ``dry_run`` shows it and collisions fail before anything
+is written. Each output format's writer (``formats/output/writers.py``) writes it to temporary
+paths and reads it back; the output appears atomically, only after it compared bit-exact with
+the source.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptkit.errors import CastError, FormatError, KeyMatchError, UsageError
 from ckptkit.formats.base.dtypes import DTYPES, TensorSpec
@@ -24,28 +25,61 @@ from ckptkit.formats.io.atomic import (
     atomic_outputs,
     check_folder_output,
     check_output,
-    syncing,
 )
 from ckptkit.formats.open import open_source
 from ckptkit.formats.output import output_format
-from ckptkit.formats.output.transfer import Item, Transfer
+from ckptkit.formats.output.copier import Copier, Item
+from ckptkit.formats.output.plan import (
+    index_document,
+    parse_size,
+    plan_shards,
+    shard_paths,
+    stale_shards,
+)
+from ckptkit.formats.output.writers import Writer, writer_for
 from ckptkit.keys import (
     KeyMatch,
     KeyPlan,
-    build_plan,
+    KeyRules,
     detect_wrappers,
     match_keys,
     mismatch_message,
-    parse_rename_rule,
     plan_ties,
 )
 from ckptkit.meta import TRAINING_KEY, CheckpointMeta
 from ckptkit.progress import progress_bar
 
-if TYPE_CHECKING:
-    pass
+__all__ = [
+    "convert",
+    "convert_checkpoint",
+    "ConvertReport",
+    "ReadOptions",
+    "OutputOptions",
+    "KeyRules",
+    "parse_size",
+]
 
-__all__ = ["convert", "ConvertReport", "TRAINING_KEY"]
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How the source is read: where its state dict is, and what its pickle may name."""
+
+    select: str | None = None
+    ema: bool = False
+    trust: bool = False
+    allow_globals: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What the output is: its format, dtype, sharding and how ties are written."""
+
+    to: str | None = None
+    dtype: str | None = None
+    keep_dtype: tuple[str, ...] = ()
+    allow_overflow: bool = False
+    max_shard_size: int | str | None = None
+    keep_tied_copies: bool = False
 
 
 @dataclass
@@ -181,115 +215,232 @@ def convert(
         CkptkitError: a subclass naming the file, the key and the fix, before anything is
             written whenever the problem can be seen from headers.
     """
+    return convert_checkpoint(
+        src,
+        dst,
+        read=ReadOptions(select, ema, trust, tuple(allow_globals)),
+        keys=KeyRules(
+            strip_wrappers,
+            strip_module,
+            tuple(strip_prefixes),
+            add_module,
+            tuple(add_prefixes),
+            tuple(renames),
+            None if match_to is None else str(match_to),
+        ),
+        output=OutputOptions(
+            to, dtype, tuple(keep_dtype), allow_overflow, max_shard_size, keep_tied_copies
+        ),
+        dry_run=dry_run,
+        force=force,
+        verify=verify,
+        progress=progress,
+    )
+
+
+def convert_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    read: ReadOptions | None = None,
+    keys: KeyRules | None = None,
+    output: OutputOptions | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    verify: bool = True,
+    progress: bool = False,
+) -> ConvertReport:
+    """:func:`convert` with its options grouped, as the CLI gives them: plan, write, report."""
+    read, keys, output = read or ReadOptions(), keys or KeyRules(), output or OutputOptions()
     src, dst = Path(src), Path(dst)
-    if dst.is_dir() and to != "dcp":  # a model folder: save_pretrained's names
+    if dst.is_dir() and output.to != "dcp":  # a model folder: save_pretrained's names
         dst = dst / "model.safetensors"
-    fmt = output_format(dst, to)
-    rules = [parse_rename_rule(r) if isinstance(r, str) else r for r in renames]
-    target = _cast_target(dtype)
-    shard_limit = parse_size(max_shard_size) if max_shard_size is not None else None
-    if shard_limit is not None and fmt != "safetensors":
-        raise UsageError("--max-shard-size writes safetensors shards", "give a .safetensors DST")
+    fmt = output_format(dst, output.to)
+    keys = replace(keys, renames=tuple(keys.rename_rules()))  # a bad rule fails before reading
+    target, shard_limit = _cast_target(output.dtype), _shard_limit(output, fmt)
     with open_source(
-        src, select=select, trust=trust, allow_globals=allow_globals, ema=ema
+        src, select=read.select, trust=read.trust, allow_globals=read.allow_globals, ema=read.ema
     ) as source:
-        entries = dict(source.entries())
-        _refuse_special(src, entries, fmt)
-        plan = build_plan(
-            entries,
-            strip_wrappers=strip_wrappers,
-            strip_module=strip_module,
-            strip_prefixes=strip_prefixes,
-            add_module=add_module,
-            add_prefixes=add_prefixes,
-            renames=rules,
-        )
-        match = _match_reference(plan, entries, Path(match_to)) if match_to else None
-        keep = list(keep_dtype)
-        items = [
-            Item(
-                old,
-                TensorSpec(
-                    new,
-                    _out_dtype(entries[old].dtype, new, target, keep)
-                    if entries[old].kind == "dense"
-                    else entries[old].dtype,  # kept as it is
-                    entries[old].shape,
-                ),
-                entries[old].dtype,
-            )
-            for old, new in plan.mapping.items()
-            if new is not None
-        ]
-        if fmt == "safetensors":
-            # Widest dtypes first, so every tensor's data stays aligned for memory mapping.
-            items.sort(key=lambda item: -DTYPES[item.spec.dtype].itemsize)
-        aliases = {
-            new_a: new_b
-            for a, b in source.aliases().items()
-            if (new_a := plan.mapping.get(a)) and (new_b := plan.mapping.get(b))
-        }
-        ties = {"torch": "shared", "dcp": "chunk"}.get(fmt) or (
-            "copies" if keep_tied_copies else "once"
-        )
-        if ties == "once":  # one tensor per tied group, the others named in the metadata
-            aliases = plan_ties(aliases)
-            items = [item for item in items if item.spec.key not in aliases]
-        shards = _shards(items, aliases, shard_limit) if fmt == "safetensors" else [items]
-        outputs = _output_paths(dst, len(shards))
-        report = ConvertReport(
-            source=str(src),
-            source_format=source.format,
-            destination=str(dst),
-            output_format=fmt,
-            selected=source.selected,
-            selected_reason=source.selected_reason,
-            plan=plan,
-            tensors=len(items),
-            nbytes=sum(item.spec.nbytes for item in items),
-            source_nbytes=sum(entries[item.old].nbytes for item in items),
-            cast=[item.spec.key for item in items if item.cast],
-            files=[str(p) for p in outputs],
-            aliases=aliases,
-            ties=ties,
-            dropped=list(source.dropped),
-            made_contiguous=[item.spec.key for item in items if not entries[item.old].contiguous],
-            extras=sorted(source.extras),
-            match=match,
-            dry_run=dry_run,
-            # Wrappers the source had and the output still has, when none were asked for.
-            kept_wrappers=[]
-            if plan.added or plan.removed or match is not None
-            else [w.prefix for w in detect_wrappers(item.spec.key for item in items)],
-        )
+        plan = _plan(source, src, dst, fmt, keys, output, target, shard_limit)
+        report = _report(source, plan, dry_run)
         if dry_run:
             return report
-        for path in outputs:
-            if fmt == "dcp":
-                check_folder_output(path, force=force, inputs=[src])
-            else:
-                check_output(path, force=force, inputs=[src])
+        for path in plan.outputs:
+            check = check_folder_output if fmt == "dcp" else check_output
+            check(path, force=force, inputs=[src])
         header = _metadata(source, report).to_header()
-        if ties == "once":  # as safetensors.torch.save_model records a removed name
-            header.update({k: v for k, v in aliases.items() if k not in header})
-        _write(
-            source,
-            shards,
-            outputs,
-            header,
-            aliases,
-            report,
-            # Kept as they are in .pt output: sparse, quantized, packed parameters.
-            special={old for old, info in entries.items() if info.kind != "dense"},
-            force=force,
-            verify=verify,
-            allow_overflow=allow_overflow,
-            progress=progress,
-            src=src,
-        )
+        if plan.ties == "once":  # as safetensors.torch.save_model records a removed name
+            header.update({k: v for k, v in plan.aliases.items() if k not in header})
+        _write(source, plan, report, header, force=force, verify=verify, progress=progress)
         if force and fmt == "safetensors":
-            _remove_stale_shards(dst, outputs)
+            for path in stale_shards(dst, plan.outputs, dst.parent.iterdir()):
+                if path.is_file():
+                    path.unlink()
     return report
+
+
+@dataclass
+class _Plan:
+    """What a conversion will write, computed from headers alone."""
+
+    src: Path
+    dst: Path
+    fmt: str
+    keys: KeyPlan
+    match: KeyMatch | None
+    entries: dict[str, TensorInfo]
+    items: list[Item]
+    shards: list[list[Item]]
+    outputs: list[Path]  # one per shard, then the index of a sharded output
+    aliases: dict[str, str]  # tied name -> the name written (safetensors: named in metadata)
+    ties: str
+    allow_overflow: bool = False
+    special: frozenset[str] = field(default_factory=frozenset)  # kept as they are in .pt
+
+
+def _plan(
+    source: Source,
+    src: Path,
+    dst: Path,
+    fmt: str,
+    keys: KeyRules,
+    output: OutputOptions,
+    target: str | None,
+    shard_limit: int | None,
+) -> _Plan:
+    entries = dict(source.entries())
+    _refuse_special(src, entries, fmt)
+    key_plan = keys.plan(entries)
+    match = _match_reference(key_plan, entries, Path(keys.match_to)) if keys.match_to else None
+    items = []
+    for old, new in key_plan.mapping.items():
+        if new is not None:
+            info = entries[old]
+            spec = TensorSpec(new, _item_dtype(info, new, target, output), info.shape)
+            items.append(Item(old, spec, info.dtype))
+    if fmt == "safetensors":
+        # Widest dtypes first, so every tensor's data stays aligned for memory mapping.
+        items.sort(key=lambda item: -DTYPES[item.spec.dtype].itemsize)
+    aliases = {
+        new_a: new_b
+        for a, b in source.aliases().items()
+        if (new_a := key_plan.mapping.get(a)) and (new_b := key_plan.mapping.get(b))
+    }
+    ties = {"torch": "shared", "dcp": "chunk"}.get(fmt) or (
+        "copies" if output.keep_tied_copies else "once"
+    )
+    if ties == "once":  # one tensor per tied group, the others named in the metadata
+        aliases = plan_ties(aliases)
+        items = [item for item in items if item.spec.key not in aliases]
+    by_key = {item.spec.key: item for item in items}
+    units = [(i.spec.key, i.spec.nbytes, aliases.get(i.spec.key, i.spec.key)) for i in items]
+    shards = [[by_key[k] for k in shard] for shard in plan_shards(units, shard_limit)]
+    return _Plan(
+        src=src,
+        dst=dst,
+        fmt=fmt,
+        keys=key_plan,
+        match=match,
+        entries=entries,
+        items=items,
+        shards=shards,
+        outputs=shard_paths(dst, len(shards)),
+        aliases=aliases,
+        ties=ties,
+        allow_overflow=output.allow_overflow,
+        special=frozenset(old for old, info in entries.items() if info.kind != "dense"),
+    )
+
+
+def _report(source: Source, plan: _Plan, dry_run: bool) -> ConvertReport:
+    """The report of a plan, before anything is written."""
+    items, entries = plan.items, plan.entries
+    rewritten = plan.keys.added or plan.keys.removed or plan.match is not None
+    return ConvertReport(
+        source=str(plan.src),
+        source_format=source.format,
+        destination=str(plan.dst),
+        output_format=plan.fmt,
+        selected=source.selected,
+        selected_reason=source.selected_reason,
+        plan=plan.keys,
+        tensors=len(items),
+        nbytes=sum(item.spec.nbytes for item in items),
+        source_nbytes=sum(entries[item.old].nbytes for item in items),
+        cast=[item.spec.key for item in items if item.cast],
+        files=[str(p) for p in plan.outputs],
+        aliases=plan.aliases,
+        ties=plan.ties,
+        dropped=list(source.dropped),
+        made_contiguous=[item.spec.key for item in items if not entries[item.old].contiguous],
+        extras=sorted(source.extras),
+        match=plan.match,
+        dry_run=dry_run,
+        # Wrappers the source had and the output still has, when none were asked for.
+        kept_wrappers=[]
+        if rewritten
+        else [w.prefix for w in detect_wrappers(item.spec.key for item in items)],
+    )
+
+
+def _write(
+    source: Source,
+    plan: _Plan,
+    report: ConvertReport,
+    header: dict[str, str],
+    *,
+    force: bool,
+    verify: bool,
+    progress: bool,
+) -> None:
+    """Write every output to a temp path, verify it, and only then put them all in place."""
+    # Writing, then checking what was written: both count, so the bar does not stall at the end.
+    bar = progress_bar(report.nbytes * (2 if verify else 1), "convert") if progress else None
+    copier = Copier(source, progress=bar.update if bar else lambda nbytes: None)
+    writer = writer_for(
+        plan.fmt, copier, aliases=plan.aliases, header=header, special=plan.special, verify=verify
+    )
+    inputs = [plan.src]
+    try:
+        if writer.folder:
+            with atomic_folder(plan.outputs[0], force=force, inputs=inputs) as tmp:
+                _write_shard(writer, copier, tmp, plan.shards[0], plan.outputs[0], plan, verify)
+        else:
+            # In order, or none: the index (last) appears only once every shard is in place.
+            with atomic_outputs(plan.outputs, force=force, inputs=inputs) as temps:
+                for shard, tmp, path in zip(plan.shards, temps, plan.outputs, strict=False):
+                    _write_shard(writer, copier, tmp, shard, path, plan, verify)
+                if len(plan.outputs) > len(plan.shards):  # the index of a sharded output
+                    sizes = [[(i.spec.key, i.spec.nbytes) for i in s] for s in plan.shards]
+                    names = [p.name for p in plan.outputs[:-1]]
+                    temps[-1].write_text(index_document(sizes, names, header))
+        report.verified = verify
+        report.copied, report.through_torch = copier.copied, copier.through_torch
+        report.overflowed = list(copier.overflowed)
+    finally:
+        copier.close()
+        if bar:
+            bar.close()
+
+
+def _write_shard(
+    writer: Writer,
+    copier: Copier,
+    tmp: Path,
+    items: list[Item],
+    shown: Path,
+    plan: _Plan,
+    verify: bool,
+) -> None:
+    writer.write(tmp, items)
+    if copier.overflowed and not plan.allow_overflow:
+        names = ", ".join(copier.overflowed[:5])
+        raise CastError(
+            f"the cast turns finite values into inf in {names}; nothing was written",
+            "keep them with --keep-dtype GLOB, or pass --allow-overflow",
+        )
+    if verify:
+        writer.verify(tmp, items, shown)
 
 
 def _refuse_special(src: Path, entries: dict[str, TensorInfo], fmt: str) -> None:
@@ -317,85 +468,6 @@ def _refuse_special(src: Path, entries: dict[str, TensorInfo], fmt: str) -> None
         else:
             hint = "convert it to a dense tensor in PyTorch first"
         raise FormatError(f"tensor '{key}' in {src} is {what}; ckptkit cannot convert it", hint)
-
-
-def _remove_stale_shards(dst: Path, outputs: list[Path]) -> None:
-    """After a forced re-run, the shards and index of an earlier run into the same place that
-    this run did not write (a model now in 3 shards, not 5; or in one file): loaders would
-    otherwise find a stale index or a mix of runs."""
-    stem = dst.name.removesuffix(".safetensors")
-    shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
-    stale = [p for p in dst.parent.iterdir() if shard.fullmatch(p.name)]
-    stale.append(dst.with_name(dst.name + ".index.json"))
-    for path in stale:
-        if path not in outputs and path.is_file():
-            path.unlink()
-
-
-def _write(
-    source: Source,
-    shards: list[list[Item]],
-    outputs: list[Path],
-    header: dict[str, str],
-    aliases: dict[str, str],
-    report: ConvertReport,
-    *,
-    special: set[str],
-    force: bool,
-    verify: bool,
-    allow_overflow: bool,
-    progress: bool,
-    src: Path,
-) -> None:
-    """Write every output file to a temp file, verify it, and only then put them all in place."""
-    # Writing, then checking what was written: both count, so the bar does not stall at the end.
-    total = report.nbytes * (2 if verify else 1)
-    bar = progress_bar(total, "convert") if progress else None
-    transfer = Transfer(source, progress=bar.update if bar else lambda nbytes: None)
-    try:
-        if report.output_format == "dcp":
-            with atomic_folder(outputs[0], force=force, inputs=[src]) as tmp:
-                transfer.write_dcp(tmp, shards[0], aliases, header, verify=verify)
-                _refuse_overflow(transfer, allow_overflow)
-                if verify:
-                    transfer.verify_dcp(tmp, shards[0], aliases, header, outputs[0])
-        else:
-            # In order, or none: the index (last) appears only once every shard is in place.
-            with atomic_outputs(outputs, force=force, inputs=[src]) as temps:
-                for shard, tmp, path in zip(shards, temps, outputs, strict=False):
-                    if report.output_format == "torch" and special:
-                        transfer.save_values(tmp, shard, aliases, special)
-                    elif report.output_format == "torch":
-                        transfer.write_torch(tmp, shard, aliases, verify=verify)
-                    else:
-                        transfer.write_safetensors(tmp, shard, header, verify=verify)
-                    _refuse_overflow(transfer, allow_overflow)
-                    if verify:
-                        with syncing(tmp):  # the disk write-back overlaps the read-back
-                            if report.output_format == "torch" and special:
-                                transfer.verify_values(tmp, shard, path, special)
-                            elif report.output_format == "torch":
-                                transfer.verify_torch(tmp, shard, aliases, path)
-                            else:
-                                transfer.verify_safetensors(tmp, shard, header, path)
-                if len(outputs) > len(shards):  # the index of a sharded output
-                    _write_index(temps[-1], shards, outputs, header)
-        report.verified = verify
-        report.copied, report.through_torch = transfer.copied, transfer.through_torch
-        report.overflowed = list(transfer.overflowed)
-    finally:
-        transfer.close()
-        if bar:
-            bar.close()
-
-
-def _refuse_overflow(transfer: Transfer, allow_overflow: bool) -> None:
-    if transfer.overflowed and not allow_overflow:
-        names = ", ".join(transfer.overflowed[:5])
-        raise CastError(
-            f"the cast turns finite values into inf in {names}; nothing was written",
-            "keep them with --keep-dtype GLOB, or pass --allow-overflow",
-        )
 
 
 def _match_reference(plan: KeyPlan, entries: dict[str, TensorInfo], ref_path: Path) -> KeyMatch:
@@ -478,80 +550,18 @@ def _out_dtype(dtype: str, key: str, target: str | None, keep: list[str]) -> str
     return target
 
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
+def _item_dtype(info: TensorInfo, key: str, target: str | None, output: OutputOptions) -> str:
+    """The dtype an output tensor is written in: dense ones may be cast; others stay as they
+    are (sparse, quantized, packed parameters)."""
+    if info.kind != "dense":
+        return info.dtype
+    return _out_dtype(info.dtype, key, target, list(output.keep_dtype))
 
 
-def parse_size(size: int | str) -> int:
-    """``"5GB"`` -> 5_000_000_000, ``"2GiB"`` -> 2 * 2**30; an int is bytes.
-
-    Raises:
-        UsageError: not a positive size.
-    """
-    if isinstance(size, int):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", size)
-        unit = match.group(2).upper() if match else None
-        if match is None or unit not in _UNITS:
-            raise UsageError(f"cannot read size '{size}'", "write it like 5GB, 500MB or 2GiB")
-        value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise UsageError(f"size '{size}' must be positive")
-    return value
-
-
-def _shards(items: list[Item], aliases: dict[str, str], limit: int | None) -> list[list[Item]]:
-    """Group items into shards of at most ``limit`` bytes, in order; tied tensors share a
-    shard, and a tensor larger than the limit gets one of its own."""
-    if limit is None:
-        return [items]
-    root = {key: aliases.get(key, key) for key in (i.spec.key for i in items)}
-    units: dict[str, list[Item]] = {}
-    for item in items:
-        units.setdefault(root[item.spec.key], []).append(item)
-    shards: list[list[Item]] = [[]]
-    size = 0
-    for unit in units.values():
-        unit_size = sum(i.spec.nbytes for i in unit)
-        if shards[-1] and size + unit_size > limit:
-            shards.append([])
-            size = 0
-        shards[-1].extend(unit)
-        size += unit_size
-    return shards
-
-
-def _output_paths(dst: Path, count: int) -> list[Path]:
-    """One file, or ``stem-0000i-of-0000n.safetensors`` shards plus ``dst.index.json`` last."""
-    if count == 1:
-        return [dst]
-    stem = dst.name.removesuffix(".safetensors")
-    shards = [
-        dst.with_name(f"{stem}-{i:05d}-of-{count:05d}.safetensors") for i in range(1, count + 1)
-    ]
-    return shards + [dst.with_name(dst.name + ".index.json")]
-
-
-def _write_index(
-    path: Path, shards: list[list[Item]], outputs: list[Path], header: dict[str, str]
-) -> None:
-    """The Hugging Face index: total_size in metadata, and the shard of every key."""
-    weight_map = {
-        item.spec.key: out.name
-        for shard, out in zip(shards, outputs, strict=False)
-        for item in shard
-    }
-    total = sum(item.spec.nbytes for shard in shards for item in shard)
-    index = {"metadata": {"total_size": total, **header}, "weight_map": weight_map}
-    path.write_text(json.dumps(index, indent=2) + "\n")
+def _shard_limit(output: OutputOptions, fmt: str) -> int | None:
+    if output.max_shard_size is None:
+        return None
+    limit = parse_size(output.max_shard_size)
+    if fmt != "safetensors":
+        raise UsageError("--max-shard-size writes safetensors shards", "give a .safetensors DST")
+    return limit

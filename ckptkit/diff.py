@@ -152,16 +152,7 @@ def diff(
         _Reader() as reader,
         contextlib.ExitStack() as stack,
     ):
-        keys_a, removed_a = _canonical(src_a)
-        keys_b, removed_b = _canonical(src_b)
-        # Beyond wrappers: a shared prefix only one side has (Lightning's `model.`).
-        match = match_keys(keys_a, keys_b)
-        if sum(new in keys_b for new in match.mapping.values()) > len(
-            keys_a.keys() & keys_b.keys()
-        ):
-            keys_a = {new: old for k, old in keys_a.items() if (new := match.mapping[k])}
-            removed_a += match.removed
-            removed_b += match.added
+        keys_a, removed_a, keys_b, removed_b = _aligned_keys(src_a, src_b)
         info_a, info_b = dict(src_a.entries()), dict(src_b.entries())
         bar = None
         if progress and not keys_only:
@@ -183,21 +174,52 @@ def diff(
             if ia.shape != ib.shape or (keys_only and ia.dtype != ib.dtype):
                 report.mismatched.append((key, ia, ib))
             elif not keys_only:
-                span_a, span_b = src_a.byte_span(old_a), src_b.byte_span(old_b)
-                if ia.dtype == ib.dtype and reader.same_bytes(span_a, span_b):
-                    report.tensors.append(TensorDiff(key, "equal"))
-                else:
-                    # NumPy where it can (imports in 0.06 s; torch takes a second and 200 MB).
-                    np = _numpy_for(ia, ib) if span_a and span_b else None
-                    pieces_a = reader.pieces(src_a, old_a, ia, span_a, np)
-                    pieces_b = reader.pieces(src_b, old_b, ib, span_b, np)
-                    result = compare_pieces(key, pieces_a, pieces_b, atol=atol, rtol=rtol)
-                    if ia.dtype != ib.dtype:
-                        result.dtypes = (ia.dtype, ib.dtype)
-                    report.tensors.append(result)
+                pair = ((src_a, old_a, ia), (src_b, old_b, ib))
+                report.tensors.append(_compare_tensor(reader, key, *pair, atol=atol, rtol=rtol))
                 if bar is not None:
                     bar.update(ia.nbytes + ib.nbytes)
     return report
+
+
+def _aligned_keys(
+    src_a: Source, src_b: Source
+) -> tuple[dict[str, str], list[str], dict[str, str], list[str]]:
+    """Each side's keys without its wrapper chain (canonical key -> its key), and the prefixes
+    removed from each; beyond wrappers, a shared prefix only one side has (Lightning's
+    ``model.``) is matched away too."""
+    keys_a, removed_a = _canonical(src_a)
+    keys_b, removed_b = _canonical(src_b)
+    match = match_keys(keys_a, keys_b)
+    if sum(new in keys_b for new in match.mapping.values()) > len(keys_a.keys() & keys_b.keys()):
+        keys_a = {new: old for k, old in keys_a.items() if (new := match.mapping[k])}
+        removed_a += match.removed
+        removed_b += match.added
+    return keys_a, removed_a, keys_b, removed_b
+
+
+def _compare_tensor(
+    reader: _Reader,
+    key: str,
+    a: tuple[Source, str, TensorInfo],
+    b: tuple[Source, str, TensorInfo],
+    *,
+    atol: float,
+    rtol: float,
+) -> TensorDiff:
+    """One tensor of each side: equal bytes when the dtypes agree, else compared a piece at a
+    time in the wider type."""
+    (src_a, old_a, ia), (src_b, old_b, ib) = a, b
+    span_a, span_b = src_a.byte_span(old_a), src_b.byte_span(old_b)
+    if ia.dtype == ib.dtype and reader.same_bytes(span_a, span_b):
+        return TensorDiff(key, "equal")
+    # NumPy where it can (imports in 0.06 s; torch takes a second and 200 MB).
+    np = _numpy_for(ia, ib) if span_a and span_b else None
+    pieces_a = reader.pieces(src_a, old_a, ia, span_a, np)
+    pieces_b = reader.pieces(src_b, old_b, ib, span_b, np)
+    result = compare_pieces(key, pieces_a, pieces_b, atol=atol, rtol=rtol)
+    if ia.dtype != ib.dtype:
+        result.dtypes = (ia.dtype, ib.dtype)
+    return result
 
 
 class _Reader:

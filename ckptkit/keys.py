@@ -15,6 +15,7 @@ from typing import TypeVar
 from ckptkit.errors import KeyTransformError, UsageError
 
 __all__ = [
+    "KeyRules",
     "plan_ties",
     "Wrapper",
     "WRAPPERS",
@@ -277,6 +278,41 @@ def build_plan(
         )
     _check_collisions(plan.mapping)
     return plan
+
+
+@dataclass(frozen=True)
+class KeyRules:
+    """The key rewrites asked for, as the CLI's key options and the library's arguments give
+    them: strip, add, rename (``REGEX=REPLACEMENT`` text or compiled), and a reference
+    checkpoint whose layout the keys must match (read by ``convert``)."""
+
+    strip_wrappers: bool = False
+    strip_module: bool = False
+    strip_prefixes: tuple[str, ...] = ()
+    add_module: bool = False
+    add_prefixes: tuple[str, ...] = ()
+    renames: tuple[str | tuple[re.Pattern[str], str], ...] = ()
+    match_to: str | None = None
+
+    def rename_rules(self) -> list[tuple[re.Pattern[str], str]]:
+        """The rename rules compiled.
+
+        Raises:
+            UsageError: a rule that is not ``REGEX=REPLACEMENT`` or a bad regex.
+        """
+        return [parse_rename_rule(r) if isinstance(r, str) else r for r in self.renames]
+
+    def plan(self, keys: Iterable[str]) -> KeyPlan:
+        """The plan of these rules for ``keys`` (``match_to`` aside: it needs the reference)."""
+        return build_plan(
+            keys,
+            strip_wrappers=self.strip_wrappers,
+            strip_module=self.strip_module,
+            strip_prefixes=self.strip_prefixes,
+            add_prefixes=self.add_prefixes,
+            add_module=self.add_module,
+            renames=self.rename_rules(),
+        )
 
 
 def inner_wrappers(keys: Iterable[str]) -> list[tuple[str, Wrapper]]:

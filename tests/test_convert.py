@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     FIXTURE_DIR,
     FIXTURES,
     NOT_IN_LEGACY,
@@ -25,7 +25,7 @@ import ckptkit
 from ckptkit.errors import KeyMatchError, KeyTransformError, OutputError, VerificationError
 from ckptkit.formats.base.tensors import bit_equal
 
-transfer_module = importlib.import_module("ckptkit.formats.output.transfer")
+transfer_module = importlib.import_module("ckptkit.formats.output.copier")
 GOOD = [f for f in FIXTURES if not f.bad]
 
 

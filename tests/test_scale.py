@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, FIXTURES, NOT_IN_LEGACY, ROOT, TORCH_DTYPES, load_with_ties
+from helpers import FIXTURE_DIR, FIXTURES, NOT_IN_LEGACY, ROOT, TORCH_DTYPES, load_with_ties
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -21,7 +21,7 @@ from ckptkit.convert import parse_size
 from ckptkit.errors import CastError, UsageError, VerificationError
 from ckptkit.formats.base.source import Source
 from ckptkit.formats.base.tensors import bit_equal
-from ckptkit.formats.output import transfer as transfer_module
+from ckptkit.formats.output import copier as transfer_module
 
 GOOD = [f for f in FIXTURES if not f.bad]
 

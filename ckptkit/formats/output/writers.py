@@ -1,0 +1,273 @@
+"""One writer per output format, behind one small protocol, picked from a table.
+
+A writer puts a shard's items into a temporary path (a file, or a folder for DCP) through the
+copy engine (``copier.py``), then reads what it wrote back the way any reader of that format
+would and compares it with the plan: keys, dtypes, shapes, ties, metadata, every tensor's bytes.
+``convert`` commits the temporary path only after that check.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from ckptkit.errors import VerificationError
+from ckptkit.formats.base.dtypes import DTYPES
+from ckptkit.formats.files.safetensors import read_header, write_safetensors
+from ckptkit.formats.io.atomic import syncing
+from ckptkit.formats.io.bytecopy import preallocate
+from ckptkit.formats.output.copier import (
+    Copier,
+    Item,
+    check_keys,
+    check_layout,
+    differs,
+    metadata_differ,
+)
+
+__all__ = ["Writer", "writer_for", "WRITERS"]
+
+
+class Writer(Protocol):
+    """What ``convert`` asks of an output format."""
+
+    folder: ClassVar[bool]  # the output is a folder (committed whole), not one file per shard
+
+    def write(self, tmp: Path, items: list[Item]) -> None:
+        """Write ``items`` (one shard) into ``tmp``, made empty by the atomic commit."""
+
+    def verify(self, tmp: Path, items: list[Item], shown: Path) -> None:
+        """Read ``tmp`` back and compare it with the plan; ``shown`` names it in errors.
+
+        Raises:
+            VerificationError: naming the key, dtype, shape or tie that differs.
+        """
+
+
+@dataclass
+class _Writer:
+    """What every writer is given: the copy engine, the plan's ties and metadata."""
+
+    copier: Copier
+    aliases: dict[str, str]
+    header: dict[str, str]
+    verify_while_writing: bool = True  # compare copied bytes as they are written
+    special: frozenset[str] = field(default_factory=frozenset)  # kept as torch values
+    folder: ClassVar[bool] = False
+
+    def write(self, tmp: Path, items: list[Item]) -> None:
+        raise NotImplementedError
+
+    def verify(self, tmp: Path, items: list[Item], shown: Path) -> None:
+        raise NotImplementedError
+
+
+class SafetensorsWriter(_Writer):
+    """A safetensors file: the header, then each tensor in the items' order."""
+
+    def write(self, tmp: Path, items: list[Item]) -> None:
+        write = self.copier.tensor_writer(
+            {i.spec.key: i for i in items}, tmp, self.verify_while_writing
+        )
+        write_safetensors(tmp, [i.spec for i in items], self.header, write)
+
+    def verify(self, tmp: Path, items: list[Item], shown: Path) -> None:
+        """Re-read the header and compare every tensor's bytes with its source: copied ones as
+        they were written, the rest with their output bytes made again from the source."""
+        with syncing(tmp):  # the disk write-back overlaps the read-back
+            header, data_start = read_header(tmp)
+            metadata = header.pop("__metadata__", {})
+            if metadata != self.header:
+                raise metadata_differ(shown, self.header, metadata)
+            check_keys(shown, [i.spec.key for i in items], header)
+            for item in items:
+                entry = header[item.spec.key]
+                begin, end = entry["data_offsets"]
+                same_code = entry["dtype"] == DTYPES[item.spec.dtype].safetensors
+                dtype = item.spec.dtype if same_code else entry["dtype"]
+                check_layout(shown, item.spec, dtype, entry["shape"])
+                if end - begin != item.spec.nbytes:
+                    raise VerificationError(
+                        f"tensor '{item.spec.key}' in {shown} holds {end - begin} bytes, "
+                        f"planned {item.spec.nbytes}; nothing was written"
+                    )
+                self.copier.check_bytes(item, tmp, data_start + begin, shown)
+                self.copier.progress(item.spec.nbytes)
+
+
+class TorchWriter(_Writer):
+    """A plain ``.pt`` state dict, laid out as ``torch.save`` lays it out (see ``torchzip``);
+    ties kept: an alias shares its target's storage."""
+
+    def write(self, tmp: Path, items: list[Item]) -> None:
+        """Each storage's bytes copied from the source where they lie as they must, else made
+        by torch a piece at a time."""
+        from ckptkit.formats.files.torchzip import begin_archive, state_pickle
+
+        by_key = {item.spec.key: item for item in items}
+        pickled, storages = state_pickle([item.spec for item in items], self.aliases)
+        write = self.copier.tensor_writer(by_key, tmp, self.verify_while_writing)
+        unique: dict[str, Item] = {}  # each storage record, written from its first key
+        for item in items:
+            unique.setdefault(storages[item.spec.key].key, item)
+        estimate = len(pickled) + sum(i.spec.nbytes for i in unique.values()) + 256 * len(unique)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o666)  # atomic_outputs' empty temp file
+        try:
+            preallocate(fd, estimate + 4096)
+            archive = begin_archive(fd, pickled)
+            for record, item in unique.items():
+                stream = functools.partial(write, fd, item.spec)
+                archive.add_stream(f"data/{record}", item.spec.nbytes, stream)
+            for alias in set(self.aliases) & set(by_key):  # written once, with its target
+                self.copier.progress(by_key[alias].spec.nbytes)
+            archive.finish()
+            os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR))  # drop what preallocation added
+        finally:
+            os.close(fd)
+
+    def verify(self, tmp: Path, items: list[Item], shown: Path) -> None:
+        """Read the written ``.pt`` back statically and compare it with the plan."""
+        from ckptkit.formats.files.torchfile import TorchFileSource
+
+        with syncing(tmp), TorchFileSource(tmp) as written:
+            self.copier.compare(written, items, self.aliases, shown)
+
+
+class TorchValuesWriter(_Writer):
+    """A ``.pt`` written by ``torch.save``, which keeps what ``TorchWriter`` does not lay out
+    itself: sparse and quantized tensors and packed parameters (the ``special`` source keys),
+    as torch's safe loader read them. Such state dicts are small (quantized models, sparse
+    buffers), so all of it is in memory at once."""
+
+    def write(self, tmp: Path, items: list[Item]) -> None:
+        import torch
+
+        source = self.copier.source
+        values: OrderedDict[str, Any] = OrderedDict()
+        for item in items:
+            target = self.aliases.get(item.spec.key, "")
+            if target in values:
+                values[item.spec.key] = values[target]
+            elif item.old in self.special:
+                values[item.spec.key] = source.load_value(item.old)
+            else:
+                values[item.spec.key] = self.copier.tensor(item)
+            self.copier.through_torch += 1
+            self.copier.progress(item.spec.nbytes)
+        versions = source.module_versions({i.old: i.spec.key for i in items})
+        if versions is not None:  # as state_dict() leaves them: quantized modules read them
+            values._metadata = versions  # type: ignore[attr-defined]
+        with open(tmp, "r+b") as f:  # the temp file atomic_outputs made
+            torch.save(values, f)
+
+    def verify(self, tmp: Path, items: list[Item], shown: Path) -> None:
+        """Reload with torch's safe loader and compare every value with the source."""
+        import torch
+
+        from ckptkit.formats.base.tensors import bit_equal, same_value
+
+        with syncing(tmp):
+            state = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
+            check_keys(shown, [i.spec.key for i in items], state)
+            for item in items:
+                written = state[item.spec.key]
+                if item.old in self.special:
+                    same = same_value(written, self.copier.source.load_value(item.old))
+                else:
+                    same = bit_equal(written, self.copier.tensor(item))
+                if not same:
+                    raise differs(item.spec.key, shown)
+                self.copier.progress(item.spec.nbytes)
+
+
+class DCPWriter(_Writer):
+    """A DCP folder, as one writer of ``dcp.save`` lays it out: each tensor one whole chunk, a
+    ``torch.save`` archive in ``__0_0.distcp``, then ``.metadata``; an alias names its target's
+    chunk, so ties survive. The header goes beside them in ``ckptkit.json``."""
+
+    folder = True
+
+    def write(self, tmp: Path, items: list[Item]) -> None:
+        from ckptkit.formats.folders.dcp import DISTCP, METADATA, SIDECAR, dcp_metadata
+
+        where = self._write_chunks(tmp / DISTCP, items)
+        layout = [
+            (
+                i.spec.key,
+                i.spec.dtype,
+                tuple(i.spec.shape),
+                DISTCP,
+                *where[self.aliases.get(i.spec.key, i.spec.key)],
+            )
+            for i in items
+        ]
+        sidecar = json.dumps(self.header, indent=1).encode()
+        for name, content in ((SIDECAR, sidecar), (METADATA, dcp_metadata(layout))):
+            with open(tmp / name, "xb") as f:  # .metadata last, as dcp.save writes it
+                f.write(content)
+                os.fsync(f.fileno())
+
+    def _write_chunks(self, data: Path, items: list[Item]) -> dict[str, tuple[int, int]]:
+        """Each tensor's chunk, one small torch archive after another; where each one lies."""
+        from ckptkit.formats.files.torchzip import begin_archive, state_pickle
+
+        write = self.copier.tensor_writer(
+            {i.spec.key: i for i in items}, data, self.verify_while_writing
+        )
+        where: dict[str, tuple[int, int]] = {}
+        fd = os.open(data, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            preallocate(fd, sum(i.spec.nbytes + 2048 for i in items))
+            for item in items:
+                if item.spec.key in self.aliases:
+                    self.copier.progress(item.spec.nbytes)  # written once, with its target
+                    continue
+                start = os.lseek(fd, 0, os.SEEK_CUR)
+                archive = begin_archive(fd, state_pickle([item.spec], bare=True)[0])
+                stream = functools.partial(write, fd, item.spec)
+                archive.add_stream("data/0", item.spec.nbytes, stream)
+                where[item.spec.key] = (start, archive.finish())
+            os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return where
+
+    def verify(self, tmp: Path, items: list[Item], shown: Path) -> None:
+        """Read the folder back statically, as any DCP folder is read, and compare it with the
+        plan: keys, dtypes, shapes, ties, metadata, then every tensor's bytes."""
+        from ckptkit.formats.folders.dcp import DCPSource
+
+        with DCPSource(tmp) as written:
+            if written.metadata != self.header:
+                raise metadata_differ(shown, self.header, dict(written.metadata))
+            self.copier.compare(written, items, self.aliases, shown)
+
+
+# Output format -> its writer (a dispatch table). ``.pt`` output holding sparse or quantized
+# tensors or packed parameters goes through torch.save instead ("torch-values").
+WRITERS: dict[str, type[_Writer]] = {
+    "safetensors": SafetensorsWriter,
+    "torch": TorchWriter,
+    "torch-values": TorchValuesWriter,
+    "dcp": DCPWriter,
+}
+
+
+def writer_for(
+    fmt: str,
+    copier: Copier,
+    *,
+    aliases: dict[str, str],
+    header: dict[str, str],
+    special: frozenset[str] = frozenset(),
+    verify: bool = True,
+) -> Writer:
+    """The writer of output format ``fmt`` (``safetensors``, ``torch`` or ``dcp``)."""
+    kind = "torch-values" if fmt == "torch" and special else fmt
+    return WRITERS[kind](copier, aliases, header, verify, special)
