@@ -1,4 +1,5 @@
-"""ckptkit: PyTorch checkpoints that move between single-device, DataParallel, DDP and safetensors.
+"""ckptkit: PyTorch checkpoints that move between single-device, DataParallel, DDP and FSDP, and
+between torch files, safetensors, DCP, DeepSpeed and Hugging Face folders.
 
 Importing the package is cheap: each name below is imported on first use (PEP 562), so a command
 imports only what it uses, and torch only when a tensor is actually needed.

@@ -173,7 +173,14 @@ class _Group(click.Group):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name=DISTRIBUTION, prog_name="ckptkit")
 def cli() -> None:
-    """Move PyTorch checkpoints between single-device, DataParallel, DDP and safetensors."""
+    """Move PyTorch checkpoints between single-device, DataParallel, DDP and FSDP.
+
+    \b
+    Reads torch .pt files, safetensors (single or sharded), Hugging Face and Accelerate
+    folders, DCP / FSDP folders, DeepSpeed ZeRO folders and every rank's files, from headers
+    and a static pickle reader: nothing in a checkpoint runs unless you pass --trust.
+    Writes safetensors, .pt and DCP, verified bit-exact.
+    """
 
 
 @cli.command()
@@ -308,41 +315,71 @@ def _train_option(*decls: str, **kwargs: Any) -> Any:
     help="single device, nn.DataParallel, DistributedDataParallel, or FSDP2 (fully_shard).",
 )
 @_train_option("--epochs", type=click.IntRange(min=1))
-@_train_option("--max-steps", type=click.IntRange(min=1),
-               help="Stop after this many optimizer steps (a checkpoint is saved).")  # fmt: skip
-@_train_option("--batch-size", type=click.IntRange(min=1),
-               help="Global batch of one optimizer step, split over the ranks.")  # fmt: skip
-@_train_option("--grad-accum", type=click.IntRange(min=1),
-               help="Micro-batches per optimizer step (each rank's batch split in N).")  # fmt: skip
+@_train_option(
+    "--max-steps",
+    type=click.IntRange(min=1),
+    help="Stop after this many optimizer steps (a checkpoint is saved).",
+)
+@_train_option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    help="Global batch of one optimizer step, split over the ranks.",
+)
+@_train_option(
+    "--grad-accum",
+    type=click.IntRange(min=1),
+    help="Micro-batches per optimizer step (each rank's batch split in N).",
+)
 @_train_option("--optimizer", type=click.Choice(["sgd", "adamw", "adam"]))
 @_train_option("--lr", type=float, help="Learning rate (before the schedule).")
 @_train_option("--momentum", type=float, help="SGD's momentum.")
 @_train_option("--weight-decay", type=float)
-@_train_option("--lr-schedule", type=click.Choice(["constant", "step", "cosine"]),
-               help="Per step: step multiplies the lr by --lr-gamma every --lr-step-epochs "
-               "epochs; cosine decays it to 0 at the last step.")  # fmt: skip
+@_train_option(
+    "--lr-schedule",
+    type=click.Choice(["constant", "step", "cosine"]),
+    help="Per step: step multiplies the lr by --lr-gamma every --lr-step-epochs "
+    "epochs; cosine decays it to 0 at the last step.",
+)
 @_train_option("--lr-step-epochs", type=click.IntRange(min=1))
 @_train_option("--lr-gamma", type=float)
-@_train_option("--warmup-steps", type=click.IntRange(min=0),
-               help="Linear warmup from 0 to --lr over this many steps.")  # fmt: skip
-@_train_option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]),
-               help="bf16/fp16: autocast; fp16 with a gradient scaler, saved and resumed.",
-               )  # fmt: skip
-@_train_option("--clip-grad-norm", type=click.FloatRange(min=0, min_open=True),
-               help="Clip the gradients' total norm to this.")  # fmt: skip
-@_train_option("--loss", metavar="cross_entropy|mse|MODULE:FN",
-               help="Loss of (output, target); a model returning a mapping with 'loss' (as "
-               "Hugging Face models do) gives its own.")  # fmt: skip
+@_train_option(
+    "--warmup-steps",
+    type=click.IntRange(min=0),
+    help="Linear warmup from 0 to --lr over this many steps.",
+)
+@_train_option(
+    "--precision",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    help="bf16/fp16: autocast; fp16 with a gradient scaler, saved and resumed.",
+)
+@_train_option(
+    "--clip-grad-norm",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Clip the gradients' total norm to this.",
+)
+@_train_option(
+    "--loss",
+    metavar="cross_entropy|mse|MODULE:FN",
+    help="Loss of (output, target); a model returning a mapping with 'loss' (as "
+    "Hugging Face models do) gives its own.",
+)
 @_train_option("--seed", type=int)
 @_train_option("--out", help="Run folder: checkpoints, metrics.")
-@_train_option("--save-every", type=click.IntRange(min=1),
-               help="Save every N epochs (and after the last).")  # fmt: skip
-@_train_option("--save-every-steps", type=click.IntRange(min=1),
-               help="Also save every N optimizer steps, mid-epoch (resumed exactly).")  # fmt: skip
+@_train_option(
+    "--save-every", type=click.IntRange(min=1), help="Save every N epochs (and after the last)."
+)
+@_train_option(
+    "--save-every-steps",
+    type=click.IntRange(min=1),
+    help="Also save every N optimizer steps, mid-epoch (resumed exactly).",
+)
 @_train_option("--keep-last", type=click.IntRange(min=0), help="Checkpoints to keep (0: all).")
-@_train_option("--async-save", is_flag=True,
-               help="Copy the state to CPU memory and write it on a thread while training goes "
-               "on (one save at a time; pt or safetensors).")  # fmt: skip
+@_train_option(
+    "--async-save",
+    is_flag=True,
+    help="Copy the state to CPU memory and write it on a thread while training goes "
+    "on (one save at a time; pt or safetensors).",
+)
 @_train_option(
     "--resume", metavar="PATH|auto", help="Resume from a checkpoint, or the newest complete one."
 )
@@ -357,25 +394,41 @@ def _train_option(*decls: str, **kwargs: Any) -> Any:
     "--model", metavar="MODULE:FACTORY", help="Your model factory (default: built-in demo)."
 )
 @_train_option(
-    "--data", metavar="MODULE:FACTORY",
+    "--data",
+    metavar="MODULE:FACTORY",
     help="Your dataset factory: (input, target) items, or mappings passed as keywords.",
-)  # fmt: skip
+)
 @_train_option("--val-data", metavar="MODULE:FACTORY", help="Validation dataset factory.")
-@_train_option("--val-fraction", type=click.FloatRange(0, 1, min_open=True, max_open=True),
-               help="Hold out this fraction of the training data (seeded) to validate on.",
-               )  # fmt: skip
+@_train_option(
+    "--val-fraction",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    help="Hold out this fraction of the training data (seeded) to validate on.",
+)
 @_train_option("--val-every", type=click.IntRange(min=1), help="Validate every N epochs.")
-@_train_option("--monitor", metavar="METRIC",
-               help="val_loss, val_accuracy, loss...: the `best` pointer names the checkpoint "
-               "where it was best (never pruned).")  # fmt: skip
+@_train_option(
+    "--monitor",
+    metavar="METRIC",
+    help="val_loss, val_accuracy, loss...: the `best` pointer names the checkpoint "
+    "where it was best (never pruned).",
+)
 @_train_option("--monitor-mode", type=click.Choice(["min", "max"]))
-@_train_option("--early-stop-patience", type=click.IntRange(min=1),
-               help="Stop after N validations without --monitor improving.")  # fmt: skip
-@_train_option("--log-every", type=click.IntRange(min=1),
-               help="A line of steps.jsonl (loss, accuracy, lr) every N steps.")  # fmt: skip
-@_train_option("--log", type=click.Choice(["tensorboard"]), multiple=True,
-               help="Also write TensorBoard event files to OUT/tensorboard (needs the "
-               "ckptkit[tensorboard] extra).")  # fmt: skip
+@_train_option(
+    "--early-stop-patience",
+    type=click.IntRange(min=1),
+    help="Stop after N validations without --monitor improving.",
+)
+@_train_option(
+    "--log-every",
+    type=click.IntRange(min=1),
+    help="A line of steps.jsonl (loss, accuracy, lr) every N steps.",
+)
+@_train_option(
+    "--log",
+    type=click.Choice(["tensorboard"]),
+    multiple=True,
+    help="Also write TensorBoard event files to OUT/tensorboard (needs the "
+    "ckptkit[tensorboard] extra).",
+)
 @_train_option("--num-workers", type=click.IntRange(min=0), help="DataLoader worker processes.")
 @_train_option("--compile", is_flag=True, help="torch.compile the model (keys stay canonical).")
 @_train_option(
@@ -566,9 +619,17 @@ def diff(
     from ckptkit.diff import diff as run
 
     try:
-        report = run(a, b, atol=atol, rtol=rtol, keys_only=keys_only, select_a=select_a,
-                     select_b=select_b, allow_globals=allow_global,
-                     progress=_progress(quiet or as_json))  # fmt: skip
+        report = run(
+            a,
+            b,
+            atol=atol,
+            rtol=rtol,
+            keys_only=keys_only,
+            select_a=select_a,
+            select_b=select_b,
+            allow_globals=allow_global,
+            progress=_progress(quiet or as_json),
+        )
     except CkptkitError as exc:
         exc.exit_code = 2
         raise

@@ -215,6 +215,7 @@ def convert(
         CkptkitError: a subclass naming the file, the key and the fix, before anything is
             written whenever the problem can be seen from headers.
     """
+    # The keyword front of convert_checkpoint: its length is its arguments and their docs.
     return convert_checkpoint(
         src,
         dst,

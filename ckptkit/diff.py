@@ -37,9 +37,14 @@ class TensorDiff:
     dtypes: tuple[str, str] | None = None  # set when the two sides' dtypes differ
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "status": self.status, "max_abs": self.max_abs,
-                "max_rel": self.max_rel, "differing": self.differing,
-                "dtypes": list(self.dtypes) if self.dtypes else None}  # fmt: skip
+        return {
+            "key": self.key,
+            "status": self.status,
+            "max_abs": self.max_abs,
+            "max_rel": self.max_rel,
+            "differing": self.differing,
+            "dtypes": list(self.dtypes) if self.dtypes else None,
+        }
 
 
 @dataclass

@@ -82,8 +82,9 @@ class Copier:
             self._checker.shutdown(wait=True)
         self._files.close()
 
-    def _written(self, key: str, dst: Path, start: int, count: int,
-                 source: tuple[int, int] | None) -> None:  # fmt: skip
+    def _written(
+        self, key: str, dst: Path, start: int, count: int, source: tuple[int, int] | None
+    ) -> None:
         """After a tensor's bytes are written, hand them to the worker thread (see
         :meth:`_settle`), which works while the next tensor is written."""
         if self._checker is None:
