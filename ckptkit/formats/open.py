@@ -15,6 +15,7 @@ from ckptkit.formats.base.source import Source
 from ckptkit.formats.files.readings import detect_format
 from ckptkit.formats.folders.layouts import find_dcp, find_deepspeed, folder_parts, model_file_in
 from ckptkit.formats.folders.rank_files import find_rank_files
+from ckptkit.formats.folders.runs import run_checkpoint
 
 __all__ = ["open_source", "checkpoint_index"]
 
@@ -60,9 +61,21 @@ def open_source(
         SelectError: no state dict found, or ``select`` names none.
     """
     path = Path(path)
-    source = _open_folder(path, select, trust, allow_globals, ema)
-    if source is not None:
+    run = run_checkpoint(path, select)
+    if run is not None:  # ckptkit train's --out folder: the checkpoint `latest` names
+        checkpoint, why = run
+        source = open_source(
+            checkpoint,
+            trust=trust,
+            allow_globals=allow_globals,
+            check_safety=check_safety,
+            ema=ema,
+        )
+        source.selected_reason += f"; {checkpoint.name}, {why}"
         return source
+    folder = _open_folder(path, select, trust, allow_globals, ema)
+    if folder is not None:
+        return folder
     return _open_file(path, select, trust, allow_globals, check_safety, ema)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.files.safetensors import dcp_sharding_info
+from ckptkit.formats.folders.runs import CHECKPOINT_NAME, is_run_folder
 
 __all__ = ["MODEL_FILES", "model_file_in", "folder_parts", "find_deepspeed", "find_dcp"]
 
@@ -49,9 +50,11 @@ _DEEPSPEED_PARTS = (
     (re.compile(r"latest"), "the tag of the latest checkpoint"),
     (re.compile(r"mp_rank_\d+_model_states\.pt"), "model states: the module, shapes, ties"),
     (re.compile(r"zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt"), "model states of one rank"),
-    (re.compile(r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt"),
-     "fp32 master weights and optimizer state of one rank"),
-)  # fmt: skip
+    (
+        re.compile(r"(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt"),
+        "fp32 master weights and optimizer state of one rank",
+    ),
+)
 
 
 # torch.distributed.checkpoint's FileSystemWriter; meta.pt is Lightning's FSDP strategy's.
@@ -64,9 +67,38 @@ _DCP_PARTS = (
 )
 
 
+# ckptkit train's --out folder (folders/runs.py); a DCP checkpoint is a folder of DCP parts.
+_RUN_PARTS = (
+    (
+        re.compile(r"ckpt-epoch\d{4,}(-step\d{8,})?\.pt"),
+        "a training checkpoint (weights and state)",
+    ),
+    (re.compile(r"ckpt-epoch\d{4,}(-step\d{8,})?\.safetensors"), "a checkpoint's weights"),
+    (re.compile(r"latest"), "the name of the newest complete checkpoint"),
+    (re.compile(r"best"), "the name of the best checkpoint (--monitor)"),
+    (re.compile(r"metrics\.jsonl"), "a line of metrics per epoch"),
+    (re.compile(r"steps\.jsonl"), "a line of loss, accuracy and lr every --log-every steps"),
+)
+
+
+def _run_parts(folder: Path) -> list[tuple[str, str]]:
+    """A run folder's files, and the files of each DCP checkpoint folder in it."""
+    out = []
+    for path in sorted(folder.iterdir()):
+        if path.is_file():
+            kind = next((what for rx, what in _RUN_PARTS if rx.fullmatch(path.name)), "other file")
+            out.append((path.name, kind))
+        elif CHECKPOINT_NAME.fullmatch(path.name) and find_dcp(path) is not None:
+            out += [(f"{path.name}/{name}", kind) for name, kind in folder_parts(path)]
+    return out
+
+
 def folder_parts(folder: Path) -> list[tuple[str, str]]:
     """The files of a checkpoint folder and what each is (Accelerate's and DeepSpeed's names,
-    the latter's tag folder included as ``tag/name``), sorted."""
+    the latter's tag folder included as ``tag/name``; a run folder's DCP checkpoints as
+    ``ckpt-epochNNNN/name``), sorted."""
+    if is_run_folder(folder):
+        return _run_parts(folder)
     tag = find_deepspeed(folder)
     known = _DEEPSPEED_PARTS if tag is not None else _DCP_PARTS if find_dcp(folder) else _PARTS
     files = sorted(p for p in folder.iterdir() if p.is_file())
@@ -94,7 +126,7 @@ def find_deepspeed(folder: Path) -> Path | None:
     Raises:
         FormatError: ``latest`` names a folder that is missing or outside ``folder``.
     """
-    if not folder.is_dir():
+    if not folder.is_dir() or is_run_folder(folder):  # ckptkit's latest names a checkpoint
         return None
     if _holds_model_states(folder):
         return folder

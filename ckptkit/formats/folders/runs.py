@@ -1,0 +1,99 @@
+"""ckptkit's own run folders: what ``ckptkit train --out DIR`` writes.
+
+DIR holds checkpoints named ``ckpt-epochNNNN[-stepNNNNNNNN]`` (``.pt`` or ``.safetensors`` files,
+or DCP folders without a suffix), a ``latest`` pointer naming the newest complete one and, with
+``--monitor``, a ``best`` pointer; ``metrics.jsonl`` and ``steps.jsonl`` beside them. Readers
+follow ``latest`` (or ``best``, or a checkpoint named with ``--select``). Stdlib only.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ckptkit.errors import FormatError, SelectError
+
+__all__ = [
+    "LATEST",
+    "BEST",
+    "CHECKPOINT_NAME",
+    "list_checkpoints",
+    "is_run_folder",
+    "run_checkpoint",
+]
+
+LATEST = "latest"
+BEST = "best"  # names the checkpoint with the best --monitor value
+# ckpt-epoch0003.pt after 3 epochs; ckpt-epoch0003-step00000070.pt 70 steps in, during the 4th;
+# a DCP checkpoint is a folder of the same stem.
+CHECKPOINT_NAME = re.compile(r"ckpt-epoch(\d{4,})(?:-step(\d{8,}))?(?:\.(pt|safetensors))?")
+_PREFERENCE = {".pt": 0, "": 1, ".safetensors": 2}  # which one a step saved twice resumes from
+
+
+def list_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints in ``folder``, oldest first, one per epoch (the ``.pt`` when both
+    formats were saved). Temp files and folders are never listed."""
+    found: dict[tuple[int, int], Path] = {}
+    for path in folder.glob("ckpt-epoch*"):
+        if (m := CHECKPOINT_NAME.fullmatch(path.name)) and (m.group(3) or path.is_dir()):
+            # An epoch's end sorts before the steps into the next one.
+            at = (int(m.group(1)), int(m.group(2)) if m.group(2) else -1)
+            if at not in found or _PREFERENCE[path.suffix] < _PREFERENCE[found[at].suffix]:
+                found[at] = path
+    return [found[at] for at in sorted(found)]
+
+
+def _pointed(folder: Path, pointer: str) -> str | None:
+    """The checkpoint name a pointer file holds, when it holds one (DeepSpeed's ``latest``
+    names a tag folder such as ``global_step10`` instead)."""
+    path = folder / pointer
+    if not path.is_file():
+        return None
+    name = path.read_text(errors="replace").strip()
+    return name if CHECKPOINT_NAME.fullmatch(name) else None
+
+
+def is_run_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a run folder of ``ckptkit train``: its ``latest`` names one of
+    its checkpoints by ckptkit's names."""
+    return folder.is_dir() and _pointed(folder, LATEST) is not None
+
+
+def run_checkpoint(folder: Path, select: str | None = None) -> tuple[Path, str] | None:
+    """The checkpoint of a run folder to read, and why: the one ``latest`` names, or with
+    ``select`` the ``best`` one or one named (``ckpt-epoch0002`` or ``ckpt-epoch0002.pt``).
+    None when ``folder`` is no run folder.
+
+    Raises:
+        FormatError: the pointer names a checkpoint that is missing.
+        SelectError: ``select`` names no checkpoint of the run.
+    """
+    if not is_run_folder(folder):
+        return None
+    names = [p.name for p in list_checkpoints(folder)]
+    others = "; --select best or a checkpoint's name for another" if len(names) > 1 else ""
+    if select in (None, "", LATEST, BEST):
+        pointer = BEST if select == BEST else LATEST
+        name = _pointed(folder, pointer)
+        if name is None:
+            raise SelectError(
+                f"{folder} has no '{pointer}' checkpoint (the run had no --monitor)",
+                f"give one of {', '.join(names)} to --select",
+            )
+        if not (folder / name).exists():
+            raise FormatError(
+                f"{folder} is a ckptkit run whose {pointer} checkpoint '{name}' is missing",
+                f"give one of its checkpoints to --select: {', '.join(names) or 'none left'}",
+            )
+        return folder / name, f"the run's {pointer} checkpoint{others}"
+    assert select is not None
+    named = folder / select
+    if CHECKPOINT_NAME.fullmatch(select) and named.exists():
+        return named, "chosen with --select"
+    match = [n for n in names if Path(n).stem == select or n == select]
+    if not match:
+        raise SelectError(
+            f"{folder} is a ckptkit run with no checkpoint '{select}'",
+            f"give best, latest or one of {', '.join(names)}",
+        )
+    return folder / match[0], "chosen with --select"
