@@ -80,6 +80,10 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
 class _Package(types.ModuleType):
     """The package module, which keeps ``ckptkit.convert`` (and ``diff``, ``scan``) the
     function: importing the submodule of the same name would otherwise bind the module

@@ -131,6 +131,9 @@ def _report_error(exc: BaseException) -> int:
     if isinstance(exc, CkptkitError):
         click.echo(f"Error: {exc.cli_text}", err=True)
         return exc.exit_code
+    if isinstance(exc, click.exceptions.NoArgsIsHelpError):  # `ckptkit` alone: the help
+        exc.show()
+        return exc.exit_code
     if isinstance(exc, click.ClickException):
         ctx = getattr(exc, "ctx", None)
         hint = f"; see '{ctx.command_path} --help'" if ctx else ""

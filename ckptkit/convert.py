@@ -395,9 +395,11 @@ def _write(
     progress: bool,
 ) -> None:
     """Write every output to a temp path, verify it, and only then put them all in place."""
-    # Writing, then checking what was written: both count, so the bar does not stall at the end.
-    bar = progress_bar(report.nbytes * (2 if verify else 1), "convert") if progress else None
-    copier = Copier(source, progress=bar.update if bar else lambda nbytes: None)
+    # The bar counts the output's bytes: with verify, a tensor counts half when it is written and
+    # half when it is checked, so the bar neither stalls at the end nor counts past the size.
+    bar = progress_bar(report.nbytes, "convert") if progress else None
+    share = 0.5 if verify else 1.0
+    copier = Copier(source, progress=lambda nbytes: bar.update(nbytes * share) if bar else None)
     writer = writer_for(
         plan.fmt, copier, aliases=plan.aliases, header=header, special=plan.special, verify=verify
     )

@@ -226,6 +226,10 @@ class KeyPlan:
         return {new: items[old] for old, new in self.mapping.items() if new is not None}
 
 
+def _has_prefix(keys: Iterable[str], prefix: str) -> bool:
+    return any(key.startswith(prefix) for key in keys)
+
+
 def build_plan(
     keys: Iterable[str],
     *,
@@ -263,6 +267,12 @@ def build_plan(
             plan.mapping = _then(plan.mapping, inner)
             names = ", ".join(_describe(w.prefix) for w in found)
             plan.steps.append(f"strip {names} inside keys")
+    if strip_module and not _has_prefix(_live(plan.mapping), MODULE_PREFIX):
+        if not detect_wrappers(_live(plan.mapping)):  # saved unwrapped (ckptkit's own are)
+            plan.steps.append(
+                f"no key starts with '{MODULE_PREFIX}' (saved unwrapped): none to strip"
+            )
+            strip_module = False
     strips = ([MODULE_PREFIX] if strip_module else []) + list(strip_prefixes)
     for prefix in strips:
         step(lambda ks, p=prefix: strip_prefix(ks, p), f"strip {_describe(prefix)}")

@@ -119,3 +119,33 @@ def test_read_back_errors_name_what_differs():
     assert "'lm_head.weight': planned 'embed.weight', read None" in str(error)
     error = metadata_differ(shown, {"format": "pt", "a": "1"}, {"format": "pt", "a": "2"})
     assert "(in 'a')" in str(error)
+
+
+def test_the_progress_bar_counts_the_output_once(tmp_path, monkeypatch):
+    """With verify, each tensor counts half when written and half when checked: the bar ends
+    at the output's size, not twice it."""
+    import importlib
+
+    from helpers import FIXTURE_DIR
+
+    convert_module = importlib.import_module("ckptkit.convert")
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc):
+            self.total, self.n = total, 0.0
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(convert_module, "progress_bar", Bar)
+    for verify in (True, False):
+        report = convert_module.convert(
+            FIXTURE_DIR / "ddp.pt", tmp_path / f"{verify}.safetensors", verify=verify, progress=True
+        )
+        assert bars[-1].total == report.nbytes
+        assert bars[-1].n == pytest.approx(report.nbytes)
