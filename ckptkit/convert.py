@@ -9,14 +9,15 @@ the source.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckptkit.errors import CastError, FormatError, KeyMatchError, UsageError
+from ckptkit.errors import CastError, FormatError, KeyMatchError, OutputError, UsageError
 from ckptkit.formats.base.dtypes import DTYPES, TensorSpec
 from ckptkit.formats.base.source import KEPT_IN_TORCH, KINDS, Source, TensorInfo
 from ckptkit.formats.base.tree import DroppedPart
@@ -266,13 +267,14 @@ def convert_checkpoint(
         report = _report(source, plan, dry_run)
         if dry_run:
             return report
-        for path in plan.outputs:
-            check = check_folder_output if fmt == "dcp" else check_output
-            check(path, force=force, inputs=[src])
         header = _metadata(source, report).to_header()
         if plan.ties == "once":  # as safetensors.torch.save_model records a removed name
             header.update({k: v for k, v in plan.aliases.items() if k not in header})
-        _write(source, plan, report, header, force=force, verify=verify, progress=progress)
+        with _parent_folders(dst):  # made as train --out makes its folder; gone on failure
+            for path in plan.outputs:
+                check = check_folder_output if fmt == "dcp" else check_output
+                check(path, force=force, inputs=[src])
+            _write(source, plan, report, header, force=force, verify=verify, progress=progress)
         if force and fmt == "safetensors":
             for path in stale_shards(dst, plan.outputs, dst.parent.iterdir()):
                 if path.is_file():
@@ -551,6 +553,25 @@ def _out_dtype(dtype: str, key: str, target: str | None, keep: list[str]) -> str
     ):
         return dtype
     return target
+
+
+@contextlib.contextmanager
+def _parent_folders(dst: Path) -> Iterator[None]:
+    """Create the missing folders above ``dst``; remove them again if the body fails, so a
+    failed conversion leaves nothing behind."""
+    missing = [p for p in dst.parents if not p.exists()][::-1]  # outermost first
+    for folder in missing:
+        try:
+            folder.mkdir()
+        except OSError as exc:
+            raise OutputError(f"cannot create folder {folder}: {exc.strerror}") from exc
+    try:
+        yield
+    except BaseException:
+        for folder in reversed(missing):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if empty: never anything that was written there
+        raise
 
 
 def _item_dtype(info: TensorInfo, key: str, target: str | None, output: OutputOptions) -> str:

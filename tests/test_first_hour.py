@@ -38,3 +38,15 @@ def test_strip_module_on_unwrapped_keys_is_a_no_op_with_a_note(run, tmp_path):
         "convert", FIXTURE_DIR / "compiled.pt", tmp_path / "c.safetensors", "--strip-module"
     )
     assert result.exit_code != 0 and "--strip-wrappers removes the whole chain" in result.output
+
+
+def test_convert_makes_the_missing_folders_of_its_output(run, tmp_path):
+    result = run("convert", FIXTURE_DIR / "single.pt", tmp_path / "new" / "sub" / "m.safetensors")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "new" / "sub" / "m.safetensors").is_file()
+
+
+def test_a_failed_convert_leaves_no_folder_behind(run, tmp_path, corrupt_head_bias_copy):
+    result = run("convert", FIXTURE_DIR / "single.pt", tmp_path / "new" / "sub" / "m.safetensors")
+    assert result.exit_code != 0 and "differs from the source" in result.output
+    assert not (tmp_path / "new").exists()
