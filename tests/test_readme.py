@@ -1,23 +1,61 @@
-"""The README's `$ ckptkit ...` transcripts are what the commands print (on the fixtures)."""
+"""The `$ ckptkit ...` transcripts of README.md and docs/ are what the commands print (on the
+fixtures), and the pages' relative links lead somewhere."""
 
 from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from conftest import FIXTURE_DIR, ROOT
 
 from ckptkit.cli import cli
 
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 
-def _transcripts() -> list[tuple[str, list[str]]]:
+
+def _blocks(text: str) -> list[list[str]]:
+    """A page's fenced blocks that name no language, dedented (a list item indents its own)."""
+    blocks: list[list[str]] = []
+    lines: list[str] = []
+    fence, indent = None, 0
+    for line in text.splitlines():
+        stripped = line.strip()
+        if fence is None:
+            if stripped.startswith("```"):
+                fence, lines, indent = stripped[3:], [], len(line) - len(line.lstrip())
+        elif stripped == "```":
+            if fence == "":  # ```python and the like hold code, not transcripts
+                blocks.append(lines)
+            fence = None
+        else:
+            lines.append(line[indent:])
+    return blocks
+
+
+def _run_folders(text: str) -> list[str]:
+    """The run folders a page's commands read: the demo's, and each `ckptkit train --out`."""
+    return ["demo-out", *re.findall(r"ckptkit train [^`\n]*?--out ([\w./-]+)", text)]
+
+
+def _needs_a_run(command: str, folders: list[str]) -> bool:
+    # train and what reads its run folder are checked by the engine tests.
+    args = command.split()
+    return args[1] == "train" or any(a == f or a.startswith(f + "/") for a in args for f in folders)
+
+
+def transcripts(page: Path) -> list[tuple[str, list[str]]]:
+    """Every `$ ckptkit ...` line of a page with the lines it printed, but for the ones that
+    need a training run and the elided ones (a `...` line)."""
+    text = page.read_text()
+    folders = _run_folders(text)
     out = []
-    for block in re.findall(r"```\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
-        lines = block.splitlines()
+    for lines in _blocks(text):
         for i, line in enumerate(lines):
-            # train and the demo need a run folder; they are checked by the engine tests.
-            if not line.startswith("$ ckptkit") or " train " in line or "demo-out" in line:
+            if not line.startswith("$ ckptkit ") or _needs_a_run(line[2:], folders):
                 continue
             expected = []
             for follow in lines[i + 1 :]:
@@ -29,13 +67,53 @@ def _transcripts() -> list[tuple[str, list[str]]]:
     return out
 
 
-def test_readme_transcripts_match(tmp_path, monkeypatch):
+CASES = [(page, command, expected) for page in PAGES for command, expected in transcripts(page)]
+
+
+def test_transcripts_are_found():
+    # A floor, so that a change in how pages are written cannot check nothing in silence.
+    assert len(transcripts(README)) >= 5
+    assert len(CASES) >= 18  # as many as the README held before docs/ took most of them
+
+
+@pytest.mark.parametrize(
+    ("page", "command", "expected"),
+    CASES,
+    ids=[f"{page.relative_to(ROOT)}: {command}" for page, command, _ in CASES],
+)
+def test_transcript_matches(page, command, expected, tmp_path, monkeypatch):
     monkeypatch.delenv("CKPTKIT_DEBUG", raising=False)
-    transcripts = _transcripts()
-    assert len(transcripts) >= 6
-    for n, (command, expected) in enumerate(transcripts):
-        folder = tmp_path / str(n)  # each transcript starts from the fixtures alone
-        shutil.copytree(FIXTURE_DIR, folder, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-        monkeypatch.chdir(folder)
-        result = CliRunner().invoke(cli, command.split()[1:], prog_name="ckptkit")
-        assert (result.stdout + result.stderr).splitlines() == expected, command
+    folder = tmp_path / "fixtures"  # each transcript starts from the fixtures alone
+    shutil.copytree(FIXTURE_DIR, folder, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.chdir(folder)
+    result = CliRunner().invoke(cli, command.split()[1:], prog_name="ckptkit")
+    assert (result.stdout + result.stderr).splitlines() == expected, command
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    headings = re.findall(r"^#+ (.*)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_links_lead_somewhere(page):
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # links in code are not links
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        name, _, anchor = target.partition("#")
+        path = (page.parent / name).resolve() if name else page
+        assert path.exists(), f"{page.relative_to(ROOT)} links to {target}, which is missing"
+        if anchor and path.suffix == ".md":
+            assert anchor in _anchors(path), (
+                f"{page.relative_to(ROOT)} links to {target}: no such heading"
+            )
+
+
+def test_every_docs_page_is_in_the_index():
+    index = (ROOT / "docs" / "README.md").read_text()
+    for page in PAGES:
+        if page.parent != ROOT and page.name != "README.md":
+            assert f"({page.relative_to(ROOT / 'docs').as_posix()})" in index, page
