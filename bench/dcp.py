@@ -103,10 +103,22 @@ def make(folder: Path, total_bytes: int) -> dict:
     script = folder.with_name(folder.name + "_make.py")
     script.write_text(MAKE)
     made = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script), str(folder), str(width), str(layers)],
-        text=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(folder),
+            str(width),
+            str(layers),
+        ],
+        text=True,
+        capture_output=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     if made.returncode != 0:  # what the ranks said, not only that torchrun failed
         raise SystemExit(f"making the DCP checkpoint failed:\n{made.stderr[-4000:]}")
     script.unlink()
@@ -139,65 +151,105 @@ def main() -> None:
         info["model_bytes"] = ref.stat().st_size
         results: dict = {"checkpoint": info}
         results["inspect"] = run_ways(
-            {"ckptkit inspect --json": [*ckptkit, "inspect", s, "--json"],
-             "import torch (alone)": python("import torch")},
-            repeat * 2, inputs=files,
-        )  # fmt: skip
+            {
+                "ckptkit inspect --json": [*ckptkit, "inspect", s, "--json"],
+                "import torch (alone)": python("import torch"),
+            },
+            repeat * 2,
+            inputs=files,
+        )
         results["to safetensors"] = run_ways(
-            {"ckptkit convert (verified)": [*ckptkit, "convert", s, o, "--force", "-q"],
-             "dcp_to_torch_save + torch.load + save_file": python(
-                 TORCH_WAY.format(src=s, tmp=str(folder / "full.pt"), dst=o)),
-             "cp of the model's bytes": ["cp", str(ref), o],
-             "cp, then sync of the file": cp_sync(ref, out)},
-            repeat, (out, folder / "full.pt"), files,
-        )  # fmt: skip
+            {
+                "ckptkit convert (verified)": [*ckptkit, "convert", s, o, "--force", "-q"],
+                "dcp_to_torch_save + torch.load + save_file": python(
+                    TORCH_WAY.format(src=s, tmp=str(folder / "full.pt"), dst=o)
+                ),
+                "cp of the model's bytes": ["cp", str(ref), o],
+                "cp, then sync of the file": cp_sync(ref, out),
+            },
+            repeat,
+            (out, folder / "full.pt"),
+            files,
+        )
         hf, consolidated = folder / "dcp-hf", folder / "consolidated"
         results["hf writer to safetensors"] = run_ways(
-            {"ckptkit convert (verified)": [*ckptkit, "convert", str(hf), o, "--force", "-q"],
-             "consolidate_safetensors_files": python(
-                 CONSOLIDATE.format(src=str(hf), dst=str(consolidated))),
-             "cp of the model's bytes": ["cp", str(ref), o],
-             "cp, then sync of the file": cp_sync(ref, out)},
-            repeat, (out, consolidated), tuple(sorted(hf.iterdir())),
-        )  # fmt: skip
+            {
+                "ckptkit convert (verified)": [*ckptkit, "convert", str(hf), o, "--force", "-q"],
+                "consolidate_safetensors_files": python(
+                    CONSOLIDATE.format(src=str(hf), dst=str(consolidated))
+                ),
+                "cp of the model's bytes": ["cp", str(ref), o],
+                "cp, then sync of the file": cp_sync(ref, out),
+            },
+            repeat,
+            (out, consolidated),
+            tuple(sorted(hf.iterdir())),
+        )
         pt, dcp_out = folder / "model.pt", folder / "out-dcp"
         results["to .pt and dcp"] = run_ways(
-            {"ckptkit convert to .pt": [*ckptkit, "convert", str(ref), str(pt), "--force", "-q"],
-             "load_file + torch.save": python(TORCH_SAVE.format(src=str(ref), dst=str(pt))),
-             "ckptkit convert --to dcp": [*ckptkit, "convert", str(ref), str(dcp_out), "--to",
-                                          "dcp", "--force", "-q"],
-             "load_file + dcp.save": python(DCP_SAVE.format(src=str(ref), dst=str(dcp_out))),
-             "cp of the model's bytes": ["cp", str(ref), o],
-             "cp, then sync of the file": cp_sync(ref, out)},
-            repeat, (pt, out), (ref,),
-        )  # fmt: skip
+            {
+                "ckptkit convert to .pt": [*ckptkit, "convert", str(ref), str(pt), "--force", "-q"],
+                "load_file + torch.save": python(TORCH_SAVE.format(src=str(ref), dst=str(pt))),
+                "ckptkit convert --to dcp": [
+                    *ckptkit,
+                    "convert",
+                    str(ref),
+                    str(dcp_out),
+                    "--to",
+                    "dcp",
+                    "--force",
+                    "-q",
+                ],
+                "load_file + dcp.save": python(DCP_SAVE.format(src=str(ref), dst=str(dcp_out))),
+                "cp of the model's bytes": ["cp", str(ref), o],
+                "cp, then sync of the file": cp_sync(ref, out),
+            },
+            repeat,
+            (pt, out),
+            (ref,),
+        )
         results["flat_memory"] = {}
         if not args.quick:  # peak memory as the checkpoint grows: half the size, then this one
             half = folder / "half"
             made = make(half, size // 2)
             for name, path in (("half", half), ("full", src)):
                 argv = [*ckptkit, "convert", str(path), o, "--force", "-q"]
-                results["flat_memory"][name] = {**measure(argv, (out,), tuple(path.iterdir())),
-                                                "bytes": made["bytes"] if name == "half"
-                                                else info["bytes"]}  # fmt: skip
+                results["flat_memory"][name] = {
+                    **measure(argv, (out,), tuple(path.iterdir())),
+                    "bytes": made["bytes"] if name == "half" else info["bytes"],
+                }
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"DCP checkpoint: {info['bytes'] / 1e9:.2f} GB from 2 FSDP2 ranks "
-          f"(the Hugging Face writer's: {info['hf_bytes'] / 1e9:.2f} GB) "
-          f"({info['model_bytes'] / 1e9:.2f} GB of weights), repeats: {repeat}, "
-          f"{os.cpu_count()} cores\n")  # fmt: skip
+    print(
+        f"DCP checkpoint: {info['bytes'] / 1e9:.2f} GB from 2 FSDP2 ranks "
+        f"(the Hugging Face writer's: {info['hf_bytes'] / 1e9:.2f} GB) "
+        f"({info['model_bytes'] / 1e9:.2f} GB of weights), repeats: {repeat}, "
+        f"{os.cpu_count()} cores\n"
+    )
     print(table("inspect", results["inspect"], "ckptkit inspect --json"), end="\n\n")
-    print(table("DCP folder to safetensors", results["to safetensors"],
-                "ckptkit convert (verified)"), end="\n\n")  # fmt: skip
+    print(
+        table("DCP folder to safetensors", results["to safetensors"], "ckptkit convert (verified)"),
+        end="\n\n",
+    )
     hf_title = "DCP folder (Hugging Face writer) to safetensors"
-    print(table(hf_title, results["hf writer to safetensors"], "ckptkit convert (verified)"),
-          end="\n\n")  # fmt: skip
-    print(table("safetensors to .pt and to a DCP folder", results["to .pt and dcp"],
-                "ckptkit convert to .pt"), end="\n\n")  # fmt: skip
+    print(
+        table(hf_title, results["hf writer to safetensors"], "ckptkit convert (verified)"),
+        end="\n\n",
+    )
+    print(
+        table(
+            "safetensors to .pt and to a DCP folder",
+            results["to .pt and dcp"],
+            "ckptkit convert to .pt",
+        ),
+        end="\n\n",
+    )
     for name, r in results["flat_memory"].items():
-        print(f"flat memory, {name} ({r['bytes'] / 1e9:.2f} GB): "
-              f"peak anonymous {r['peak_anon_bytes'] / 2**20:.0f} MiB")  # fmt: skip
+        print(
+            f"flat memory, {name} ({r['bytes'] / 1e9:.2f} GB): "
+            f"peak anonymous {r['peak_anon_bytes'] / 2**20:.0f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -51,10 +51,13 @@ def make_training_checkpoint(path: Path, total_bytes: int, *, seed: int = 0) -> 
     state["module.head.weight"] = embed  # tied
     params = [t for k, t in state.items() if k != "module.head.weight"]
     opt_state = {
-        i: {"step": torch.tensor(10.0), "exp_avg": torch.randn(t.shape, generator=gen),
-            "exp_avg_sq": torch.rand(t.shape, generator=gen)}
+        i: {
+            "step": torch.tensor(10.0),
+            "exp_avg": torch.randn(t.shape, generator=gen),
+            "exp_avg_sq": torch.rand(t.shape, generator=gen),
+        }
         for i, t in enumerate(params)
-    }  # fmt: skip
+    }
     checkpoint = {
         "model": state,
         "optimizer": {
@@ -66,16 +69,22 @@ def make_training_checkpoint(path: Path, total_bytes: int, *, seed: int = 0) -> 
     }
     torch.save(checkpoint, path)
     largest = max(t.numel() * t.element_size() for t in state.values())
-    return {"path": str(path), "bytes": path.stat().st_size, "tensors": len(state),
-            "largest_tensor_bytes": largest}  # fmt: skip
+    return {
+        "path": str(path),
+        "bytes": path.stat().st_size,
+        "tensors": len(state),
+        "largest_tensor_bytes": largest,
+    }
 
 
 def make(path: Path, total_bytes: int) -> dict:
     """:func:`make_training_checkpoint` in a child process: this process never imports torch,
     so the peak RSS its children inherit at fork stays small (see :func:`measure`)."""
-    code = (f"import json, pathlib, sys; sys.path.insert(0, {str(HERE)!r}); import run; "
-            f"print(json.dumps(run.make_training_checkpoint(pathlib.Path({str(path)!r}), "
-            f"{total_bytes})))")  # fmt: skip
+    code = (
+        f"import json, pathlib, sys; sys.path.insert(0, {str(HERE)!r}); import run; "
+        f"print(json.dumps(run.make_training_checkpoint(pathlib.Path({str(path)!r}), "
+        f"{total_bytes})))"
+    )
     return json.loads(subprocess.run(python(code), check=True, capture_output=True).stdout)
 
 
@@ -98,10 +107,18 @@ def make_weight_pair(a: Path, b: Path, total_bytes: int) -> None:
 def diff_ways(a: Path, b: Path) -> dict[str, list[str]]:
     return {
         "ckptkit diff --atol 1e-2": [
-            sys.executable, "-m", "ckptkit", "diff", str(a), str(b), "--atol", "1e-2", "-q",
+            sys.executable,
+            "-m",
+            "ckptkit",
+            "diff",
+            str(a),
+            str(b),
+            "--atol",
+            "1e-2",
+            "-q",
         ],
         "cat both files once": ["sh", "-c", f"cat {a} {b} > /dev/null"],
-    }  # fmt: skip
+    }
 
 
 def warm(path: Path) -> None:
@@ -295,8 +312,14 @@ def main() -> None:
         folder = Path(tmp)
         ckpt, out = folder / "train.pt", folder / "out.safetensors"
         info = make(ckpt, size)
-        results = {"checkpoint": info, "inspect": {}, "convert": {}, "torch": {}, "diff": {},
-                   "flat_memory": {}}  # fmt: skip
+        results = {
+            "checkpoint": info,
+            "inspect": {},
+            "convert": {},
+            "torch": {},
+            "diff": {},
+            "flat_memory": {},
+        }
         if "inspect" in parts:
             results["inspect"] = run_ways(inspect_ways(ckpt), repeat, inputs=(ckpt,))
         if "convert" in parts:
@@ -323,8 +346,10 @@ def main() -> None:
         print(json.dumps(results, indent=2))
         return
     gb = info["bytes"] / 1e9
-    print(f"checkpoint: {gb:.2f} GB, {info['tensors']} model tensors, repeats: {repeat}, "
-          f"{os.cpu_count()} cores\n")  # fmt: skip
+    print(
+        f"checkpoint: {gb:.2f} GB, {info['tensors']} model tensors, repeats: {repeat}, "
+        f"{os.cpu_count()} cores\n"
+    )
     if results["inspect"]:
         print(table("inspect", results["inspect"], "ckptkit inspect --json"), end="\n\n")
     if results["convert"]:
@@ -336,18 +361,28 @@ def main() -> None:
         print()
     if results["torch"]:
         base = results["torch"]["import torch (alone)"]["peak_anon_bytes"]
-        print("convert's paths through torch (largest tensor: "
-              f"{info['largest_tensor_bytes'] / 1e6:.0f} MB)")  # fmt: skip
+        print(
+            "convert's paths through torch (largest tensor: "
+            f"{info['largest_tensor_bytes'] / 1e6:.0f} MB)"
+        )
         print("| way | wall (median) | peak anonymous memory | above torch alone |")
         print("|---|---|---|---|")
         for name, r in results["torch"].items():
             anon = r["peak_anon_bytes"]
-            print(f"| {name} | {r['wall_s']:.2f} s | {anon / 1e6:.0f} MB | "
-                  f"{(anon - base) / 1e6:+.0f} MB |")  # fmt: skip
+            print(
+                f"| {name} | {r['wall_s']:.2f} s | {anon / 1e6:.0f} MB | "
+                f"{(anon - base) / 1e6:+.0f} MB |"
+            )
         print()
     if results["diff"]:
-        print(table("diff of two weights-only checkpoints, the largest tensor +1e-3 (--atol 1e-2)",
-                    results["diff"], "cat both files once"), end="\n\n")  # fmt: skip
+        print(
+            table(
+                "diff of two weights-only checkpoints, the largest tensor +1e-3 (--atol 1e-2)",
+                results["diff"],
+                "cat both files once",
+            ),
+            end="\n\n",
+        )
     if results["flat_memory"]:
         print("ckptkit convert as the checkpoint grows")
         print("| checkpoint | wall | peak anonymous memory | peak RSS |\n|---|---|---|---|")

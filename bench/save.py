@@ -47,8 +47,12 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--mode", choices=["single", "fsdp"], default="single",
-                        help="fsdp: 2 ranks, each writing its shards of a DCP folder")  # fmt: skip
+    parser.add_argument(
+        "--mode",
+        choices=["single", "fsdp"],
+        default="single",
+        help="fsdp: 2 ranks, each writing its shards of a DCP folder",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     repeat = 1 if args.quick else args.repeat
@@ -58,22 +62,45 @@ def main() -> None:
         folder = Path(tmp)
         (folder / "bench_save_factories.py").write_text(FACTORIES)
         path = os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
-        env = {**os.environ, "BENCH_WIDTH": str(width), "BENCH_LAYERS": str(layers),
-               "PYTHONPATH": path}  # fmt: skip
+        env = {
+            **os.environ,
+            "BENCH_WIDTH": str(width),
+            "BENCH_LAYERS": str(layers),
+            "PYTHONPATH": path,
+        }
         order = list(stalls)
         for round_ in range(repeat):
             random.Random(round_).shuffle(order)
             for name in order:
                 out = folder / f"run-{round_}-{name.strip('-')}"
-                argv = [sys.executable, "-m", "ckptkit", "train", "--model",
-                        "bench_save_factories:model", "--data", "bench_save_factories:data",
-                        "--epochs", "3", "--keep-last", "1", "--lr-schedule", "constant",
-                        "--out", str(out), "--json", "-q", "--mode", args.mode]  # fmt: skip
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "ckptkit",
+                    "train",
+                    "--model",
+                    "bench_save_factories:model",
+                    "--data",
+                    "bench_save_factories:data",
+                    "--epochs",
+                    "3",
+                    "--keep-last",
+                    "1",
+                    "--lr-schedule",
+                    "constant",
+                    "--out",
+                    str(out),
+                    "--json",
+                    "-q",
+                    "--mode",
+                    args.mode,
+                ]
                 if name == "--async-save":
                     argv.append("--async-save")
                 subprocess.run(["sync"], check=True)
-                done = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True,
-                                      check=True)  # fmt: skip
+                done = subprocess.run(
+                    argv, cwd=folder, env=env, capture_output=True, text=True, check=True
+                )
                 result = json.loads(done.stdout)
                 stalls[name] += result["save_stalls"]
                 subprocess.run(["rm", "-rf", str(out)], check=True)
@@ -86,8 +113,10 @@ def main() -> None:
         return
     params = width * width * layers
     where = "2 FSDP2 ranks, DCP folders" if args.mode == "fsdp" else "single device, .pt files"
-    print(f"{params * 4 / 1e9:.2f} GB of weights (and as much SGD momentum), {where}, 3 saves "
-          f"a run, repeats: {repeat}, {os.cpu_count()} cores\n")  # fmt: skip
+    print(
+        f"{params * 4 / 1e9:.2f} GB of weights (and as much SGD momentum), {where}, 3 saves "
+        f"a run, repeats: {repeat}, {os.cpu_count()} cores\n"
+    )
     base = results["synchronous"]["median_stall_s"]
     print("| way | stall per checkpoint (median) | against synchronous |")
     print("|---|---|---|")

@@ -56,7 +56,7 @@ def scanners(peers: Path | None) -> dict[str, tuple[list[str], dict[str, str]]]:
         "fickling": (
             [*py, "import sys; from fickling.cli import main; sys.exit(main())", "--check-safety"],
             theirs,
-        ),  # fmt: skip
+        ),
         "modelscan": (
             [*py, "import sys; from modelscan.cli import main; sys.exit(main())", "-p"],
             theirs,
@@ -102,15 +102,19 @@ def main() -> None:
         return
     bad = [f for f, kind in labels.items() if kind == "malicious"]
     good = [f for f, kind in labels.items() if kind == "benign"]
-    print(f"{len(files)} files: {len(bad)} malicious, {len(good)} benign, "
-          f"{len(files) - len(bad) - len(good)} other (by name)\n")  # fmt: skip
+    print(
+        f"{len(files)} files: {len(bad)} malicious, {len(good)} benign, "
+        f"{len(files) - len(bad) - len(good)} other (by name)\n"
+    )
     print("| scanner | malicious flagged | benign flagged | others flagged |")
     print("|---|---|---|---|")
     for name, flags in results.items():
         other = [f for f, kind in labels.items() if kind == "other"]
-        print(f"| {name} | {sum(flags[f] for f in bad)} of {len(bad)} | "
-              f"{sum(flags[f] for f in good)} of {len(good)} | "
-              f"{sum(flags[f] for f in other)} of {len(other)} |")  # fmt: skip
+        print(
+            f"| {name} | {sum(flags[f] for f in bad)} of {len(bad)} | "
+            f"{sum(flags[f] for f in good)} of {len(good)} | "
+            f"{sum(flags[f] for f in other)} of {len(other)} |"
+        )
     print()
     for name, flags in results.items():
         missed = [Path(f).name for f in bad if not flags[f]]

@@ -121,22 +121,46 @@ def main() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
         os.environ["BENCH_WIDTH"] = "64" if args.quick else "512"
         os.chdir(folder)  # the engine imports MODULE:FACTORY from the current folder
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", "2"]  # fmt: skip
-        engine = ["-m", "ckptkit", "train", "--model", "bench_factories:model", "--data",
-                  "bench_factories:data", "--epochs", str(epochs), "--save-every", str(epochs),
-                  "--lr-schedule", "constant", "--batch-size", batch, "-q"]  # fmt: skip
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+        ]
+        engine = [
+            "-m",
+            "ckptkit",
+            "train",
+            "--model",
+            "bench_factories:model",
+            "--data",
+            "bench_factories:data",
+            "--epochs",
+            str(epochs),
+            "--save-every",
+            str(epochs),
+            "--lr-schedule",
+            "constant",
+            "--batch-size",
+            batch,
+            "-q",
+        ]
         plain = [str(folder / "plain_loop.py"), str(epochs), batch]
         ways = {  # name: (command, its output)
             "single: plain loop": ([sys.executable, *plain, "p1.pt"], "p1.pt"),
             "single: ckptkit train": ([sys.executable, *engine, "--out", "e1"], "e1"),
             "ddp x2 (torchrun): plain loop": ([*torchrun, *plain, "p2.pt"], "p2.pt"),
             "ddp x2 (torchrun): ckptkit train": (
-                [*torchrun, *engine, "--out", "e2", "--mode", "ddp"], "e2"),
+                [*torchrun, *engine, "--out", "e2", "--mode", "ddp"],
+                "e2",
+            ),
             "ddp x2: ckptkit's own launcher": (
-                [sys.executable, *engine, "--out", "e3", "--mode", "ddp", "--nproc-per-node",
-                 "2"], "e3"),
-        }  # fmt: skip
+                [sys.executable, *engine, "--out", "e3", "--mode", "ddp", "--nproc-per-node", "2"],
+                "e3",
+            ),
+        }
         walls: dict[str, list[float]] = {name: [] for name in ways}
         loops: dict[str, list[float]] = {name: [] for name in ways}
         order = list(ways)
@@ -147,18 +171,24 @@ def main() -> None:
                 walls[name].append(measure(argv)["wall_s"])
                 loops[name].append(_loop_rate(folder / out))
         results = {
-            name: {"wall_s": statistics.median(walls[name]),
-                   "loop_samples_per_s": statistics.median(loops[name])}
+            name: {
+                "wall_s": statistics.median(walls[name]),
+                "loop_samples_per_s": statistics.median(loops[name]),
+            }
             for name in ways
-        }  # fmt: skip
+        }
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"{epochs} epochs of 4096 samples, global batch {batch}, width "
-          f"{os.environ['BENCH_WIDTH']}, repeats: {repeat}, {os.cpu_count()} cores\n")  # fmt: skip
-    pairs = {"single: ckptkit train": "single: plain loop",
-             "ddp x2 (torchrun): ckptkit train": "ddp x2 (torchrun): plain loop",
-             "ddp x2: ckptkit's own launcher": "ddp x2 (torchrun): ckptkit train"}  # fmt: skip
+    print(
+        f"{epochs} epochs of 4096 samples, global batch {batch}, width "
+        f"{os.environ['BENCH_WIDTH']}, repeats: {repeat}, {os.cpu_count()} cores\n"
+    )
+    pairs = {
+        "single: ckptkit train": "single: plain loop",
+        "ddp x2 (torchrun): ckptkit train": "ddp x2 (torchrun): plain loop",
+        "ddp x2: ckptkit's own launcher": "ddp x2 (torchrun): ckptkit train",
+    }
     print("| way | wall (median) | loop samples/s (median) | loop time against |")
     print("|---|---|---|---|")
     for name, r in results.items():

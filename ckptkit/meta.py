@@ -133,8 +133,10 @@ def _jsonable(value: Any, budget: list[int], active: set[int], depth: int) -> An
     active.add(id(value))
     try:
         if isinstance(value, Mapping):
-            return {_key(k, budget, active, depth): _jsonable(v, budget, active, depth + 1)
-                    for k, v in value.items()}  # fmt: skip
+            return {
+                _key(k, budget, active, depth): _jsonable(v, budget, active, depth + 1)
+                for k, v in value.items()
+            }
         if isinstance(value, (list, tuple)):
             return [_jsonable(v, budget, active, depth + 1) for v in value]
         if isinstance(value, (set, frozenset)):

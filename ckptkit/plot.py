@@ -34,8 +34,10 @@ def read_curves(run: str | Path) -> Curves:
     folder = Path(run)
     steps, epochs = folder / STEPS_LOG, folder / METRICS_LOG
     if not steps.is_file() and not epochs.is_file():
-        raise FormatError(f"{folder} holds no steps.jsonl or metrics.jsonl",
-                          "give a run folder of `ckptkit train` (its --out)")  # fmt: skip
+        raise FormatError(
+            f"{folder} holds no steps.jsonl or metrics.jsonl",
+            "give a run folder of `ckptkit train` (its --out)",
+        )
     return Curves(
         folder.name or str(folder),
         records(steps) if steps.is_file() else [],
@@ -58,8 +60,7 @@ def plot_runs(runs: list[str | Path], out: str | Path, *, force: bool = False) -
     try:
         import matplotlib
     except ImportError:
-        raise UsageError("ckptkit plot needs matplotlib",
-                         "pip install 'ckptkit[plot]'") from None  # fmt: skip
+        raise UsageError("ckptkit plot needs matplotlib", "pip install matplotlib") from None
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
@@ -73,11 +74,18 @@ def plot_runs(runs: list[str | Path], out: str | Path, *, force: bool = False) -
             points = [(p["step"], p[key]) for p in curve.steps if p.get(key) is not None]
             if points:
                 (line,) = ax.plot(*zip(*points, strict=True), label=curve.name)
-                val = [(p["step"], p[f"val_{key}"]) for p in curve.epochs
-                       if p.get(f"val_{key}") is not None]  # fmt: skip
+                val = [
+                    (p["step"], p[f"val_{key}"])
+                    for p in curve.epochs
+                    if p.get(f"val_{key}") is not None
+                ]
                 if val:
-                    ax.plot(*zip(*val, strict=True), "o--", color=line.get_color(),
-                            label=f"{curve.name} (val)")  # fmt: skip
+                    ax.plot(
+                        *zip(*val, strict=True),
+                        "o--",
+                        color=line.get_color(),
+                        label=f"{curve.name} (val)",
+                    )
         ax.set_title(title)
         ax.set_xlabel("step")
         if key == "lr":

@@ -386,11 +386,15 @@ def diff_lines(report: Any) -> list[str]:
             s: sum(1 for t in report.tensors if t.status == s)
             for s in ("equal", "close", "different")
         }
-        lines.append(f"values       {counts['equal']} bit-equal, {counts['close']} within "
-                     f"tolerance, {counts['different']} different")  # fmt: skip
+        lines.append(
+            f"values       {counts['equal']} bit-equal, {counts['close']} within "
+            f"tolerance, {counts['different']} different"
+        )
         for t in report.different[:10]:
-            lines.append(f"  {t.key}: {t.differing} elements differ, max abs {t.max_abs:.3g}, "
-                         f"max rel {t.max_rel:.3g}")  # fmt: skip
+            lines.append(
+                f"  {t.key}: {t.differing} elements differ, max abs {t.max_abs:.3g}, "
+                f"max rel {t.max_rel:.3g}"
+            )
     lines.append("equal" if report.equal else "differ")
     return lines
 
@@ -408,6 +412,9 @@ def train_lines(result: Any, mode: str) -> list[str]:
     return [
         f"Trained {plural(result.epochs_run, 'epoch')} in {mode} mode{done}",
         (f"Checkpoint {result.checkpoint}" if result.checkpoint else "No checkpoint written")
-        + (f" (written by rank 0 on {result.writer_host})" if result.rank and result.checkpoint
-           else ""),
-    ]  # fmt: skip
+        + (
+            f" (written by rank 0 on {result.writer_host})"
+            if result.rank and result.checkpoint
+            else ""
+        ),
+    ]

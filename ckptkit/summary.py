@@ -192,10 +192,14 @@ def _folder_parts(folder: Path, opened: ScanReport | None) -> list[dict[str, Any
     rest = iter(scan_many(folder / name for name, _ in named if name not in done))
     reports = [done[name] if name in done else next(rest) for name, _ in named]
     return [
-        {"name": name, "kind": kind, "bytes": (folder / name).stat().st_size,
-         "verdict": report.verdict if report.error is None else "not a checkpoint"}
+        {
+            "name": name,
+            "kind": kind,
+            "bytes": (folder / name).stat().st_size,
+            "verdict": report.verdict if report.error is None else "not a checkpoint",
+        }
         for (name, kind), report in zip(named, reports, strict=True)
-    ]  # fmt: skip
+    ]
 
 
 def _size_on_disk(source: Any) -> int:

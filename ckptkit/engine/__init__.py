@@ -68,11 +68,12 @@ def _check_resume(config: TrainConfig) -> None:
     """Refuse a resume that leaves nothing to train (its epoch read, its tensors mapped)."""
     from pathlib import Path
 
-    from ckptkit.engine.checkpoint import find_resume, load_payload
+    from ckptkit.engine.checkpoint import find_resume
+    from ckptkit.engine.payload import EPOCH, STEP, load_payload
     from ckptkit.engine.trainer import check_epochs  # only to resume
 
     path = find_resume(config.resume, Path(config.out))
     if path is not None:
         payload = load_payload(path, mmap=True)
-        check_epochs(path, int(payload.get("epoch", 0)), config.epochs,
-                     int(payload.get("step", 0)), config.max_steps)  # fmt: skip
+        done, step = int(payload.get(EPOCH, 0)), int(payload.get(STEP, 0))
+        check_epochs(path, done, config.epochs, step, config.max_steps)

@@ -106,7 +106,7 @@ def _resolve(spec: str, what: str) -> Any:
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise UsageError(f"cannot load --{what} '{spec}': {exc}") from None
+        raise UsageError(f"cannot load --{what} '{spec}': {exc}") from exc
 
 
 def build(cfg: TrainConfig, ctx: Context) -> Run:
@@ -138,9 +138,13 @@ def build(cfg: TrainConfig, ctx: Context) -> Run:
     # One shuffling rule for every mode: DistributedSampler over the world (of 1 outside DDP),
     # so a global batch holds the same samples whatever the world size.
     sampler: DistributedSampler[Any] = DistributedSampler(
-        dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed,
+        dataset,
+        num_replicas=ctx.world_size,
+        rank=ctx.rank,
+        shuffle=True,
+        seed=cfg.seed,
         drop_last=True,
-    )  # fmt: skip
+    )
     steps = len(sampler) // per_rank
     if steps == 0:
         raise UsageError(
@@ -150,15 +154,27 @@ def build(cfg: TrainConfig, ctx: Context) -> Run:
     scaler = None
     if cfg.precision == "fp16":
         scaler = torch.amp.GradScaler(ctx.device.type)
-    return Run(wrapped, inner, chain, _optimizer(cfg, wrapped), sampler, dataset, per_rank,
-               _loss(cfg.loss), scaler, steps, val)  # fmt: skip
+    return Run(
+        wrapped,
+        inner,
+        chain,
+        _optimizer(cfg, wrapped),
+        sampler,
+        dataset,
+        per_rank,
+        _loss(cfg.loss),
+        scaler,
+        steps,
+        val,
+    )
 
 
 def _optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     params = model.parameters()
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay)  # fmt: skip
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -9,17 +9,17 @@ the folder into place; then ``latest`` moves, then pruning, as for a file.
 
 With a :class:`~ckptkit.engine.saver.BackgroundSaver` both kinds are written on a thread: the
 state is first staged to CPU memory, and the same steps run once the bytes are written (a DCP
-save through ``dcp.async_save`` on a process group of its own)."""
+save through ``dcp.async_save`` on a process group of its own).
+
+What a checkpoint holds, and how it is read back and put into a run, is
+:mod:`ckptkit.engine.payload`'s."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import pickle
 import re
 import shutil
-import warnings
-import zipfile
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -27,18 +27,19 @@ from typing import Any
 
 import torch
 
+from ckptkit.engine.distributed import quiet_single_process_dcp
+from ckptkit.engine.payload import DIGEST, META, MODEL, TRAIN_STATE, load_dcp, load_payload
 from ckptkit.engine.ptwriter import write_payload
 from ckptkit.engine.saver import BackgroundSaver, Staging, dcp_stager, staged
 from ckptkit.errors import CkptkitError, FormatError
 from ckptkit.formats.base.tensors import as_bytes, dtype_name
 from ckptkit.formats.io.atomic import atomic_folder, atomic_output
-from ckptkit.meta import TRAINING_KEY
 
 __all__ = [
     "checkpoint_name",
     "commit",
     "commit_dcp",
-    "load_dcp",
+    "load_dcp",  # now ckptkit.engine.payload's, importable here as before
     "find_resume",
     "list_checkpoints",
     "weights_sha256",
@@ -47,16 +48,9 @@ __all__ = [
 
 LATEST = "latest"
 BEST = "best"  # names the checkpoint with the best --monitor value
-TRAIN_STATE = "meta.pt"  # beside a DCP checkpoint's shards: counters, scheduler, RNG, metadata
 # ckpt-epoch0003.pt after 3 epochs; ckpt-epoch0003-step00000070.pt 70 steps in, during the 4th.
 _NAME = re.compile(r"ckpt-epoch(\d{4,})(?:-step(\d{8,}))?(?:\.(pt|safetensors))?")
 _PREFERENCE = {".pt": 0, "": 1, ".safetensors": 2}  # which one a step saved twice resumes from
-
-# The parts of a training checkpoint, named once: the trainer writes them, resume reads them.
-MODEL, OPTIMIZER, OPTIM_DCP, META = "model", "optimizer", "optim", TRAINING_KEY
-EPOCH, STEP, SAMPLES, BATCH = "epoch", "step", "samples_seen", "batch_in_epoch"
-PARTIAL, RNG, SCALER, MONITOR = "epoch_partial", "rng", "scaler", "monitor"
-DIGEST = "weights_sha256"  # in META: set by commit() as the weights are written
 
 
 def checkpoint_name(epoch: int, suffix: str = "pt", *, step: int | None = None) -> str:
@@ -177,7 +171,7 @@ def commit_dcp(
     """
     import torch.distributed.checkpoint as dcp
 
-    _quiet_single_process_dcp()
+    quiet_single_process_dcp()
     final = folder / checkpoint_name(epoch, "dcp", step=step)
     if saver is not None:
         saver.wait()  # one save in flight, on every rank
@@ -187,8 +181,12 @@ def commit_dcp(
         if saver is None:  # collective; rank 0 writes .metadata last
             dcp.save(shards, checkpoint_id=tmp)
             return lambda: None
-        future = dcp.async_save(shards, checkpoint_id=tmp, process_group=group,
-                                async_stager=dcp_stager(staging or Staging()))  # fmt: skip
+        future = dcp.async_save(
+            shards,
+            checkpoint_id=tmp,
+            process_group=group,
+            async_stager=dcp_stager(staging or Staging()),
+        )
         assert isinstance(future, Future)  # the thread executor's (a process one answers else)
         return future.result
 
@@ -257,7 +255,7 @@ def _write_weights(path: Path, payload: dict[str, Any]) -> None:
 
     meta = payload.get(META, {})
     header = CheckpointMeta(training=meta, removed_prefixes=meta.get("removed_prefixes", []))
-    state = {k: v.detach().to("cpu") for k, v in payload["model"].items()}
+    state = {k: v.detach().to("cpu") for k, v in payload[MODEL].items()}
     write_tensors(path, state, header.to_header())
 
 
@@ -302,127 +300,8 @@ def find_resume(resume: str | None, folder: Path) -> Path | None:
             except FormatError as exc:  # torn or foreign: try the next older one
                 problems.append(str(exc))
     if problems:
-        raise CkptkitError(f"no checkpoint in {folder} can be resumed: {problems[0]}",
-                           "resume from a path, or start in an empty --out")  # fmt: skip
+        raise CkptkitError(
+            f"no checkpoint in {folder} can be resumed: {problems[0]}",
+            "resume from a path, or start in an empty --out",
+        )
     return None
-
-
-def load_payload(path: Path, *, mmap: bool = False) -> dict[str, Any]:
-    """A checkpoint's contents, read safely (weights_only) onto the CPU. A safetensors file
-    gives its weights and the epoch counters its header recorded. ``mmap`` maps a zip file's
-    tensors instead of reading them."""
-    if path.suffix == ".safetensors":
-        return _load_weights(path)
-    if path.is_dir():
-        return _dcp_train_state(path)
-    payload = _safe_load(path, mmap=mmap)
-    if (
-        isinstance(payload, Mapping)
-        and "model" not in payload
-        and all(torch.is_tensor(v) for v in payload.values())
-    ):
-        payload = {"model": payload}  # a bare state dict resumes the weights only
-    if not isinstance(payload, Mapping) or "model" not in payload:
-        raise FormatError(f"{path} holds no 'model' state dict to resume from")
-    return dict(payload)
-
-
-def _safe_load(path: Path, *, mmap: bool = False) -> Any:
-    try:
-        mapped = mmap and zipfile.is_zipfile(path)
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
-    except Exception as exc:
-        raise FormatError(
-            f"cannot resume from {path}: {exc}".splitlines()[0],
-            "check the file with `ckptkit inspect`",
-        ) from None
-
-
-def _load_weights(path: Path) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    from ckptkit.meta import CheckpointMeta
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            state = {key: f.get_tensor(key) for key in f.keys()}
-            training = CheckpointMeta.from_header(f.metadata() or {}).training
-    except Exception as exc:
-        raise FormatError(f"cannot resume from {path}: {exc}") from None
-    counters = {
-        EPOCH: training.get("epoch", 0),
-        STEP: training.get("step", 0),
-        SAMPLES: training.get("samples", 0),
-        BATCH: training.get("batch", 0),
-    }
-    return {MODEL: state, **counters}
-
-
-def _dcp_train_state(path: Path) -> dict[str, Any]:
-    """A DCP checkpoint's ``meta.pt``, its ``.metadata`` checked (read statically): the shards
-    themselves are read by :func:`load_dcp`."""
-    from ckptkit.formats.folders.dcp import METADATA, read_metadata
-
-    items = read_metadata(path / METADATA).get("state_dict_metadata")  # FormatError if damaged
-    payload = _safe_load(path / TRAIN_STATE) if (path / TRAIN_STATE).is_file() else {}
-    if not isinstance(payload, Mapping) or not isinstance(items, Mapping):
-        raise FormatError(f"{path} is not a training checkpoint", "check it with ckptkit inspect")
-    # What it holds: a training checkpoint's "model" and "optim", or a bare state dict.
-    parts = {str(key).split(".", 1)[0] for key in items}
-    return {**payload, "dcp": {"model", "optim"} & parts or {"state dict"}}
-
-
-def _quiet_single_process_dcp() -> None:
-    """DCP warns on every save and load outside a process group, which is what a single-device
-    run means to do: that one warning is left out (a filter on its text, kept)."""
-    warnings.filterwarnings(
-        "ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-        category=UserWarning,
-    )  # fmt: skip
-
-
-def load_dcp(path: Path, shards: dict[str, Any]) -> None:
-    """Fill ``shards`` (``model``, ``optim``: each rank's own, as saved) from a DCP
-    checkpoint; DCP reshards to this run's world. Plain values stored in it are read with
-    torch's safe loader (DCP's default planner would unpickle them in full)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    _quiet_single_process_dcp()
-    try:
-        dcp.load(shards, checkpoint_id=path, planner=_safe_load_planner())
-    except (Exception, CheckpointException) as exc:
-        raise FormatError(
-            f"cannot resume from {path}: {_dcp_failure(exc)}",
-            "check it with `ckptkit inspect`; resume with the same --model",
-        ) from None
-
-
-def _dcp_failure(exc: BaseException) -> str:
-    """What went wrong in ``dcp.load``, in one line (it wraps each rank's exception)."""
-    failures = getattr(exc, "failures", None)  # rank -> (exception, traceback)
-    if isinstance(failures, dict) and failures:
-        failure = next(iter(failures.values()))
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        exc = inner if isinstance(inner, BaseException) else exc
-    if isinstance(exc, pickle.UnpicklingError):
-        return "a stored value is not plain data, and torch's safe loader refused it"
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
-
-
-def _safe_load_planner() -> Any:
-    """DCP's default load planner, but plain values go through torch's safe loader. (Made
-    here: importing torch.distributed.checkpoint costs half a second every run would pay.)"""
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
-
-    class SafeLoadPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: Any) -> None:
-            obj = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    return SafeLoadPlanner()

@@ -93,8 +93,15 @@ class TrainConfig:
                 )
         if self.loss not in LOSSES and ":" not in self.loss:
             raise UsageError(f"unknown --loss '{self.loss}'", "use cross_entropy, mse or MODULE:FN")
-        for name in ("epochs", "batch_size", "save_every", "nproc_per_node", "grad_accum",
-                     "lr_step_epochs", "log_every"):  # fmt: skip
+        for name in (
+            "epochs",
+            "batch_size",
+            "save_every",
+            "nproc_per_node",
+            "grad_accum",
+            "lr_step_epochs",
+            "log_every",
+        ):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{_flag(name)} must be at least 1")
         for name in ("max_steps", "save_every_steps"):
@@ -108,8 +115,9 @@ class TrainConfig:
         if self.val_fraction is not None and not 0 < self.val_fraction < 1:
             raise UsageError("--val-fraction must lie between 0 and 1")
         if self.val_fraction is not None and self.val_data is not None:
-            raise UsageError("--val-data and --val-fraction both name the validation data",
-                             "give one")  # fmt: skip
+            raise UsageError(
+                "--val-data and --val-fraction both name the validation data", "give one"
+            )
         if isinstance(self.log, str):  # one sink, as a TOML file may give it
             self.log = (self.log,)
         self.log = tuple(self.log)
@@ -121,8 +129,10 @@ class TrainConfig:
         if self.val_every < 1 or (self.early_stop_patience or 1) < 1:
             raise UsageError("--val-every and --early-stop-patience must be at least 1")
         if self.monitor is not None and self.monitor.startswith("val_") and not self.validates:
-            raise UsageError(f"--monitor {self.monitor} needs validation data",
-                             "give --val-data or --val-fraction")  # fmt: skip
+            raise UsageError(
+                f"--monitor {self.monitor} needs validation data",
+                "give --val-data or --val-fraction",
+            )
 
     @property
     def validates(self) -> bool:
@@ -169,7 +179,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     for key, value in table.items():
         name = {"timeout": "timeout_s"}.get(key, key.replace("-", "_"))
         if name not in fields:
-            raise UsageError(f"--config {path} names an unknown option '{key}'",
-                             "see `ckptkit train --help`")  # fmt: skip
+            raise UsageError(
+                f"--config {path} names an unknown option '{key}'", "see `ckptkit train --help`"
+            )
         options[name] = value
     return options

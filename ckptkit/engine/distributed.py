@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +33,7 @@ __all__ = [
     "StopVote",
     "training_state",
     "load_training_state",
+    "quiet_single_process_dcp",
 ]
 
 
@@ -128,8 +130,19 @@ def setup(mode: Mode, device: str = "cpu", *, timeout_s: float = 60.0) -> Contex
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     monitor = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     saves = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    return Context(mode, rank, local_rank, world, local_world, max(1, world // local_world),
-                   backend, dev, monitor, timeout_s, saves)  # fmt: skip
+    return Context(
+        mode,
+        rank,
+        local_rank,
+        world,
+        local_world,
+        max(1, world // local_world),
+        backend,
+        dev,
+        monitor,
+        timeout_s,
+        saves,
+    )
 
 
 class StopVote:
@@ -309,8 +322,13 @@ def load_training_state(
         return
     if not by_name:
         optim_state = _by_name(model, optim_state)
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                   options=options)  # fmt: skip
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optim_state,
+        options=options,
+    )
 
 
 def _keyed_by_name(optim_state: dict[str, Any]) -> bool:
@@ -328,3 +346,13 @@ def _by_name(model: nn.Module, optim_state: dict[str, Any]) -> dict[str, Any]:
             {**g, "params": [names[i] for i in g["params"]]} for g in optim_state["param_groups"]
         ],
     }
+
+
+def quiet_single_process_dcp() -> None:
+    """DCP warns on every save and load outside a process group, which is what a single-device
+    run means to do: that one warning is left out (a filter on its text, kept)."""
+    warnings.filterwarnings(
+        "ignore",
+        message="torch.distributed is disabled, unavailable or uninitialized",
+        category=UserWarning,
+    )

@@ -68,8 +68,11 @@ def launch(config: TrainConfig) -> TrainResult:
     # The launcher logs its own progress and each failed worker's traceback; ckptkit reports
     # the failure in one line instead (CKPTKIT_DEBUG=1 keeps the launcher's logs).
     if os.environ.get("CKPTKIT_DEBUG") != "1":
-        prefixes = ("torch.distributed.elastic", "torch.distributed.launcher",
-                    "torch.multiprocessing")  # fmt: skip
+        prefixes = (
+            "torch.distributed.elastic",
+            "torch.distributed.launcher",
+            "torch.multiprocessing",
+        )
         # torch's elastic loggers set their own level when made: each is quieted by name.
         names = [n for n in logging.root.manager.loggerDict if n.startswith(prefixes)]
         for name in {*prefixes, *names}:
@@ -103,7 +106,7 @@ def launch(config: TrainConfig) -> TrainResult:
         what = (
             _reason(failure) if _hung(failure) else f"worker rank {rank} failed: {_reason(failure)}"
         )
-        raise CkptkitError(what, "the other workers were stopped") from None
+        raise CkptkitError(what, "the other workers were stopped") from exc
     return results[0]
 
 
@@ -125,8 +128,11 @@ def _worker_env(config: TrainConfig) -> Iterator[None]:
     added = {k: v for k, v in wanted.items() if k not in os.environ}
     if "OMP_NUM_THREADS" in added:
         show_progress(True, config.quiet)  # the launcher speaks for the job
-        logger.info("ckptkit: OMP_NUM_THREADS=1 in each of the %d workers, as torchrun sets it "
-                    "(set OMP_NUM_THREADS to choose)", config.nproc_per_node)  # fmt: skip
+        logger.info(
+            "ckptkit: OMP_NUM_THREADS=1 in each of the %d workers, as torchrun sets it "
+            "(set OMP_NUM_THREADS to choose)",
+            config.nproc_per_node,
+        )
     os.environ.update(added)
     try:
         yield
@@ -143,8 +149,9 @@ def _preempted(config: TrainConfig, name: str) -> Preempted:
 
     pointer = Path(config.out) / LATEST
     last = Path(config.out) / pointer.read_text().strip() if pointer.is_file() else None
-    return Preempted(f"stopped by {name}: the last checkpoint is {last or 'none'}",
-                     "resume with --resume auto")  # fmt: skip
+    return Preempted(
+        f"stopped by {name}: the last checkpoint is {last or 'none'}", "resume with --resume auto"
+    )
 
 
 def _first_cause(exc: ChildFailedError) -> tuple[int, object]:

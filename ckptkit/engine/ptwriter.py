@@ -53,8 +53,13 @@ def _tree(value: Any, storages: _Storages) -> Any:
 
     def record(tensor: torch.Tensor) -> Any:
         stored, _ = storages.record(tensor)
-        return tensor_record(stored, dtype_name(tensor.dtype), tuple(tensor.shape),
-                             tuple(tensor.stride()), int(tensor.storage_offset()))  # fmt: skip
+        return tensor_record(
+            stored,
+            dtype_name(tensor.dtype),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            int(tensor.storage_offset()),
+        )
 
     return map_leaves(value, torch.is_tensor, record)
 
@@ -82,9 +87,11 @@ def write_payload(
             digest.update(f"{key}|{dtype_name(tensor.dtype)}|{list(tensor.shape)}|".encode())
             record, raw = storages.record(tensor)
             first = record.key not in done
-            whole = tensor.is_contiguous() and tensor.storage_offset() == 0 and (
-                tensor.numel() * tensor.element_size() == record.nbytes
-            )  # fmt: skip
+            whole = (
+                tensor.is_contiguous()
+                and tensor.storage_offset() == 0
+                and (tensor.numel() * tensor.element_size() == record.nbytes)
+            )
             if first:
                 _write(archive, fd, record, raw, digest if whole else None)
                 done.add(record.key)

@@ -20,8 +20,18 @@ from typing import Any, TextIO
 
 from ckptkit.errors import UsageError
 
-__all__ = ["METRICS_LOG", "STEPS_LOG", "TENSORBOARD_DIR", "SINKS", "logger", "show_progress",
-           "RunLog", "check_sinks", "records", "rewind"]  # fmt: skip
+__all__ = [
+    "METRICS_LOG",
+    "STEPS_LOG",
+    "TENSORBOARD_DIR",
+    "SINKS",
+    "logger",
+    "show_progress",
+    "RunLog",
+    "check_sinks",
+    "records",
+    "rewind",
+]
 
 METRICS_LOG = "metrics.jsonl"
 STEPS_LOG = "steps.jsonl"
@@ -66,8 +76,9 @@ def check_sinks(sinks: tuple[str, ...]) -> None:
         if sink not in SINKS:
             raise UsageError(f"unknown --log '{sink}'", f"use {', '.join(SINKS)}")
     if "tensorboard" in sinks and importlib.util.find_spec("tensorboard") is None:
-        raise UsageError("--log tensorboard needs the tensorboard package",
-                         "pip install 'ckptkit[tensorboard]'")  # fmt: skip
+        raise UsageError(
+            "--log tensorboard needs the tensorboard package", "pip install tensorboard"
+        )
 
 
 def records(path: Path) -> list[dict[str, Any]]:

@@ -56,10 +56,15 @@ class Staging:
             if dtensor:
                 from torch.distributed.tensor import DTensor
 
+                mesh, placements = tensor.device_mesh, tensor.placements  # type: ignore[attr-defined]
                 buffer = DTensor.from_local(
-                    buffer, tensor.device_mesh, tensor.placements,  # type: ignore[attr-defined]
-                    run_check=False, shape=tensor.shape, stride=tensor.stride(),
-                )  # fmt: skip
+                    buffer,
+                    mesh,
+                    placements,
+                    run_check=False,
+                    shape=tensor.shape,
+                    stride=tensor.stride(),
+                )
             memo[id(tensor)] = buffer
             return buffer
 

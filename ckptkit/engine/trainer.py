@@ -4,6 +4,9 @@ A run is build (``engine.build``) -> resume -> loop. The loop counts optimizer s
 checkpoint saved between epochs or mid-epoch (``--save-every-steps``, ``--max-steps``, SIGTERM)
 holds where it stands in the epoch, every rank's RNG and the epoch's running sums, so a run
 resumed from it continues as if it had never stopped.
+
+What a checkpoint holds, and how a resume puts it back, is :mod:`ckptkit.engine.payload`'s;
+how it is written, :mod:`ckptkit.engine.checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -12,37 +15,20 @@ import contextlib
 import dataclasses
 import os
 import platform
-import random
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ckptkit.engine import checkpoint
+from ckptkit.engine import checkpoint, payload
 from ckptkit.engine.build import Run, build, forward, lr_factor
-from ckptkit.engine.checkpoint import (
-    BATCH,
-    EPOCH,
-    META,
-    MODEL,
-    MONITOR,
-    OPTIM_DCP,
-    OPTIMIZER,
-    PARTIAL,
-    RNG,
-    SAMPLES,
-    SCALER,
-    STEP,
-)
 from ckptkit.engine.config import TrainConfig
 from ckptkit.engine.distributed import (
     Context,
@@ -50,17 +36,13 @@ from ckptkit.engine.distributed import (
     StopVote,
     gradient_sync,
     hung_rank,
-    load_training_state,
     setup,
     teardown,
-    training_state,
 )
+from ckptkit.engine.payload import Progress
 from ckptkit.engine.runlog import RunLog, logger, show_progress
 from ckptkit.engine.saver import BackgroundSaver, Staging
 from ckptkit.errors import Preempted, UsageError
-from ckptkit.formats.base.tree import map_leaves
-from ckptkit.keys import match_keys, mismatch_message
-from ckptkit.meta import version
 
 __all__ = ["TrainConfig", "TrainResult", "Engine", "check_epochs"]
 
@@ -82,20 +64,6 @@ class TrainResult:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-@dataclass
-class _State:
-    """Where the run stands: epochs done, optimizer steps, samples seen, batches of the
-    current epoch done, and the epoch's running sums (loss x samples, correct, samples)."""
-
-    epoch: int = 0
-    step: int = 0
-    samples: int = 0
-    batch: int = 0
-    partial: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
-    best: float | None = None  # the best --monitor value so far
-    bad: int = 0  # validations since it last improved
 
 
 class Engine:
@@ -132,7 +100,7 @@ class Engine:
                 raise
             if ctx.rank != 0:  # rank 0 names the hung rank when it can: let its word land first
                 time.sleep(2.0)
-            raise hung from None
+            raise hung from exc
         finally:
             teardown(ctx)
 
@@ -188,11 +156,11 @@ class Engine:
         if ctx.is_main:
             _check_writable(out)  # fail now, not after the first epoch
             checkpoint.remove_stale(out)  # a killed run's temp files: now, not at the next save
-        state = _State()
+        state = Progress()
         torch.manual_seed(cfg.seed + 1000 * ctx.rank)  # per-rank streams (dropout and the like)
         resumed = checkpoint.find_resume(cfg.resume, out)
         if resumed is not None:
-            self._restore(resumed, run, state, ctx)
+            payload.restore(resumed, run, state, ctx)
             check_epochs(resumed, state.epoch, cfg.epochs, state.step, cfg.max_steps)
         if ctx.is_main:  # rewound: what comes after the checkpoint is trained again
             self._log = RunLog(out, cfg.log, state.step)
@@ -216,21 +184,31 @@ class Engine:
             )
         return result
 
-    def _epoch(self, run: Run, ctx: Context, state: _State, result: TrainResult) -> str | None:
+    def _epoch(self, run: Run, ctx: Context, state: Progress, result: TrainResult) -> str | None:
         """Train (the rest of) one epoch. Returns why it stopped early: ``max_steps`` or
         ``SIGTERM`` (a checkpoint saved), or None at the epoch's end."""
         from tqdm import tqdm
 
         cfg = self.config
         run.wrapped.train()
-        loader = run.loader(state.epoch, state.batch, num_workers=cfg.num_workers,
-                            seed=cfg.seed * 1_000_003 + ctx.rank)  # fmt: skip
+        loader = run.loader(
+            state.epoch,
+            state.batch,
+            num_workers=cfg.num_workers,
+            seed=cfg.seed * 1_000_003 + ctx.rank,
+        )
         local = [0.0, 0.0, 0.0]
         window = [0.0, 0.0, 0.0]  # since the last line of steps.jsonl (rank 0's own)
         started, first_step = time.perf_counter(), state.step
         show = ctx.is_main and not cfg.quiet and sys.stderr.isatty()
-        bar = tqdm(loader, desc=f"epoch {state.epoch + 1}", leave=False, disable=not show,
-                   initial=state.batch, total=run.steps_per_epoch)  # fmt: skip
+        bar = tqdm(
+            loader,
+            desc=f"epoch {state.epoch + 1}",
+            leave=False,
+            disable=not show,
+            initial=state.batch,
+            total=run.steps_per_epoch,
+        )
         stop = None
         for batch in bar:
             step_started = time.perf_counter()
@@ -259,15 +237,30 @@ class Engine:
         bar.close()
         totals = [a + b for a, b in zip(state.partial, ctx.sum(local), strict=True)]
         elapsed = time.perf_counter() - started
+        speed = (state.step - first_step) * cfg.batch_size / elapsed if elapsed else 0.0
+        return self._end_epoch(run, ctx, state, result, totals, speed, stop)
+
+    def _end_epoch(
+        self,
+        run: Run,
+        ctx: Context,
+        state: Progress,
+        result: TrainResult,
+        totals: list[float],
+        speed: float,
+        stop: str | None,
+    ) -> str | None:
+        """The epoch's end: its metrics (``totals``: the ranks' sums), validation when due,
+        the ``--monitor`` verdict, its lines in the logs, and its checkpoint when one is due.
+        Returns why the run stops: ``stop``, ``early_stop``, or None to go on."""
+        cfg = self.config
         metrics = {
             "epoch": state.epoch + 1,
             "step": state.step,
             "loss": totals[0] / max(totals[2], 1),
             "accuracy": totals[1] / max(totals[2], 1) if totals[1] == totals[1] else None,
             "lr": cfg.lr * lr_factor(cfg, state.step - 1, run.steps_per_epoch),
-            "samples_per_s": (state.step - first_step) * cfg.batch_size / elapsed
-            if elapsed
-            else 0.0,
+            "samples_per_s": speed,
             "world_size": ctx.world_size,
         }
         state.epoch += 1
@@ -294,7 +287,7 @@ class Engine:
             self._save_and_record(run, ctx, state, result, mid_epoch=False, best=improved)
         return stop
 
-    def _judge(self, metrics: dict[str, Any], state: _State) -> bool:
+    def _judge(self, metrics: dict[str, Any], state: Progress) -> bool:
         """Whether the ``--monitor`` metric improved this epoch (state keeps the best)."""
         name = self.config.monitor
         value = metrics.get(name) if name else None
@@ -359,7 +352,7 @@ class Engine:
             run.optimizer.step()
         return sums
 
-    def _stop_reason(self, ctx: Context, state: _State) -> str | None:
+    def _stop_reason(self, ctx: Context, state: Progress) -> str | None:
         """Why to stop after this step, the same on every rank: a SIGTERM any rank received
         (agreed at the ranks' next vote), or ``--max-steps`` reached."""
         if self._vote is None:
@@ -374,7 +367,7 @@ class Engine:
             return "max_steps"
         return None
 
-    def _log_steps(self, window: list[float], state: _State, run: Run) -> None:
+    def _log_steps(self, window: list[float], state: Progress, run: Run) -> None:
         """A line of steps.jsonl: the last ``--log-every`` steps' mean loss and accuracy on rank
         0 (no collective: the per-epoch lines are the ranks' sums), and the lr."""
         cfg = self.config
@@ -404,14 +397,17 @@ class Engine:
         )
         logger.info(
             "epoch %d/%d  %s  %.0f samples/s",
-            metrics["epoch"], self.config.epochs, parts, metrics["samples_per_s"],
-        )  # fmt: skip
+            metrics["epoch"],
+            self.config.epochs,
+            parts,
+            metrics["samples_per_s"],
+        )
 
     def _save_and_record(
         self,
         run: Run,
         ctx: Context,
-        state: _State,
+        state: Progress,
         result: TrainResult,
         *,
         mid_epoch: bool,
@@ -419,155 +415,73 @@ class Engine:
     ) -> None:
         """Save (``best``: and point ``best`` at it once complete) and time the stall."""
         started = time.perf_counter()
-        rng = ctx.gather(_rng_state())
+        rng = ctx.gather(payload.rng_state())
         path = self._save(run, ctx, state, rng, mid_epoch=mid_epoch, best=best)
         if ctx.is_main:
             result.checkpoint = str(path)
         ctx.barrier()  # every rank waits for the commit (or the staging), none runs ahead
         result.save_stalls.append(time.perf_counter() - started)
 
-    def _metadata(self, chain: list[str], ctx: Context, state: _State) -> dict[str, Any]:
-        """The run's record in every checkpoint. The weights' digest is left to the commit,
-        which hashes them as it writes them (None stays for a DCP checkpoint, whose shards no
-        rank holds whole)."""
-        cfg = self.config
-        return {
-            "ckptkit_version": version(),
-            "torch_version": str(torch.__version__),  # a str subclass weights_only would refuse
-            "mode": cfg.mode,
-            "world_size": ctx.world_size,
-            "nodes": ctx.nodes,
-            "backend": ctx.backend,
-            "device_type": ctx.device.type,
-            "removed_prefixes": chain,
-            "global_batch_size": cfg.batch_size,
-            "per_rank_batch_size": cfg.batch_size // ctx.world_size,
-            "seed": cfg.seed,
-            "config": cfg.recorded(),
-            "git_commit": _git_commit(),
-            "host": platform.node(),
-            "utc_time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            checkpoint.DIGEST: None,
-            "epoch": state.epoch,
-            "step": state.step,
-            "samples": state.samples,
-            "batch": state.batch,
-        }
-
     def _save(
-        self, run: Run, ctx: Context, state: _State, rng: list[Any], *, mid_epoch: bool, best: bool
+        self,
+        run: Run,
+        ctx: Context,
+        state: Progress,
+        rng: list[Any],
+        *,
+        mid_epoch: bool,
+        best: bool,
     ) -> Path | None:
         """Save a checkpoint; every rank calls it (fsdp gathers, DCP writes on every rank).
         Returns its path (None on the ranks that do not write)."""
         cfg = self.config
-        counters = {
-            RNG: rng,
-            EPOCH: state.epoch,
-            STEP: state.step,
-            SAMPLES: state.samples,
-            BATCH: state.batch,
-            PARTIAL: list(state.partial),
-            SCALER: run.scaler.state_dict() if run.scaler is not None else None,
-            MONITOR: {"best": state.best, "bad": state.bad},
-        }
+        out, epoch, keep = Path(cfg.out), state.epoch, cfg.keep_last  # now: training goes on
         step = state.step if mid_epoch else None
         if cfg.save_format == "dcp":
-            model_state, optim_state = training_state(run.inner, run.optimizer, ctx, sharded=True)
+            shards, train_state = payload.dcp_payload(cfg, run, ctx, state, rng)
             return checkpoint.commit_dcp(
-                Path(cfg.out),
-                state.epoch,
-                {MODEL: model_state, OPTIM_DCP: optim_state},
-                {**counters, META: self._metadata(run.chain, ctx, state)},
+                out,
+                epoch,
+                shards,
+                train_state,
                 is_main=ctx.is_main,
                 share=lambda value: ctx.gather(value)[0],
-                keep_last=cfg.keep_last,
+                keep_last=keep,
                 step=step,
                 best=best,
                 saver=self._saver,
                 staging=self._staging,
                 group=ctx.saves,
             )
-        model_state, optim_state = training_state(run.inner, run.optimizer, ctx, sharded=False)
-        if not ctx.is_main:
+        saved = payload.file_payload(cfg, run, ctx, state, rng)
+        if saved is None:
             return None
-        weights = {k: v.detach().to("cpu") for k, v in model_state.items()}
-        payload = {
-            MODEL: weights,
-            OPTIMIZER: map_leaves(optim_state, torch.is_tensor, _on_cpu),
-            **counters,
-            META: self._metadata(run.chain, ctx, state),
-        }
-        formats = {"pt": ("pt",), "safetensors": ("safetensors",), "both": ("pt", "safetensors")}
-        suffixes = formats[cfg.save_format or "pt"]
+        suffixes = _FILE_FORMATS[cfg.save_format or "pt"]
 
-        out, epoch, keep = Path(cfg.out), state.epoch, cfg.keep_last  # now: training goes on
-
-        def commit(payload: dict[str, Any]) -> Path:
-            return checkpoint.commit(out, epoch, payload, keep_last=keep, formats=suffixes,
-                                     step=step, best=best)  # fmt: skip
+        def commit(contents: dict[str, Any]) -> Path:
+            return checkpoint.commit(
+                out, epoch, contents, keep_last=keep, formats=suffixes, step=step, best=best
+            )
 
         if self._saver is None or self._staging is None:
-            return commit(payload)
+            return commit(saved)
         # Staged: copies in CPU memory, written on a thread while training goes on. The last
         # save is written first: its copies are the ones staged into.
         self._saver.wait()
-        copy = self._staging.stage(payload)
+        copy = self._staging.stage(saved)
         self._saver.submit(lambda: commit(copy))
         return out / checkpoint.checkpoint_name(epoch, suffixes[0], step=step)
 
-    def _restore(self, path: Path, run: Run, state: _State, ctx: Context) -> None:
-        payload = checkpoint.load_payload(path)
-        inner, optimizer = run.inner, run.optimizer
-        if "dcp" in payload:  # a DCP checkpoint: its shards, resharded to this run's world
-            parts = payload["dcp"]
-            model_state, optim_state = training_state(inner, optimizer, ctx, sharded=True)
-            kept = optim_state if OPTIM_DCP in parts else None
-            if MODEL in parts:  # a training checkpoint: its model, and optimizer if saved
-                wanted = {MODEL: model_state, OPTIM_DCP: kept}
-                checkpoint.load_dcp(path, {k: v for k, v in wanted.items() if v is not None})
-            else:  # a bare state dict (convert --to dcp)
-                checkpoint.load_dcp(path, model_state)
-            load_training_state(inner, optimizer, ctx, model_state, kept, sharded=True)
-        else:
-            target = inner.state_dict()
-            match = match_keys(payload[MODEL], target)  # any wrapper chain (legacy `module.`)
-            if not match.exact:
-                raise UsageError(
-                    mismatch_message(f"{path} does not fit the model", match),
-                    "resume with the same --model",
-                )
-            weights = {
-                new: payload[MODEL][old] for old, new in match.mapping.items() if new is not None
-            }
-            kept = payload.get(OPTIMIZER)
-            load_training_state(inner, optimizer, ctx, weights, kept, sharded=False)
-        if kept is None and ctx.is_main:
-            logger.warning("%s holds weights only: the optimizer starts afresh", path)
-        if payload.get(SCALER) and run.scaler is not None:
-            run.scaler.load_state_dict(payload[SCALER])
-        state.epoch = int(payload.get(EPOCH, 0))
-        state.step = int(payload.get(STEP, 0))
-        state.samples = int(payload.get(SAMPLES, 0))
-        state.batch = int(payload.get(BATCH, 0) or 0)
-        monitor = payload.get(MONITOR)
-        if isinstance(monitor, Mapping):
-            state.best, state.bad = monitor.get("best"), int(monitor.get("bad", 0))
-        partial = payload.get(PARTIAL)
-        if isinstance(partial, list) and len(partial) == 3:
-            state.partial = [float(v) for v in partial]
-        rng = payload.get(RNG)
-        if isinstance(rng, list) and len(rng) == ctx.world_size:
-            _set_rng_state(rng[ctx.rank])  # same world size: each rank continues its stream
-        where = f"epoch {state.epoch}" + (f", step {state.step}" if state.batch else "")
-        logger.info("resumed from %s at %s", path, where)
-
 
 _SIGTERM_GRACE_S = 5.0
+# --save-format: the files a checkpoint is written as (dcp is a folder of its own).
+_FILE_FORMATS = {"pt": ("pt",), "safetensors": ("safetensors",), "both": ("pt", "safetensors")}
 
 
 def _leave(grace: float) -> None:
-    logger.warning("ckptkit: SIGTERM, and no step boundary within %.0f s: leaving without a "
-                   "checkpoint", grace)  # fmt: skip
+    logger.warning(
+        "ckptkit: SIGTERM, and no step boundary within %.0f s: leaving without a checkpoint", grace
+    )
     os._exit(143)
 
 
@@ -635,16 +549,6 @@ def _correct(output: Any, target: Any) -> float:
     return float("nan")
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
 def _check_writable(folder: Path) -> None:
     import tempfile
 
@@ -658,24 +562,3 @@ def _check_writable(folder: Path) -> None:
         raise OutputError(
             f"cannot write to --out {folder}: {exc.strerror}", "choose a writable folder"
         ) from None
-
-
-def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu")
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "python" in state:
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

@@ -143,8 +143,8 @@ def _zip_kind(path: Path) -> str:
     try:
         with zipfile.ZipFile(path) as zf:
             names = zf.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
-        raise FormatError(f"{path} is a truncated or damaged zip file", "copy it again") from None
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        raise FormatError(f"{path} is a truncated or damaged zip file", "copy it again") from exc
     if any(n.endswith("constants.pkl") or "/code/" in n for n in names):
         raise FormatError(
             f"{path} is a TorchScript archive (torch.jit.save), not a state-dict checkpoint",
@@ -278,7 +278,7 @@ def _zip_reading(raw: io.BufferedReader, kind: str, reader: str) -> Reading:
         UnicodeDecodeError,
         struct.error,
     ) as exc:
-        reading.damaged = f"{type(exc).__name__}: {exc}"  # fmt: skip
+        reading.damaged = f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # zlib.error, bz2/lzma errors: still a damaged archive
         reading.damaged = f"{type(exc).__name__}: {exc}"
     _mark_hidden(reading)

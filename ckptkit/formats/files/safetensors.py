@@ -123,10 +123,10 @@ def _check_layout(path: Path, header: dict[str, Any], data_size: int) -> None:
         try:
             dtype = from_safetensors(entry["dtype"])
             shape, offsets = entry["shape"], entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(
                 f"{path}: tensor '{key}' has a damaged or unknown header entry"
-            ) from None
+            ) from exc
         if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
             raise _damaged(path, f"tensor '{key}' has shape {shape!r}")
         if not (
@@ -232,9 +232,11 @@ def tied_names(metadata: Mapping[str, str], stored: Iterable[str]) -> dict[str, 
     ties = {
         key: value
         for key, value in metadata.items()
-        if key not in stored and value in stored and key != "format"
+        if key not in stored
+        and value in stored
+        and key != "format"
         and not key.startswith(NAMESPACE)
-    }  # fmt: skip
+    }
     recorded = CheckpointMeta.from_header(metadata).aliases
     ties.update({a: t for a, t in recorded.items() if t in stored and a != t})
     return ties

@@ -349,8 +349,9 @@ class TorchFileSource(Source):
         out = []
         for key, stub in self._stubs.items():
             if isinstance(stub, UnsupportedTensor):
-                out.append((key, TensorInfo(stub.dtype, stub.shape, kind=stub.kind,
-                                            detail=stub.detail)))  # fmt: skip
+                out.append(
+                    (key, TensorInfo(stub.dtype, stub.shape, kind=stub.kind, detail=stub.detail))
+                )
                 continue
             if not isinstance(stub, TensorStub):  # a quantized module's packed values
                 out.append((key, _module_value_info(stub)))
@@ -497,7 +498,7 @@ class TrustedTorchSource(Source):
         try:
             root = torch.load(path, map_location="cpu", weights_only=False, mmap=is_zip)
         except Exception as exc:  # arbitrary code ran: report whatever it raised
-            raise FormatError(f"torch.load failed on {path}: {type(exc).__name__}: {exc}") from None
+            raise FormatError(f"torch.load failed on {path}: {type(exc).__name__}: {exc}") from exc
         fmt = "torch-zip" if is_zip else "torch-legacy"
         super().__init__(path=path, format=fmt, globals=list(scan.globals))
         sel = select_state_dict(

@@ -84,8 +84,9 @@ class ArchiveWriter:
 
     def add(self, name: str, data: bytes) -> None:
         """A small record, written from memory with its CRC."""
-        self.add_stream(name, len(data), lambda: write_all(self.fd, memoryview(data)),
-                        crc=zlib.crc32(data))  # fmt: skip
+        self.add_stream(
+            name, len(data), lambda: write_all(self.fd, memoryview(data)), crc=zlib.crc32(data)
+        )
 
     def add_stream(self, name: str, size: int, write: Callable[[], None], *, crc: int = 0) -> int:
         """A record whose ``size`` bytes ``write`` puts at the file's current position (a copy
@@ -98,9 +99,18 @@ class ArchiveWriter:
         used = start + _LOCAL.size + len(name) + len(extra) + 4
         extra += struct.pack("<HH", _PAD_ID, -used % ALIGNMENT) + b"Z" * (-used % ALIGNMENT)
         header = _LOCAL.pack(
-            0x04034B50, 45 if wide else 20, _UTF8, 0, 0, _DOS_DATE, crc,
-            _MAX32 if wide else size, _MAX32 if wide else size, len(name), len(extra),
-        )  # fmt: skip
+            0x04034B50,
+            45 if wide else 20,
+            _UTF8,
+            0,
+            0,
+            _DOS_DATE,
+            crc,
+            _MAX32 if wide else size,
+            _MAX32 if wide else size,
+            len(name),
+            len(extra),
+        )
         write_all(self.fd, memoryview(header + name.encode() + extra))
         data_start = self.position
         write()
@@ -118,19 +128,35 @@ class ArchiveWriter:
         for rec in self.records:
             wide = [v for v in (rec.size, rec.size, rec.offset) if self.zip64 or v >= _MAX32]
             extra = struct.pack(f"<HH{len(wide)}Q", 1, 8 * len(wide), *wide) if wide else b""
-            small = [v if not (self.zip64 or v >= _MAX32) else _MAX32
-                     for v in (rec.size, rec.size, rec.offset)]  # fmt: skip
+            small = [
+                v if not (self.zip64 or v >= _MAX32) else _MAX32
+                for v in (rec.size, rec.size, rec.offset)
+            ]
             central += _CENTRAL.pack(
-                0x02014B50, 45, 45 if wide else 20, _UTF8, 0, 0, _DOS_DATE, rec.crc,
-                small[0], small[1], len(rec.name), len(extra), 0, 0, 0, 0, small[2],
-            )  # fmt: skip
+                0x02014B50,
+                45,
+                45 if wide else 20,
+                _UTF8,
+                0,
+                0,
+                _DOS_DATE,
+                rec.crc,
+                small[0],
+                small[1],
+                len(rec.name),
+                len(extra),
+                0,
+                0,
+                0,
+                0,
+                small[2],
+            )
             central += rec.name.encode() + extra
         start, count = self.position, len(self.records)
         tail = bytes(central)
         if self.zip64 or start + len(central) >= _MAX32 or count >= 0xFFFF:
             end64 = start + len(central)
-            tail += _ZIP64_END.pack(0x06064B50, 44, 45, 45, 0, 0, count, count, len(central),
-                                    start)  # fmt: skip
+            tail += _ZIP64_END.pack(0x06064B50, 44, 45, 45, 0, 0, count, count, len(central), start)
             tail += _ZIP64_LOCATOR.pack(0x07064B50, 0, end64, 1)
             tail += _END.pack(0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _MAX32, _MAX32, 0)
         else:
@@ -173,8 +199,12 @@ def tensor_record(
         stride = tuple(steps)
     args: tuple[Any, ...] = (
         PersistentId(("storage", storage_type, storage.key, "cpu", numel)),
-        offset, tuple(shape), tuple(stride), False, OrderedDict(),
-    )  # fmt: skip
+        offset,
+        tuple(shape),
+        tuple(stride),
+        False,
+        OrderedDict(),
+    )
     if dtype in _TYPED_STORAGES:
         return Call(Ref("torch._utils", "_rebuild_tensor_v2"), args)
     return Call(Ref("torch._utils", "_rebuild_tensor_v3"), (*args, Ref("torch", dtype)))

@@ -71,9 +71,13 @@ class ChunkedSource(Source):
         try:
             tree = build()
             sel = select_state_dict(
-                tree, lambda v: isinstance(v, ChunkedTensor), lambda v: v.nbytes, select=select,
-                ema=ema, source=str(self.path),
-            )  # fmt: skip
+                tree,
+                lambda v: isinstance(v, ChunkedTensor),
+                lambda v: v.nbytes,
+                select=select,
+                ema=ema,
+                source=str(self.path),
+            )
         except BaseException:
             self.close()
             raise
@@ -154,17 +158,22 @@ def check_cover(where: Path, tensor: ChunkedTensor) -> None:
     shape, total = tensor.shape, 0
     boxes: list[Chunk] = []
     for chunk in tensor.chunks:
-        if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape) or any(
-            o < 0 or s < 0 or o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, shape,
-                                                           strict=True)
-        ):  # fmt: skip
+        if (
+            len(chunk.offsets) != len(shape)
+            or len(chunk.sizes) != len(shape)
+            or any(
+                o < 0 or s < 0 or o + s > n
+                for o, s, n in zip(chunk.offsets, chunk.sizes, shape, strict=True)
+            )
+        ):
             raise FormatError(f"{where} has a chunk of '{tensor.fqn}' outside its shape")
         for other in boxes:
             if all(
                 o1 < o2 + s2 and o2 < o1 + s1
-                for o1, s1, o2, s2 in zip(chunk.offsets, chunk.sizes, other.offsets, other.sizes,
-                                          strict=True)
-            ):  # fmt: skip
+                for o1, s1, o2, s2 in zip(
+                    chunk.offsets, chunk.sizes, other.offsets, other.sizes, strict=True
+                )
+            ):
                 raise FormatError(
                     f"{where} has overlapping chunks of '{tensor.fqn}'",
                     "the folder mixes two saves; copy it again",

@@ -287,8 +287,11 @@ class DCPSource(ChunkedSource):
             base = layout.data_offset(stub.storage)
             if base is None or stub.byte_range()[1] > stub.storage.nbytes:
                 raise FormatError(f"{chunk.file} is damaged at '{what}'", "copy it again")
-            self._layouts[chunk] = (chunk.file, chunk.start + base + stub.byte_range()[0],
-                                    stub.nbytes)  # fmt: skip
+            self._layouts[chunk] = (
+                chunk.file,
+                chunk.start + base + stub.byte_range()[0],
+                stub.nbytes,
+            )
         return self._layouts[chunk]
 
     def files(self) -> list[Path]:
@@ -341,8 +344,8 @@ def _sidecar(path: Path) -> dict[str, str]:
         return {}
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        raise FormatError(f"{path} is damaged", "remove it or copy the folder again") from None
+    except (OSError, ValueError) as exc:
+        raise FormatError(f"{path} is damaged", "remove it or copy the folder again") from exc
     if not isinstance(data, dict):
         raise FormatError(f"{path} is damaged", "remove it or copy the folder again")
     return {str(k): str(v) for k, v in data.items()}
@@ -396,7 +399,7 @@ def dcp_metadata(layout: list[tuple[str, str, tuple[int, ...], str, int, int]]) 
             save_id=str(uuid.uuid4()),
             load_id=None,
             modules=[],
-        ),  # fmt: skip
+        ),
         version="1.0.0",  # filesystem.CURRENT_DCP_VERSION
     )
     return dumps(meta)

@@ -50,9 +50,18 @@ DEEPSPEED_GLOBALS = frozenset(
 _OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _MODEL = "mp_rank_00_model_states.pt"
 # The model-states entries that describe the partitioning, not the run.
-_BOOKKEEPING = ("module", "optimizer", "param_shapes", "frozen_param_shapes",
-                "frozen_param_fragments", "shared_params", "buffer_names", "lr_scheduler",
-                "csr_tensor_module_names", "sparse_tensor_module_names")  # fmt: skip
+_BOOKKEEPING = (
+    "module",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "frozen_param_fragments",
+    "shared_params",
+    "buffer_names",
+    "lr_scheduler",
+    "csr_tensor_module_names",
+    "sparse_tensor_module_names",
+)
 SELECTS = ("fp32", "module")
 
 Piece = tuple[Path, int, int]  # file, offset, length
@@ -152,10 +161,74 @@ class DeepSpeedSource(Source):
 
     def _read(self, select: str) -> None:
         tag = self.tag
+        optim_files, osd, stage, world = self._optimizer_files()
+        models = self._model_files(stage, world)
+        states = models[0].root
+        module = _get(states, "module", models[0].path)
+        if not isinstance(module, dict):
+            raise FormatError(f"{models[0].path} is not a DeepSpeed model-states file")
+        params = [k for g in states.get("param_shapes") or () for k in g]
+        module_dtype = next(
+            (module[k].dtype for k in params if isinstance(module.get(k), TensorStub)), "float32"
+        )
+        sel = select_state_dict(
+            states,
+            lambda v: isinstance(v, TensorStub),
+            lambda v: v.nbytes,
+            select="module",
+            source=str(models[0].path),
+        )
+        self.extras = {k: v for k, v in sel.extras.items() if k not in _BOOKKEEPING}
+        self.extras["deepspeed"] = {
+            "zero_stage": stage,
+            "world_size": world,
+            "tag": tag.name,
+            "module_dtype": module_dtype,
+            "version": states.get("ds_version"),
+        }
+        tensors = [n for f in optim_files for n in nodes(f.root) if isinstance(n, TensorStub)]
+        self.dropped = (
+            [
+                DroppedPart(
+                    f"optimizer states of {len(optim_files)} ranks",
+                    len(tensors),
+                    sum(t.nbytes for t in tensors),
+                )
+            ]
+            if optim_files
+            else []
+        )
+        if select == "module" or stage == 0:
+            if stage == 3:
+                raise SelectError(
+                    f"{tag} is ZeRO-3: its module states hold only empty placeholders",
+                    "drop --select module for the fp32 weights rebuilt from the partitions",
+                )
+            self.selected = "module"
+            self.selected_reason = f"the module in {module_dtype}, chosen with --select module"
+            for key, stub in module.items():
+                self._add(key, models[0].piece(stub, f"tensor '{key}'"), stub)
+            self._aliases = _ties_by_storage(module)
+            return
+        self._rebuild(stage, world, optim_files, osd, models, module)
+        self.selected = "fp32"
+        self.selected_reason = (
+            f"the fp32 master weights, rebuilt from the ZeRO-{stage} partitions of {world} ranks "
+            f"as zero_to_fp32 does; trained in {module_dtype}"
+            + (", --select module for those weights" if stage < 3 else "")
+        )
+
+    def _optimizer_files(self) -> tuple[list[_TorchFile], list[dict[str, Any]], int, int]:
+        """The ranks' ``*_optim_states.pt``, opened and checked: their files, their optimizer
+        state dicts, the ZeRO stage and the world size."""
+        tag = self.tag
         optim = sorted(
-            ((int(m.group(1)), int(m.group(2)), p) for p in tag.iterdir()
-             if (m := _OPTIM.fullmatch(p.name))),
-        )  # fmt: skip
+            (
+                (int(m.group(1)), int(m.group(2)), p)
+                for p in tag.iterdir()
+                if (m := _OPTIM.fullmatch(p.name))
+            ),
+        )
         if any(mp for _, mp, _ in optim) or (tag / "mp_rank_01_model_states.pt").exists():
             raise FormatError(
                 f"{tag} is a tensor-parallel DeepSpeed checkpoint, which ckptkit does not merge",
@@ -176,57 +249,20 @@ class DeepSpeedSource(Source):
                     f"{tag} holds optimizer states of ranks {ranks} but the run had {count}",
                     "a rank's *_optim_states.pt is missing: copy the whole folder again",
                 )
-        model_paths = [tag / _MODEL] if stage < 3 else [
-            tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)
-        ]  # fmt: skip
+        return optim_files, osd, stage, world
+
+    def _model_files(self, stage: int, world: int) -> list[_TorchFile]:
+        """The model-states files, opened: one, or under ZeRO-3 one per rank."""
+        tag = self.tag
+        model_paths = (
+            [tag / _MODEL]
+            if stage < 3
+            else [tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)]
+        )
         for path in model_paths:
             if not path.is_file():
                 raise FormatError(f"{tag} is missing {path.name}", "copy the whole folder again")
-        models = [self._open(p) for p in model_paths]
-        states = models[0].root
-        module = _get(states, "module", models[0].path)
-        if not isinstance(module, dict):
-            raise FormatError(f"{models[0].path} is not a DeepSpeed model-states file")
-        params = [k for g in states.get("param_shapes") or () for k in g]
-        module_dtype = next(
-            (module[k].dtype for k in params if isinstance(module.get(k), TensorStub)), "float32"
-        )
-        sel = select_state_dict(
-            states, lambda v: isinstance(v, TensorStub), lambda v: v.nbytes, select="module",
-            source=str(models[0].path),
-        )  # fmt: skip
-        self.extras = {k: v for k, v in sel.extras.items() if k not in _BOOKKEEPING}
-        self.extras["deepspeed"] = {
-            "zero_stage": stage,
-            "world_size": world,
-            "tag": tag.name,
-            "module_dtype": module_dtype,
-            "version": states.get("ds_version"),
-        }
-        tensors = [n for f in optim_files for n in nodes(f.root) if isinstance(n, TensorStub)]
-        self.dropped = [
-            DroppedPart(f"optimizer states of {len(optim_files)} ranks", len(tensors),
-                        sum(t.nbytes for t in tensors))
-        ] if optim_files else []  # fmt: skip
-        if select == "module" or stage == 0:
-            if stage == 3:
-                raise SelectError(
-                    f"{tag} is ZeRO-3: its module states hold only empty placeholders",
-                    "drop --select module for the fp32 weights rebuilt from the partitions",
-                )
-            self.selected = "module"
-            self.selected_reason = f"the module in {module_dtype}, chosen with --select module"
-            for key, stub in module.items():
-                self._add(key, models[0].piece(stub, f"tensor '{key}'"), stub)
-            self._aliases = _ties_by_storage(module)
-            return
-        self._rebuild(stage, world, optim_files, osd, models, module)
-        self.selected = "fp32"
-        self.selected_reason = (
-            f"the fp32 master weights, rebuilt from the ZeRO-{stage} partitions of {world} ranks "
-            f"as zero_to_fp32 does; trained in {module_dtype}"
-            + (", --select module for those weights" if stage < 3 else "")
-        )
+        return [self._open(p) for p in model_paths]
 
     def _add(self, key: str, piece: Piece | list[Piece], stub: Any, dtype: str = "") -> None:
         pieces = tuple(piece) if isinstance(piece, list) else (piece,)
@@ -268,14 +304,16 @@ class DeepSpeedSource(Source):
         frozen = _frozen(states, models, stage)
         for key, stub in module.items():
             if key in rebuilt:
-                self._parts[key] = _Part("float32", "float32", params[key], tuple(rebuilt[key]),
-                                         f"ds:{key}")  # fmt: skip
+                self._parts[key] = _Part(
+                    "float32", "float32", params[key], tuple(rebuilt[key]), f"ds:{key}"
+                )
             elif key in frozen:
                 self._parts[key] = frozen[key]
             elif key in buffers and isinstance(stub, TensorStub):
                 widen = DTYPES[stub.dtype].kind == "float"  # zero_to_fp32 widens buffers
-                self._add(key, models[0].piece(stub, f"buffer '{key}'"), stub,
-                          "float32" if widen else "")  # fmt: skip
+                self._add(
+                    key, models[0].piece(stub, f"buffer '{key}'"), stub, "float32" if widen else ""
+                )
         shared = states.get("shared_params") or {}
         for alias, target in shared.items():
             if target in self._parts:
@@ -347,8 +385,9 @@ def _ties_by_storage(module: dict[str, Any]) -> dict[str, str]:
     return ties
 
 
-def _zero12(groups: list[list[Piece]], shapes: list[dict[str, Any]], world: int,
-            paddings: Any, tag: Path) -> dict[str, list[Piece]]:  # fmt: skip
+def _zero12(
+    groups: list[list[Piece]], shapes: list[dict[str, Any]], world: int, paddings: Any, tag: Path
+) -> dict[str, list[Piece]]:
     """ZeRO-1/2: each group's partitions end to end; parameters one after another."""
     out: dict[str, list[Piece]] = {}
     for g, shape_map in enumerate(shapes):
@@ -371,8 +410,9 @@ def _zero12(groups: list[list[Piece]], shapes: list[dict[str, Any]], world: int,
     return out
 
 
-def _zero3(groups: list[list[Piece]], shapes: list[dict[str, Any]], world: int,
-           tag: Path) -> dict[str, list[Piece]]:  # fmt: skip
+def _zero3(
+    groups: list[list[Piece]], shapes: list[dict[str, Any]], world: int, tag: Path
+) -> dict[str, list[Piece]]:
     """ZeRO-3: each parameter's cut at the same offset on every rank, the padding dropped."""
     out: dict[str, list[Piece]] = {}
     per_rank = sum(length for _, _, length in groups[0]) // 4

@@ -241,8 +241,10 @@ class RankFilesSource(ChunkedSource):
                 or not all(type(o) is int and o >= 0 for o in offsets)
                 or list(p.stub.shape) != sizes
             ):
-                raise FormatError(f"{file} is damaged at '{key}' (a shard's metadata does not "
-                                  "fit its tensor)", "copy it again")  # fmt: skip
+                raise FormatError(
+                    f"{file} is damaged at '{key}' (a shard's metadata does not fit its tensor)",
+                    "copy it again",
+                )
             p.offsets = tuple(offsets)
             pieces.append(p)
         return pieces

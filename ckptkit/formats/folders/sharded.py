@@ -35,8 +35,8 @@ def read_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
     try:
         data = json.loads(index.read_text())
         weight_map = data["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise FormatError(f"{index} is not a shard index (no weight_map)") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"{index} is not a shard index (no weight_map)") from exc
     if not isinstance(weight_map, dict):
         raise FormatError(f"{index} is not a shard index (weight_map is not a mapping)")
     return {str(k): str(v) for k, v in weight_map.items()}, dict(data.get("metadata") or {})

@@ -302,8 +302,9 @@ def atomic_folder(dst: Path, *, force: bool = False, inputs: Iterable[Path] = ()
     check_folder_output(dst, force=force, inputs=inputs)
     remove_stale_temps(dst.parent)
     try:
-        tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}{_TEMP_MARK}",
-                                    suffix=".tmp"))  # fmt: skip
+        tmp = Path(
+            tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}{_TEMP_MARK}", suffix=".tmp")
+        )
         fd = os.open(tmp / _FOLDER_LOCK, os.O_WRONLY | os.O_CREAT, 0o600)
     except OSError as exc:
         raise _os_error(dst, exc) from None
@@ -316,8 +317,11 @@ def atomic_folder(dst: Path, *, force: bool = False, inputs: Iterable[Path] = ()
             os.chmod(tmp, 0o777 & ~_umask())
             _fsync_dir(tmp)
             if dst.exists() and force:
-                aside = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}{_TEMP_MARK}old-",
-                                              suffix=".tmp"))  # fmt: skip
+                aside = Path(
+                    tempfile.mkdtemp(
+                        dir=dst.parent, prefix=f".{dst.name}{_TEMP_MARK}old-", suffix=".tmp"
+                    )
+                )
                 os.replace(dst, aside)
             try:
                 os.rename(tmp, dst)  # onto a path that does not exist: never replaces anything

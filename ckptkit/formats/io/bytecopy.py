@@ -101,8 +101,9 @@ def _mapped_write(src_fd: int, offset: int, count: int, dst_fd: int) -> int:
     while done < count:
         at, size = offset + done, min(COPY_WINDOW, count - done)
         try:
-            window, skip = _map(src_fd, at, size, flags=mmap.MAP_SHARED | _POPULATE,
-                                prot=mmap.PROT_READ)  # fmt: skip
+            window, skip = _map(
+                src_fd, at, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ
+            )
         except OSError:  # a file that cannot be mapped: the next copier goes on from here
             break
         try:

@@ -282,7 +282,7 @@ class _Machine:
         except PickleDamaged:
             raise
         except Exception as exc:  # a handler refusing its arguments: the pickle is malformed
-            raise self.fail(f"{target.name} with bad arguments ({exc})") from None
+            raise self.fail(f"{target.name} with bad arguments ({exc})") from exc
 
     def build(self, inst: Any, state: Any) -> None:
         if isinstance(inst, Opaque):
@@ -726,7 +726,7 @@ def _persistent(m: _Machine, pid: Any) -> None:
     except PickleDamaged:
         raise
     except Exception as exc:
-        raise m.fail(f"bad persistent id ({exc})") from None
+        raise m.fail(f"bad persistent id ({exc})") from exc
 
 
 def _memo_get(m: _Machine, index: int) -> None:
@@ -770,6 +770,8 @@ def _memoize(m: _Machine) -> None:
     _memo_put(m, len(m.memo))
 
 
+# A table, several opcodes a line in the protocols' order (0 and 1; 2 from "\x80"; 3's "B" and
+# "C"; 4 from "\x8c"; 5 from "\x96"): `fmt: skip` keeps it one.
 _OPS: dict[int, Callable[[_Machine], None]] = {
     ord(code): fn
     for code, fn in {

@@ -151,13 +151,23 @@ def _rebuild_subclass(cls: Any = None, dtype: Any = None, size: Any = (), *_: An
 SHARDED_KINDS = ("DTensor", "ShardedTensor")  # one rank's shard, its full shape recorded
 
 
-_QUANTIZED = {"QInt8Storage": ("int8", "qint8"), "QUInt8Storage": ("uint8", "quint8"),
-              "QInt32Storage": ("int32", "qint32"), "QUInt4x2Storage": ("uint8", "quint4x2"),
-              "QUInt2x4Storage": ("uint8", "quint2x4")}  # fmt: skip
+_QUANTIZED = {
+    "QInt8Storage": ("int8", "qint8"),
+    "QUInt8Storage": ("uint8", "quint8"),
+    "QInt32Storage": ("int32", "qint32"),
+    "QUInt4x2Storage": ("uint8", "quint4x2"),
+    "QUInt2x4Storage": ("uint8", "quint2x4"),
+}
 
 
-def _rebuild_qtensor(storage: Any = None, offset: Any = 0, size: Any = (), stride: Any = (),
-                     quantizer: Any = (), *_ignored: Any) -> UnsupportedTensor:  # fmt: skip
+def _rebuild_qtensor(
+    storage: Any = None,
+    offset: Any = 0,
+    size: Any = (),
+    stride: Any = (),
+    quantizer: Any = (),
+    *_ignored: Any,
+) -> UnsupportedTensor:
     shape = size if isinstance(size, tuple) and all(type(n) is int for n in size) else ()
     scheme = _torch_name(quantizer[0]) if isinstance(quantizer, tuple) and quantizer else ""
     dtype, qdtype = "uint8", "quantized"
@@ -298,8 +308,15 @@ TORCH_CALLS: Mapping[str, Callable[..., Any]] = MappingProxyType(
     }
 )
 
-_QUANTIZED_STORAGES = ("QInt8Storage", "QUInt8Storage", "QInt32Storage", "QUInt4x2Storage",
-                       "QUInt2x4Storage", "TypedStorage", "UntypedStorage")  # fmt: skip
+_QUANTIZED_STORAGES = (
+    "QInt8Storage",
+    "QUInt8Storage",
+    "QInt32Storage",
+    "QUInt4x2Storage",
+    "QUInt2x4Storage",
+    "TypedStorage",
+    "UntypedStorage",
+)
 
 
 def storage_dtype(storage_type: Any) -> str | None:
@@ -318,9 +335,19 @@ def storage_dtype(storage_type: Any) -> str | None:
 # NumPy scalars (a `best_acc` saved as np.float64) are outside the safe set and refused unless
 # admitted; once admitted, their value is decoded from the pickled bytes, never by numpy.
 _NUMPY_FORMATS = {
-    "f8": "d", "f4": "f", "f2": "e", "i8": "q", "i4": "i", "i2": "h", "i1": "b", "u8": "Q",
-    "u4": "I", "u2": "H", "u1": "B", "b1": "?",
-}  # fmt: skip
+    "f8": "d",
+    "f4": "f",
+    "f2": "e",
+    "i8": "q",
+    "i4": "i",
+    "i2": "h",
+    "i1": "b",
+    "u8": "Q",
+    "u4": "I",
+    "u2": "H",
+    "u1": "B",
+    "b1": "?",
+}
 
 
 def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
@@ -381,32 +408,42 @@ def _deque(items: Any = (), maxlen: Any = None) -> list[Any]:
 #: Classes ordinary checkpoints hold as plain data (a training script's ``args``, NumPy values,
 #: paths, times): decoded from their pickled state by pure functions, never imported, so they
 #: are read without being admitted. Anything else outside the safe set is still refused.
-DATA_CALLS: Mapping[str, Callable[..., Any]] = MappingProxyType({
-    "numpy.core.multiarray.scalar": _numpy_scalar,
-    "numpy._core.multiarray.scalar": _numpy_scalar,
-    "numpy.core.multiarray._reconstruct": _ArrayRecord,
-    "numpy._core.multiarray._reconstruct": _ArrayRecord,
-    "pathlib.PosixPath": _path,
-    "pathlib.WindowsPath": _path,
-    "pathlib.PurePosixPath": _path,
-    "pathlib.PureWindowsPath": _path,
-    "pathlib.Path": _path,
-    "datetime.datetime": _datetime(datetime.datetime),
-    "datetime.date": _datetime(datetime.date),
-    "datetime.time": _datetime(datetime.time),
-    "datetime.timedelta": _timedelta,
-    "collections.defaultdict": lambda *args: {},
-    "collections.deque": _deque,
-    "builtins.frozenset": _container(frozenset),
-})  # fmt: skip
+DATA_CALLS: Mapping[str, Callable[..., Any]] = MappingProxyType(
+    {
+        "numpy.core.multiarray.scalar": _numpy_scalar,
+        "numpy._core.multiarray.scalar": _numpy_scalar,
+        "numpy.core.multiarray._reconstruct": _ArrayRecord,
+        "numpy._core.multiarray._reconstruct": _ArrayRecord,
+        "pathlib.PosixPath": _path,
+        "pathlib.WindowsPath": _path,
+        "pathlib.PurePosixPath": _path,
+        "pathlib.PureWindowsPath": _path,
+        "pathlib.Path": _path,
+        "datetime.datetime": _datetime(datetime.datetime),
+        "datetime.date": _datetime(datetime.date),
+        "datetime.time": _datetime(datetime.time),
+        "datetime.timedelta": _timedelta,
+        "collections.defaultdict": lambda *args: {},
+        "collections.deque": _deque,
+        "builtins.frozenset": _container(frozenset),
+    }
+)
 #: Every data class: those decoded above, and those that only appear as values or are built
 #: by NEWOBJ and BUILD (their state recorded as it is).
 DATA_GLOBALS: frozenset[str] = frozenset(DATA_CALLS) | {
-    "argparse.Namespace", "numpy.dtype", "numpy.ndarray",
+    "argparse.Namespace",
+    "numpy.dtype",
+    "numpy.ndarray",
     # plain types, named as values (a defaultdict's factory): recorded, never called
-    "builtins.int", "builtins.float", "builtins.str", "builtins.bool", "builtins.list",
-    "builtins.dict", "builtins.tuple", "builtins.bytes",
-}  # fmt: skip
+    "builtins.int",
+    "builtins.float",
+    "builtins.str",
+    "builtins.bool",
+    "builtins.list",
+    "builtins.dict",
+    "builtins.tuple",
+    "builtins.bytes",
+}
 
 
 @dataclass
