@@ -386,6 +386,12 @@ def _train_option(*decls: str, **kwargs: Any) -> Any:
 @_train_option(
     "--resume", metavar="PATH|auto", help="Resume from a checkpoint, or the newest complete one."
 )
+@_train_option(
+    "--overwrite",
+    is_flag=True,
+    help="Delete an earlier run's checkpoints and logs in --out first (without it, or "
+    "--resume, an --out holding a run is refused).",
+)
 @_train_option("--device", type=click.Choice(["cpu", "cuda"]))
 @_train_option(
     "--save-format",

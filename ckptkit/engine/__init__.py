@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.engine.config import TrainConfig
@@ -47,10 +48,13 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
     config.check()
     if Mode(config.mode).distributed and not under_launcher():
         # Only what launching needs is imported here: the workers wait for this process.
+        from ckptkit.engine.checkpoint import check_fresh
         from ckptkit.engine.launch import launch
 
+        # Here, before any worker starts: an earlier run in --out, and a resume with nothing left.
+        check_fresh(Path(config.out), resume=config.resume, overwrite=config.overwrite)
         if config.resume is not None:
-            _check_resume(config)  # here, before any worker starts
+            _check_resume(config)
         ranks = config.nproc_per_node * config.grad_accum
         if config.batch_size % ranks:
             raise UsageError(
@@ -66,8 +70,6 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
 
 def _check_resume(config: TrainConfig) -> None:
     """Refuse a resume that leaves nothing to train (its epoch read, its tensors mapped)."""
-    from pathlib import Path
-
     from ckptkit.engine.checkpoint import find_resume
     from ckptkit.engine.payload import EPOCH, STEP, load_payload
     from ckptkit.engine.trainer import check_epochs  # only to resume

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import re
 import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -31,8 +30,9 @@ from ckptkit.engine.distributed import quiet_single_process_dcp
 from ckptkit.engine.payload import DIGEST, META, MODEL, TRAIN_STATE, load_dcp, load_payload
 from ckptkit.engine.ptwriter import write_payload
 from ckptkit.engine.saver import BackgroundSaver, Staging, dcp_stager, staged
-from ckptkit.errors import CkptkitError, FormatError
+from ckptkit.errors import CkptkitError, FormatError, UsageError
 from ckptkit.formats.base.tensors import as_bytes, dtype_name
+from ckptkit.formats.folders.runs import BEST, CHECKPOINT_NAME, LATEST, list_checkpoints
 from ckptkit.formats.io.atomic import atomic_folder, atomic_output
 
 __all__ = [
@@ -46,11 +46,8 @@ __all__ = [
     "LATEST",
 ]
 
-LATEST = "latest"
-BEST = "best"  # names the checkpoint with the best --monitor value
-# ckpt-epoch0003.pt after 3 epochs; ckpt-epoch0003-step00000070.pt 70 steps in, during the 4th.
-_NAME = re.compile(r"ckpt-epoch(\d{4,})(?:-step(\d{8,}))?(?:\.(pt|safetensors))?")
-_PREFERENCE = {".pt": 0, "": 1, ".safetensors": 2}  # which one a step saved twice resumes from
+# What an earlier run left in --out besides its checkpoints and pointers.
+RUN_LOGS = ("metrics.jsonl", "steps.jsonl", "tensorboard")
 
 
 def checkpoint_name(epoch: int, suffix: str = "pt", *, step: int | None = None) -> str:
@@ -70,17 +67,36 @@ def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def list_checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoints in ``folder``, oldest first, one per epoch (the ``.pt`` when both
-    formats were saved). Temp files and folders are never listed."""
-    found: dict[tuple[int, int], Path] = {}
-    for path in folder.glob("ckpt-epoch*"):
-        if (m := _NAME.fullmatch(path.name)) and (m.group(3) or path.is_dir()):
-            # An epoch's end sorts before the steps into the next one.
-            at = (int(m.group(1)), int(m.group(2)) if m.group(2) else -1)
-            if at not in found or _PREFERENCE[path.suffix] < _PREFERENCE[found[at].suffix]:
-                found[at] = path
-    return [found[at] for at in sorted(found)]
+def earlier_run(folder: Path) -> list[Path]:
+    """What an earlier run left in ``folder``: its checkpoints, pointers and logs."""
+    if not folder.is_dir():
+        return []
+    names = (LATEST, BEST, *RUN_LOGS)
+    return sorted(
+        p for p in folder.iterdir() if CHECKPOINT_NAME.fullmatch(p.name) or p.name in names
+    )
+
+
+def check_fresh(folder: Path, *, resume: str | None, overwrite: bool) -> None:
+    """A run never silently restarts over another: without ``--resume`` an ``--out`` holding a
+    run is refused, or with ``--overwrite`` its checkpoints and logs are deleted first.
+
+    Raises:
+        UsageError: ``folder`` holds a run, and neither option says what to do with it.
+    """
+    found = earlier_run(folder) if resume is None else []
+    if found and not overwrite:
+        names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+        raise UsageError(
+            f"--out {folder} holds an earlier run ({names})",
+            "resume it with --resume auto (or --resume PATH), or pass --overwrite to delete "
+            "its checkpoints and logs and start afresh",
+        )
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def commit(

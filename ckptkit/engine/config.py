@@ -58,6 +58,7 @@ class TrainConfig:
     keep_last: int = 3
     async_save: bool = False  # stage to CPU memory, write on a thread
     resume: str | None = None  # a checkpoint path, or "auto"
+    overwrite: bool = False  # delete an earlier run's checkpoints and logs in --out first
     device: str = "cpu"
     save_format: str | None = None  # pt, safetensors, both or dcp; None: dcp in fsdp, else pt
     # "module:factory" or a callable (picklable, for DDP); None: the built-in demo model / data.
@@ -76,6 +77,8 @@ class TrainConfig:
         from ckptkit.engine.distributed import Mode
         from ckptkit.engine.runlog import check_sinks
 
+        if self.resume is not None and self.overwrite:
+            raise UsageError("--resume and --overwrite contradict each other", "give one")
         if self.mode not in {m.value for m in Mode}:
             raise UsageError(f"unknown mode '{self.mode}'", "use single, dp, ddp or fsdp")
         if self.save_format is None:

@@ -154,6 +154,7 @@ class Engine:
         run = build(cfg, ctx)
         out = Path(cfg.out)
         if ctx.is_main:
+            checkpoint.check_fresh(out, resume=cfg.resume, overwrite=cfg.overwrite)
             _check_writable(out)  # fail now, not after the first epoch
             checkpoint.remove_stale(out)  # a killed run's temp files: now, not at the next save
         state = Progress()
