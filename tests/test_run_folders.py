@@ -86,12 +86,14 @@ def test_select_best_and_by_name(run_folder):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_scan_covers_every_checkpoint_of_the_run(run_folder):
+def test_scan_covers_every_checkpoint_of_the_run_and_finds_it_safe(run_folder):
+    # ckptkit's own checkpoints of every mode scan safe: DCP's .metadata classes are data.
     result = invoke("scan", run_folder, "--json")
-    files = {
-        Path(r["path"]).relative_to(run_folder).parts[0] for r in json.loads(result.stdout)["files"]
-    }
+    assert result.exit_code == 0, result.output
+    reports = json.loads(result.stdout)["files"]
+    files = {Path(r["path"]).relative_to(run_folder).parts[0] for r in reports}
     assert {p.name for p in run_folder.glob("ckpt-epoch*")} <= files
+    assert {r["verdict"] for r in reports} == {"safe"}
 
 
 def test_a_missing_latest_checkpoint_and_an_unknown_name_are_refused(tmp_path):

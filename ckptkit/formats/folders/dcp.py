@@ -31,7 +31,7 @@ from ckptkit.formats.files.safetensors import HF_SHARDING
 from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, Piece, check_cover
 from ckptkit.formats.pickles.machine import Global, Opaque, fields
 from ckptkit.formats.pickles.safe_globals import safe_globals
-from ckptkit.formats.pickles.unpickler import DATA_GLOBALS, TensorStub
+from ckptkit.formats.pickles.unpickler import DATA_GLOBALS, DCP_METADATA_GLOBALS, TensorStub
 from ckptkit.formats.pickles.verdicts import scan_pickle
 from ckptkit.formats.pickles.writer import Call, New, Ref, dumps
 from ckptkit.meta import jsonable
@@ -44,21 +44,7 @@ SIDECAR = "ckptkit.json"  # the conversion's metadata beside a DCP folder ckptki
 LIGHTNING_META = "meta.pt"  # Lightning's FSDP strategy saves the trainer's state beside DCP
 _DCP = "torch.distributed.checkpoint."
 # DCP's own classes in .metadata: dataclasses of plain values, read as data, never imported.
-DCP_GLOBALS = frozenset(
-    {
-        _DCP + "metadata.Metadata",
-        _DCP + "metadata.TensorStorageMetadata",
-        _DCP + "metadata.BytesStorageMetadata",
-        _DCP + "metadata.TensorProperties",
-        _DCP + "metadata.ChunkStorageMetadata",
-        _DCP + "metadata.MetadataIndex",
-        _DCP + "metadata.StorageMeta",
-        _DCP + "metadata._MEM_FORMAT_ENCODING",
-        _DCP + "filesystem._StorageInfo",
-        "pathlib.PosixPath",
-        "pathlib.WindowsPath",
-    }
-)
+DCP_GLOBALS = DCP_METADATA_GLOBALS | {"pathlib.PosixPath", "pathlib.WindowsPath"}
 
 
 class _Slice(io.RawIOBase):

@@ -41,6 +41,7 @@ __all__ = [
     "TORCH_CALLS",
     "DATA_CALLS",
     "DATA_GLOBALS",
+    "DCP_METADATA_GLOBALS",
     "read_pickle",
     "python3_name",
 ]
@@ -430,20 +431,40 @@ DATA_CALLS: Mapping[str, Callable[..., Any]] = MappingProxyType(
 )
 #: Every data class: those decoded above, and those that only appear as values or are built
 #: by NEWOBJ and BUILD (their state recorded as it is).
-DATA_GLOBALS: frozenset[str] = frozenset(DATA_CALLS) | {
-    "argparse.Namespace",
-    "numpy.dtype",
-    "numpy.ndarray",
-    # plain types, named as values (a defaultdict's factory): recorded, never called
-    "builtins.int",
-    "builtins.float",
-    "builtins.str",
-    "builtins.bool",
-    "builtins.list",
-    "builtins.dict",
-    "builtins.tuple",
-    "builtins.bytes",
-}
+_DCP = "torch.distributed.checkpoint."
+# The classes of DCP's own .metadata (torch's dataclasses and one enum): read as data, never
+# imported, as the fields of the objects they describe.
+DCP_METADATA_GLOBALS = frozenset(
+    {
+        _DCP + "metadata.Metadata",
+        _DCP + "metadata.TensorStorageMetadata",
+        _DCP + "metadata.BytesStorageMetadata",
+        _DCP + "metadata.TensorProperties",
+        _DCP + "metadata.ChunkStorageMetadata",
+        _DCP + "metadata.MetadataIndex",
+        _DCP + "metadata.StorageMeta",
+        _DCP + "metadata._MEM_FORMAT_ENCODING",
+        _DCP + "filesystem._StorageInfo",
+    }
+)
+DATA_GLOBALS: frozenset[str] = (
+    frozenset(DATA_CALLS)
+    | DCP_METADATA_GLOBALS
+    | {
+        "argparse.Namespace",
+        "numpy.dtype",
+        "numpy.ndarray",
+        # plain types, named as values (a defaultdict's factory): recorded, never called
+        "builtins.int",
+        "builtins.float",
+        "builtins.str",
+        "builtins.bool",
+        "builtins.list",
+        "builtins.dict",
+        "builtins.tuple",
+        "builtins.bytes",
+    }
+)
 
 
 @dataclass
