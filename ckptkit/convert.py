@@ -87,6 +87,12 @@ class OutputOptions:
 class ConvertReport:
     """What ``convert`` read, planned, wrote and checked."""
 
+    def __str__(self) -> str:
+        """What ``ckptkit convert`` prints of it."""
+        from ckptkit.render import convert_lines
+
+        return "\n".join(convert_lines(self))
+
     source: str
     source_format: str
     destination: str

@@ -63,6 +63,12 @@ class Side:
 class DiffReport:
     """Keys only in A or B, header mismatches, and value differences of common tensors."""
 
+    def __str__(self) -> str:
+        """What ``ckptkit diff`` prints of it."""
+        from ckptkit.render import diff_lines
+
+        return "\n".join(diff_lines(self))
+
     a: Side
     b: Side
     only_a: list[str] = field(default_factory=list)

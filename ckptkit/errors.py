@@ -11,6 +11,7 @@ __all__ = [
     "CkptkitError",
     "UsageError",
     "FormatError",
+    "MissingFileError",
     "UnsafeCheckpointError",
     "SelectError",
     "KeyTransformError",
@@ -85,6 +86,20 @@ class UsageError(CkptkitError):
 
 class FormatError(CkptkitError):
     """A file that is not a checkpoint ckptkit reads, or one that is damaged."""
+
+
+class MissingFileError(FormatError, FileNotFoundError):
+    """A checkpoint path that does not exist: a ``FileNotFoundError`` too, so ``except
+    FileNotFoundError`` and ``except FormatError`` both catch it."""
+
+    def __init__(self, path: object, hint: str | None = "check the path"):
+        super().__init__(f"{path} does not exist", hint)
+        self.errno = 2  # ENOENT, as FileNotFoundError carries it
+        self.strerror = "No such file or directory"
+        self.filename = str(path)
+
+    def __str__(self) -> str:  # OSError's own would print "[Errno 2] ..."
+        return CkptkitError.__str__(self)
 
 
 class UnsafeCheckpointError(CkptkitError):

@@ -308,7 +308,8 @@ def convert_lines(report: Any) -> list[str]:
         lines.append(f"Kept     {', '.join(report.extras)} in the metadata")
     elif report.extras:
         lines.append(
-            f"Left     {', '.join(report.extras)} (a .pt output holds only the state dict)"
+            f"Omitted  {', '.join(report.extras)}: not written (a .pt output holds only the "
+            "state dict; .safetensors keeps them in its metadata)"
         )
     if report.dry_run:
         lines.append("Dry run: nothing written")
@@ -356,6 +357,23 @@ def scan_lines(report: Any) -> list[str]:
     return lines
 
 
+_LISTED = 10  # differing tensors diff lists one by one
+
+
+def _retyped_lines(retyped: list[Any], some: Any) -> list[str]:
+    """One line per pair of dtypes: the key when one tensor has it, else the count and keys."""
+    pairs: dict[tuple[str, str], list[str]] = {}
+    for t in retyped:
+        pairs.setdefault(t.dtypes, []).append(t.key)
+    lines = []
+    for (a, b), keys in pairs.items():
+        what = keys[0] if len(keys) == 1 else f"{len(keys)} tensors"
+        lines.append(f"dtype        {what}: {a} vs {b} (values compared in the wider type)")
+        if len(keys) > 1:
+            lines.append(f"             {some(keys)}")
+    return lines
+
+
 def diff_lines(report: Any) -> list[str]:
     """``diff``'s text report."""
     lines = []
@@ -374,11 +392,7 @@ def diff_lines(report: Any) -> list[str]:
         lines.append(
             f"mismatch     {key}: {list(ia.shape)} {ia.dtype} vs {list(ib.shape)} {ib.dtype}"
         )
-    for t in report.retyped:
-        lines.append(
-            f"dtype        {t.key}: {t.dtypes[0]} vs {t.dtypes[1]} "
-            "(values compared in the wider type)"
-        )
+    lines += _retyped_lines(report.retyped, some)
     if report.keys_only:
         lines.append(f"headers      {report.common} common keys compared (no data read)")
     else:
@@ -390,11 +404,13 @@ def diff_lines(report: Any) -> list[str]:
             f"values       {counts['equal']} bit-equal, {counts['close']} within "
             f"tolerance, {counts['different']} different"
         )
-        for t in report.different[:10]:
+        for t in report.different[:_LISTED]:
             lines.append(
                 f"  {t.key}: {t.differing} elements differ, max abs {t.max_abs:.3g}, "
                 f"max rel {t.max_rel:.3g}"
             )
+        if len(report.different) > _LISTED:
+            lines.append(f"  ... and {len(report.different) - _LISTED} more (--json lists all)")
     lines.append("equal" if report.equal else "differ")
     return lines
 

@@ -30,6 +30,12 @@ MIN_FOLD = 3  # fold repeated layers only from three on: two lines read better t
 class Summary:
     """Everything ``inspect`` shows about one checkpoint."""
 
+    def __str__(self) -> str:
+        """What ``ckptkit inspect`` prints of it."""
+        from ckptkit.render import inspect_lines
+
+        return "\n".join(inspect_lines(self))
+
     path: str
     format: str
     file_size: int

@@ -106,3 +106,69 @@ def test_a_launched_run_is_refused_before_any_worker_starts(tmp_path):
     with pytest.raises(UsageError, match="holds an earlier run"):  # raised here, not by a rank
         _train(out, mode="ddp", epochs=1, nproc_per_node=2)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_missing_file_is_a_file_not_found_error_and_a_format_error(tmp_path, run):
+    import json
+
+    import pytest
+
+    import ckptkit
+    from ckptkit.errors import FormatError
+
+    missing = tmp_path / "nope.pt"
+    for call in (ckptkit.load_state_dict, ckptkit.summarize, ckptkit.open_source):
+        with pytest.raises(FileNotFoundError) as caught:
+            call(missing)
+        assert isinstance(caught.value, FormatError) and caught.value.filename == str(missing)
+        assert str(caught.value) == f"{missing} does not exist; check the path"
+    result = run("inspect", missing, "--json")
+    assert result.exit_code == 1
+    assert result.stderr == f"Error: {missing} does not exist; check the path\n"
+    assert json.loads(result.stdout)["error"]["type"] == "MissingFileError"
+
+
+def test_str_of_a_report_is_what_the_command_prints(run, tmp_path):
+    import ckptkit
+
+    src = FIXTURE_DIR / "ddp.pt"
+    assert str(ckptkit.summarize(src)) == run("inspect", src).stdout.rstrip("\n")
+    assert str(ckptkit.diff(src, FIXTURE_DIR / "single.pt")) == run(
+        "diff", src, FIXTURE_DIR / "single.pt"
+    ).stdout.rstrip("\n")
+    report = ckptkit.convert(src, tmp_path / "a.safetensors", strip_module=True)
+    printed = run("convert", src, tmp_path / "b.safetensors", "--strip-module").stdout
+    assert str(report).replace("a.safetensors", "b.safetensors") == printed.rstrip("\n")
+
+
+def _save(path, tensors):
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+
+
+def test_diff_says_a_dtype_change_once_and_how_many_differences_it_cut(run, tmp_path):
+    import torch
+
+    a = {f"w{i:02d}": torch.arange(16, dtype=torch.float32).reshape(4, 4) + i for i in range(16)}
+    _save(tmp_path / "a.safetensors", a)
+    _save(tmp_path / "b.safetensors", {k: v.to(torch.bfloat16) for k, v in a.items()})
+    lines = run("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors").stdout.splitlines()
+    assert [line for line in lines if line.startswith("dtype")] == [
+        "dtype        16 tensors: float32 vs bfloat16 (values compared in the wider type)"
+    ]
+    c = {k: v + (1 if k != "w15" else 0) for k, v in a.items()}  # 15 of 16 differ
+    _save(tmp_path / "c.safetensors", c)
+    lines = run("diff", tmp_path / "a.safetensors", tmp_path / "c.safetensors").stdout.splitlines()
+    assert "values       1 bit-equal, 0 within tolerance, 15 different" in lines
+    assert sum(line.startswith("  w") for line in lines) == 10
+    assert "  ... and 5 more (--json lists all)" in lines
+
+
+def test_a_pt_report_says_the_extras_are_not_written(run, tmp_path):
+    result = run("convert", FIXTURE_DIR / "training.pt", tmp_path / "o.pt")
+    assert result.exit_code == 0, result.output
+    assert (
+        "Omitted  args, epoch, scheduler, step: not written (a .pt output holds only the state "
+        "dict; .safetensors keeps them in its metadata)"
+    ) in result.stdout.splitlines()

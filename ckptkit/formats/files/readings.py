@@ -26,7 +26,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptkit.errors import FormatError
+from ckptkit.errors import FormatError, MissingFileError
 from ckptkit.formats.pickles.machine import PickleRun
 from ckptkit.formats.pickles.unpickler import PickleScan
 from ckptkit.formats.pickles.verdicts import PickleFindings, scan_pickle
@@ -68,7 +68,7 @@ def regular_file(path: Path) -> int:
     try:
         info = path.stat()
     except FileNotFoundError:
-        raise FormatError(f"{path} does not exist", "check the path") from None
+        raise MissingFileError(path) from None
     except OSError as exc:
         raise FormatError(f"cannot read {path}: {exc.strerror}") from None
     if stat.S_ISDIR(info.st_mode):
