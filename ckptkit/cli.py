@@ -565,8 +565,14 @@ def scan(paths: tuple[str, ...], allow_global: tuple[str, ...], as_json: bool, q
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("-o", "--output", "out", required=True, metavar="PNG", help="The image to write.")
 @click.option("--force", is_flag=True, help="Overwrite the image if it exists.")
+@click.option(
+    "--log-y/--no-log-y",
+    "log_y",
+    default=None,
+    help="A log or a linear loss axis (default: log when the loss spans more than two decades).",
+)
 @json_option
-def plot(runs: tuple[str, ...], out: str, force: bool, as_json: bool) -> None:
+def plot(runs: tuple[str, ...], out: str, force: bool, log_y: bool | None, as_json: bool) -> None:
     """Draw loss, accuracy and learning rate per step of one or more runs, side by side.
 
     \b
@@ -574,7 +580,7 @@ def plot(runs: tuple[str, ...], out: str, force: bool, as_json: bool) -> None:
     """
     from ckptkit.plot import plot_runs
 
-    path = plot_runs(list(runs), out, force=force)
+    path = plot_runs(list(runs), out, force=force, log_y=log_y)
     if as_json:
         _emit("plot", {"image": str(path), "runs": list(runs)})
     else:
