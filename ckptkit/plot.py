@@ -229,46 +229,9 @@ def build_figure(curves: Sequence[Curves], *, log_y: bool | None = None) -> Figu
             )
         )
     for ax, (key, title) in zip(axes, PANELS, strict=True):
-        for i, (curve, handle) in enumerate(zip(curves, handles, strict=True)):
-            points = curve.points(key)
-            if points:
-                every = max(1, len(points) // MARKS_PER_LINE)
-                ax.plot(
-                    *zip(*points, strict=True),
-                    color=handle.get_color(),
-                    linestyle=handle.get_linestyle(),
-                    linewidth=handle.get_linewidth(),
-                    marker=handle.get_marker(),
-                    markersize=5,
-                    markevery=(i * every // len(curves), every),  # the runs' marks interleave
-                    alpha=0.85,
-                    label=curve.label,
-                    zorder=2 + i,
-                )
-            val = curve.val_points(key)
-            if val:
-                ax.plot(
-                    *zip(*val, strict=True),
-                    linestyle="none",
-                    marker=handle.get_marker(),
-                    markersize=8,
-                    markerfacecolor="none",
-                    markeredgewidth=1.5,
-                    color=handle.get_color(),
-                    label=f"{curve.label} val",
-                    zorder=10 + i,
-                )
-        ax.set_title(title)
-        ax.set_xlabel(X_LABEL)
-        ax.set_ylabel(title)
-        ax.grid(True, which="major", alpha=0.3)
+        _draw_panel(ax, key, title, curves, handles)
         if key == "loss":
             ax.set_yscale(loss_scale(curves, log_y))
-        elif key == "lr":
-            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-        if not ax.lines:
-            ax.text(0.5, 0.5, f"no {title} logged", ha="center", va="center",
-                    transform=ax.transAxes, color="0.5")  # fmt: skip
     if has_val:
         handles.append(
             Line2D(
@@ -290,6 +253,50 @@ def build_figure(curves: Sequence[Curves], *, log_y: bool | None = None) -> Figu
         frameon=False,
     )
     return figure
+
+
+def _draw_panel(
+    ax: Any, key: str, title: str, curves: Sequence[Curves], handles: list[Any]
+) -> None:
+    """One quantity's panel: each run's line in its own style, its validation points hollow."""
+    for i, (curve, handle) in enumerate(zip(curves, handles, strict=True)):
+        points = curve.points(key)
+        if points:
+            every = max(1, len(points) // MARKS_PER_LINE)
+            ax.plot(
+                *zip(*points, strict=True),
+                color=handle.get_color(),
+                linestyle=handle.get_linestyle(),
+                linewidth=handle.get_linewidth(),
+                marker=handle.get_marker(),
+                markersize=5,
+                markevery=(i * every // len(curves), every),  # the runs' marks interleave
+                alpha=0.85,
+                label=curve.label,
+                zorder=2 + i,
+            )
+        val = curve.val_points(key)
+        if val:
+            ax.plot(
+                *zip(*val, strict=True),
+                linestyle="none",
+                marker=handle.get_marker(),
+                markersize=8,
+                markerfacecolor="none",
+                markeredgewidth=1.5,
+                color=handle.get_color(),
+                label=f"{curve.label} val",
+                zorder=10 + i,
+            )
+    ax.set_title(title)
+    ax.set_xlabel(X_LABEL)
+    ax.set_ylabel(title)
+    ax.grid(True, which="major", alpha=0.3)
+    if key == "lr":
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    if not ax.lines:
+        where = {"ha": "center", "va": "center", "transform": ax.transAxes, "color": "0.5"}
+        ax.text(0.5, 0.5, f"no {title} logged", **where)
 
 
 def _width(index: int) -> float:
