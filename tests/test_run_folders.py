@@ -19,6 +19,7 @@ from ckptkit.errors import FormatError, SelectError
 FAST = {"quiet": True, "timeout_s": 30.0}
 MODES = [
     "single",
+    "dp",  # nn.DataParallel on the CPU: one process, its keys saved unwrapped
     pytest.param("ddp", marks=pytest.mark.slow),
     pytest.param("fsdp", marks=pytest.mark.slow),
 ]
@@ -33,7 +34,7 @@ def run_folder(request, tmp_path_factory):
     """A 2-epoch run of each mode, with --monitor so that `best` exists."""
     mode = request.param
     out = tmp_path_factory.mktemp(mode) / "run"
-    extra = {"nproc_per_node": 2} if mode != "single" else {}
+    extra = {"nproc_per_node": 2} if mode in ("ddp", "fsdp") else {}
     train(TrainConfig(mode=mode, epochs=2, out=str(out), monitor="loss", **extra, **FAST))
     return out
 
