@@ -45,7 +45,7 @@ def run(tmp_path, monkeypatch):
 def corrupt_head_bias_copy(monkeypatch):
     """The byte copier flips the last byte of head.bias (the fixtures' one 12-byte tensor) as
     it writes it: what only verification can catch."""
-    import ckptkit.formats.output.transfer as transfer_module
+    import ckptkit.formats.output.copier as transfer_module
 
     real = transfer_module.copy_range
 

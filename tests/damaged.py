@@ -165,7 +165,13 @@ def corpus(folder: Path, seed: int = 0) -> dict[str, Path]:
 
 def must_fail(name: str) -> bool:
     """Inputs that are damaged wherever they are read (flips may land in tensor bytes)."""
-    tolerated = ("pickle_memo_bomb", "pickle_dag", "pickle_cycle", "pickle_deep",
-                 # torch loads these too: the data is intact, only a count or offset is odd.
-                 "zip_eocd_count", "zip_cd_offset")  # fmt: skip
+    tolerated = (
+        "pickle_memo_bomb",
+        "pickle_dag",
+        "pickle_cycle",
+        "pickle_deep",
+        # torch loads these too: the data is intact, only a count or offset is odd.
+        "zip_eocd_count",
+        "zip_cd_offset",
+    )
     return "_flip" not in name and name not in tolerated

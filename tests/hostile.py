@@ -100,9 +100,15 @@ def frame_split() -> bytes:
     text = b"x" * 6
     payload = p0_reduce()
     return (
-        b"\x80\x04\x95" + struct.pack("<Q", 3) + b"\x8c" + bytes([len(text)]) + b"X" + text[:-1]
-        + b"KK." + payload
-    )  # fmt: skip
+        b"\x80\x04\x95"
+        + struct.pack("<Q", 3)
+        + b"\x8c"
+        + bytes([len(text)])
+        + b"X"
+        + text[:-1]
+        + b"KK."
+        + payload
+    )
 
 
 def frame_in_zip() -> bytes:

@@ -1,10 +1,13 @@
 """Writes that survive faults: a failing write on any output format gives one error line and
 leaves nothing; temp files that killed runs left are removed by the next run (only ckptkit's,
 only when their writer is gone); two converts racing for one new output never replace each
-other's file."""
+other's file; on a filesystem without hard links the output still appears by one rename that
+never replaces a file."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import signal
 import subprocess
@@ -13,7 +16,8 @@ import time
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, ROOT
+from helpers import FIXTURE_DIR, ROOT
+from safetensors.torch import load_file
 
 import ckptkit
 from ckptkit.errors import OutputError
@@ -45,9 +49,13 @@ def test_a_failing_write_gives_one_line_and_leaves_nothing(tmp_path, dst):
     )
     args = ["convert", "src.pt", dst] + (["--max-shard-size", "3MB"] if "shards" in dst else [])
     done = subprocess.run(
-        [sys.executable, "-c", script, *args], cwd=tmp_path, capture_output=True, text=True,
-        env=ENV, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-c", script, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stderr
     (line,) = done.stderr.splitlines()
     folder = "shards/" if "shards" in dst else ""
@@ -61,8 +69,11 @@ def test_temps_of_a_killed_convert_are_removed_by_the_next_run(tmp_path):
     _big_checkpoint(src, 96)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ckptkit", "convert", "src.pt", "out.pt"],
-        cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     temps: list = []
     while not temps and time.monotonic() < deadline and proc.poll() is None:
@@ -85,12 +96,16 @@ def test_only_ckptkit_temps_whose_writer_is_gone_are_removed(tmp_path):
     # A live writer: another process holding the lock on its temp file.
     live = tmp_path / ".a.pt.ckptkit-live.tmp"
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import fcntl, os, sys, time\n"
-         f"fd = os.open({str(live)!r}, os.O_CREAT | os.O_RDWR)\n"
-         "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(60)\n"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(live)!r}, os.O_CREAT | os.O_RDWR)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         dead = tmp_path / ".a.pt.ckptkit-dead.tmp"
@@ -106,7 +121,7 @@ def test_only_ckptkit_temps_whose_writer_is_gone_are_removed(tmp_path):
         assert live.exists() and young.exists() and foreign.exists()
     finally:
         holder.kill()
-        holder.wait()
+        holder.communicate()  # reaped, its pipe closed
     os.utime(live, (old, old))
     assert remove_stale_temps(tmp_path) == [live]  # its writer is gone now
 
@@ -146,10 +161,11 @@ def test_two_racing_converts_one_wins_the_other_says_exists(tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for i in (1, 2)
     ]
-    results = [(p.wait(), p.stderr.read()) for p in procs]
+    said = [p.communicate()[1] for p in procs]  # each waited for, its pipes closed
+    results = [(p.returncode, err) for p, err in zip(procs, said, strict=True)]
     codes = sorted(code for code, _ in results)
     assert codes == [0, 1], results
     loser = next(err for code, err in results if code == 1)
@@ -158,3 +174,91 @@ def test_two_racing_converts_one_wins_the_other_says_exists(tmp_path):
     report = ckptkit.diff(tmp_path / f"src{winner}.pt", tmp_path / "out.safetensors")
     assert report.equal
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors", "src1.pt", "src2.pt"]
+
+
+# --- a filesystem without hard links ------------------------------------------------------------
+
+
+@pytest.fixture(params=[errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK], ids=errno.errorcode.get)
+def no_hard_links(request, monkeypatch):
+    """os.link fails as it does where the filesystem has no hard links (FAT and exFAT say
+    EPERM, some network and FUSE filesystems EOPNOTSUPP, a link-count limit EMLINK). Returns the
+    links that were tried."""
+    tried = []
+
+    def link(src, dst, *args, **kwargs):
+        tried.append((str(src), str(dst)))
+        raise OSError(request.param, os.strerror(request.param), str(src), None, str(dst))
+
+    monkeypatch.setattr(os, "link", link)
+    return tried
+
+
+def _commit_watching(dst, appear: bytes | None = None):
+    """atomic_outputs([dst]) writing b"mine"; ``appear``: another writer's file that shows up
+    at dst before the commit. Returns the temp file's inode and name."""
+    with atomic_outputs([dst]) as (tmp,):
+        tmp.write_bytes(b"mine")
+        assert not dst.exists()  # nothing at the output until the commit
+        inode = tmp.stat().st_ino
+        if appear is not None:
+            dst.write_bytes(appear)
+    return inode, tmp
+
+
+def test_without_hard_links_the_output_appears_by_one_rename(tmp_path, no_hard_links):
+    dst = tmp_path / "out.safetensors"
+    inode, tmp = _commit_watching(dst)
+    assert no_hard_links == [(str(tmp), str(dst))]  # the link was tried, and failed
+    assert dst.read_bytes() == b"mine"
+    assert dst.stat().st_ino == inode  # the temp file itself, renamed: never a partial copy
+    assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]  # no temp left
+
+
+def test_without_hard_links_a_file_that_appeared_is_not_replaced(tmp_path, no_hard_links):
+    dst = tmp_path / "out.safetensors"
+    with pytest.raises(OutputError, match="out.safetensors exists"):
+        _commit_watching(dst, appear=b"theirs")
+    assert no_hard_links  # the fallback was what refused
+    assert dst.read_bytes() == b"theirs"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]
+    with atomic_outputs([dst], force=True) as (tmp,):  # with force it is replaced
+        tmp.write_bytes(b"forced")
+    assert dst.read_bytes() == b"forced"
+
+
+def test_without_hard_links_or_renameat2_the_check_still_refuses(
+    tmp_path, no_hard_links, monkeypatch
+):
+    """A C library without renameat2 (older glibc, musl, macOS): the output still appears by
+    one rename, and a file already there is still refused."""
+
+    class LibcWithoutRenameat2:
+        def __init__(self, *args, **kwargs):
+            pass
+
+    monkeypatch.setattr(ctypes, "CDLL", LibcWithoutRenameat2)
+    dst = tmp_path / "out.safetensors"
+    inode, _ = _commit_watching(dst)
+    assert dst.read_bytes() == b"mine" and dst.stat().st_ino == inode
+    other = tmp_path / "other.safetensors"
+    with pytest.raises(OutputError, match="other.safetensors exists"):
+        _commit_watching(other, appear=b"theirs")
+    assert other.read_bytes() == b"theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.safetensors", "out.safetensors"]
+
+
+def test_without_hard_links_convert_writes_and_refuses_as_usual(tmp_path, no_hard_links, run):
+    result = run("convert", FIXTURE_DIR / "single.pt", "out.safetensors", "-q")
+    assert result.exit_code == 0, result.output
+    assert no_hard_links  # the fallback wrote it
+    expected = torch.load(FIXTURE_DIR / "single.pt", weights_only=True)
+    written = load_file(tmp_path / "out.safetensors")
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[k], v) for k, v in expected.items())
+    before = (tmp_path / "out.safetensors").read_bytes()
+    again = run("convert", FIXTURE_DIR / "single.pt", "out.safetensors", "--dtype", "bf16")
+    assert again.exit_code == 1
+    assert again.stderr == "Error: out.safetensors exists; pass --force to overwrite it\n"
+    assert (tmp_path / "out.safetensors").read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]

@@ -7,13 +7,18 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 
 def quick(script: str, *args: str) -> dict:
     """``bench/SCRIPT --quick --json``'s results, the run checked to have ended well."""
-    proc = subprocess.run([sys.executable, f"bench/{script}", "--quick", "--json", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, f"bench/{script}", "--quick", "--json", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -22,12 +27,20 @@ def quick(script: str, *args: str) -> dict:
 def test_bench_quick_runs_and_reports_every_way():
     results = quick("run.py")
     ways = results["inspect"]
-    assert set(ways) == {"ckptkit inspect --json", "torch.load (full)", "torch.load (mmap=True)",
-                         "import torch (alone)"}  # fmt: skip
+    assert set(ways) == {
+        "ckptkit inspect --json",
+        "torch.load (full)",
+        "torch.load (mmap=True)",
+        "import torch (alone)",
+    }
     assert all(r["wall_s"] > 0 and r["peak_anon_bytes"] > 0 for r in ways.values())
     assert len(results["convert"]) == 4 and len(results["flat_memory"]) == 2
-    assert set(results["torch"]) == {"import torch (alone)", "--dtype bf16 to .safetensors",
-                                     "to .pt", "--dtype bf16 to .pt"}  # fmt: skip
+    assert set(results["torch"]) == {
+        "import torch (alone)",
+        "--dtype bf16 to .safetensors",
+        "to .pt",
+        "--dtype bf16 to .pt",
+    }
     assert results["checkpoint"]["largest_tensor_bytes"] > 0
     assert set(results["diff"]) == {"ckptkit diff --atol 1e-2", "cat both files once"}
 
@@ -37,9 +50,15 @@ def test_dcp_bench_quick_runs_and_reports_every_way():
     results = quick("dcp.py")
     anchors = {"cp of the model's bytes", "cp, then sync of the file"}
     assert set(results["to safetensors"]) == {
-        "ckptkit convert (verified)", "dcp_to_torch_save + torch.load + save_file", *anchors}  # fmt: skip
+        "ckptkit convert (verified)",
+        "dcp_to_torch_save + torch.load + save_file",
+        *anchors,
+    }
     assert set(results["hf writer to safetensors"]) == {
-        "ckptkit convert (verified)", "consolidate_safetensors_files", *anchors}  # fmt: skip
+        "ckptkit convert (verified)",
+        "consolidate_safetensors_files",
+        *anchors,
+    }
     assert len(results["to .pt and dcp"]) == 6
     assert results["checkpoint"]["model_bytes"] > 0
     assert all(r["wall_s"] > 0 for r in results["inspect"].values())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, ROOT
+from helpers import FIXTURE_DIR, ROOT
 from safetensors.torch import load_file
 
 from ckptkit.cli import cli
@@ -154,8 +154,8 @@ FIXTURE_ERRORS = [
     ),
     (
         "single.pt",
-        ["--strip-module"],
-        "Error: no key starts with 'module.' (first key: 'body.0.weight'); run "
+        ["--strip-prefix", "model."],
+        "Error: no key starts with 'model.' (first key: 'body.0.weight'); run "
         "`ckptkit inspect` to see the key prefixes, or drop this option",
     ),
     (
@@ -274,8 +274,15 @@ def test_progress_bar_on_a_terminal_unless_quiet(tmp_path, quiet):
     leader, follower = pty.openpty()
     # A new pseudo-terminal is 0 columns wide, and tqdm draws a bar as wide as the terminal.
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    argv = [sys.executable, "-m", "ckptkit", "convert", str(FIXTURE_DIR / "ddp.pt"),
-            str(tmp_path / "out.safetensors"), "--strip-module"] + (["-q"] if quiet else [])  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "ckptkit",
+        "convert",
+        str(FIXTURE_DIR / "ddp.pt"),
+        str(tmp_path / "out.safetensors"),
+        "--strip-module",
+    ] + (["-q"] if quiet else [])
     with os.fdopen(leader, "rb", buffering=0) as terminal:
         proc = subprocess.run(
             argv, stderr=follower, stdout=subprocess.DEVNULL, cwd=ROOT, timeout=60
@@ -327,10 +334,13 @@ def test_every_json_document_has_a_schema_and_errors_are_documents_too(run, fixt
     assert failed.stderr == "Error: o.safetensors exists; pass --force to overwrite it\n"
     assert json.loads(failed.stdout) == {
         "schema": SCHEMAS["error"],
-        "error": {"type": "OutputError", "message": "o.safetensors exists",
-                  "hint": "pass --force to overwrite it"},
+        "error": {
+            "type": "OutputError",
+            "message": "o.safetensors exists",
+            "hint": "pass --force to overwrite it",
+        },
         "exit_code": 1,
-    }  # fmt: skip
+    }
     usage = run("inspect", "single.pt", "--flat", "--depth", "2", "--json")
     assert usage.exit_code == 2 and json.loads(usage.stdout)["error"]["type"] == "UsageError"
 
@@ -379,7 +389,12 @@ def test_report_wording_follows_what_was_written(run, fixture_copy, tmp_path):
 
 
 def test_load_anywhere_example_without_an_argument_prints_usage():
-    done = subprocess.run([sys.executable, "examples/load_anywhere.py"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "examples/load_anywhere.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith("usage: python3 examples/load_anywhere.py CHECKPOINT")

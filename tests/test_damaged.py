@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, run_measured
 from damaged import corpus, must_fail
+from helpers import FIXTURE_DIR, run_measured
 from safetensors import safe_open
 
 from ckptkit.errors import FormatError
@@ -21,9 +21,16 @@ from ckptkit.formats.files.safetensors import read_header
 
 COMMANDS = ("inspect", "scan", "convert", "diff")
 # Plain pickles that are whole and harmless: scan may call them safe.
-WHOLE_PICKLES = {"pickle_memo_bomb", "pickle_dag", "pickle_cycle", "pickle_deep",
-                 "pickle_memo_bomb_in_zip", "pickle_dag_in_zip", "pickle_cycle_in_zip",
-                 "pickle_deep_in_zip"}  # fmt: skip
+WHOLE_PICKLES = {
+    "pickle_memo_bomb",
+    "pickle_dag",
+    "pickle_cycle",
+    "pickle_deep",
+    "pickle_memo_bomb_in_zip",
+    "pickle_dag_in_zip",
+    "pickle_cycle_in_zip",
+    "pickle_deep_in_zip",
+}
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +94,17 @@ def test_every_damaged_input_gets_one_error_line(damaged, run, tmp_path, command
 
 
 @pytest.mark.parametrize(
-    "name", ["pickle_list_bomb_in_zip", "zip_bomb", "pickle_deep_in_zip", "pickle_dag_in_zip",
-             "pickle_cycle_in_zip", "pickle_memo_bomb_in_zip", "huge_shape"]
-)  # fmt: skip
+    "name",
+    [
+        "pickle_list_bomb_in_zip",
+        "zip_bomb",
+        "pickle_deep_in_zip",
+        "pickle_dag_in_zip",
+        "pickle_cycle_in_zip",
+        "pickle_memo_bomb_in_zip",
+        "huge_shape",
+    ],
+)
 @pytest.mark.parametrize("command", ["inspect", "scan"])
 def test_bombs_stay_under_256_mb_and_10_s(damaged, name, command, tmp_path):
     try:

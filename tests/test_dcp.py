@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, bits, dcp_to_torch, no_torch_imported
+from helpers import FIXTURE_DIR, bits, dcp_to_torch, no_torch_imported, single_process_dcp
 from safetensors.torch import load_file, load_model
 
 import ckptkit
@@ -63,14 +63,27 @@ def test_the_training_checkpoint_view(reference, tmp_path, run):
     )
 
 
-def test_load_into_a_plain_model():
-    sys.path.insert(0, str(FIXTURE_DIR))
+def test_load_into_a_plain_model(reference, tmp_path):
     from make_dcp import build_model
 
+    expected = reference["fsdp2"]["model"]  # torch's own dcp_to_torch_save
     model = build_model()
+    before = {k: bits(v) for k, v in model.state_dict().items()}
+    assert before != {k: bits(v) for k, v in expected.items()}  # so loading has work to do
     report = ckptkit.load_into(model, DCP / "fsdp2")
     assert report.loaded == 5
-    assert ckptkit.diff(DCP / "fsdp2", DCP / "fsdp2").equal
+    assert {k: bits(v) for k, v in model.state_dict().items()} == {
+        k: bits(v) for k, v in expected.items()
+    }
+    # diff finds the folder equal to torch's conversion of it, and not to one changed by an ulp.
+    torch.save(expected, tmp_path / "ref.pt")
+    assert ckptkit.diff(DCP / "fsdp2", tmp_path / "ref.pt").equal
+    key = next(k for k, v in expected.items() if v.is_floating_point() and v.numel() > 1)
+    changed = {k: v.clone() for k, v in expected.items()}
+    changed[key].view(-1)[-1] = torch.nextafter(changed[key].view(-1)[-1], torch.tensor(1e9))
+    torch.save(changed, tmp_path / "changed.pt")
+    report = ckptkit.diff(DCP / "fsdp2", tmp_path / "changed.pt")
+    assert not report.equal and [t.key for t in report.different] == [key]
 
 
 @pytest.mark.parametrize(("name", "count"), [("fsdp2", 5), ("hf", 6)])
@@ -147,7 +160,6 @@ def test_lightning_fsdp_folder_converts_with_its_trainer_state(reference, tmp_pa
 # DCP's Hugging Face writer: one safetensors file per rank, chunk offsets in its header.
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_hf_writer_folder_equals_consolidate_safetensors_files(tmp_path, run):
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint._consolidate_hf_safetensors import (
@@ -156,7 +168,10 @@ def test_hf_writer_folder_equals_consolidate_safetensors_files(tmp_path, run):
 
     keys = ["0.weight", "1.weight", "1.bias", "2.weight", "2.bias", "h"]
     (tmp_path / "torch").mkdir()
-    consolidate_safetensors_files(str(DCP / "hf"), str(tmp_path / "torch"), dict.fromkeys(keys, 1))
+    with single_process_dcp():  # torch's consolidation loads through dcp in this process
+        consolidate_safetensors_files(
+            str(DCP / "hf"), str(tmp_path / "torch"), dict.fromkeys(keys, 1)
+        )
     expected = load_file(tmp_path / "torch" / "model-00001-of-00001.safetensors")
     assert expected["h"].dtype == torch.bfloat16 and expected["0.weight"].shape == (10, 6)
     result = run("convert", DCP / "hf", "out.safetensors", "--json")
@@ -167,9 +182,9 @@ def test_hf_writer_folder_equals_consolidate_safetensors_files(tmp_path, run):
     assert report.verified and report.copied == 5  # row shards as bytes; "h" by columns
     # torch's own reader of the flavour agrees with what ckptkit reads from it
     state = {k: torch.empty_like(v) for k, v in expected.items()}
-    torch.distributed.checkpoint.load(
-        state, storage_reader=HuggingFaceStorageReader(str(DCP / "hf"))
-    )
+    with single_process_dcp():
+        reader = HuggingFaceStorageReader(str(DCP / "hf"))
+        torch.distributed.checkpoint.load(state, storage_reader=reader, no_dist=True)
     assert {k: bits(v) for k, v in state.items()} == {k: bits(v) for k, v in written.items()}
 
 

@@ -9,21 +9,21 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import FIXTURE_DIR, reference_model, state_dicts
+from helpers import FIXTURE_DIR, reference_model, single_process_dcp, state_dicts
 from hypothesis import HealthCheck, given, settings
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, load_model, save_model
 
 import ckptkit
 from ckptkit.errors import OutputError, VerificationError
 from ckptkit.formats.base.tensors import bit_equal
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # dcp without a process group
-
 
 def _dcp_load(folder, like):
     """What ``dcp.load`` reads into a state dict shaped like ``like``."""
     target = {k: torch.zeros_like(v) for k, v in like.items()}
-    dcp.load(target, checkpoint_id=str(folder))
+    with single_process_dcp():
+        dcp.load(target, checkpoint_id=str(folder), no_dist=True)
     return target
 
 
@@ -35,8 +35,9 @@ def _same_values(loaded, tensor):
 
 
 def test_dcp_load_reads_it_into_a_plain_model(tmp_path, run):
-    result = run("convert", FIXTURE_DIR / "ddp.pt", tmp_path / "out", "--to", "dcp",
-                 "--strip-module")  # fmt: skip
+    result = run(
+        "convert", FIXTURE_DIR / "ddp.pt", tmp_path / "out", "--to", "dcp", "--strip-module"
+    )
     assert result.exit_code == 0, result.output
     assert "Wrote    " + str(tmp_path / "out") + " (dcp), verified bit-exact" in result.output
     assert sorted(os.listdir(tmp_path / "out")) == [".metadata", "__0_0.distcp", "ckptkit.json"]
@@ -50,8 +51,9 @@ def test_dcp_load_reads_it_into_a_plain_model(tmp_path, run):
 
 
 def test_back_from_dcp_is_bit_exact_and_keeps_the_metadata(tmp_path):
-    ckptkit.convert(FIXTURE_DIR / "lightning.ckpt", tmp_path / "out", to="dcp",
-                    strip_prefixes=["model."])  # fmt: skip
+    ckptkit.convert(
+        FIXTURE_DIR / "lightning.ckpt", tmp_path / "out", to="dcp", strip_prefixes=["model."]
+    )
     with ckptkit.open_source(tmp_path / "out") as source:
         assert source.format == "dcp"
         # The same str -> str header a safetensors output carries.
@@ -64,20 +66,53 @@ def test_back_from_dcp_is_bit_exact_and_keeps_the_metadata(tmp_path):
     assert all(bit_equal(back[k], expected[k]) for k in expected)
 
 
+class _TiedHead(torch.nn.Module):
+    """An embedding whose weight the output layer shares, as language models tie them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 4)
+        self.head = torch.nn.Linear(4, 5)
+        self.head.weight = self.emb.weight
+
+
 def test_ties_are_one_chunk_and_survive(tmp_path):
-    weight = torch.randn(5, 4)
-    torch.save({"emb.weight": weight, "head.weight": weight, "head.bias": torch.ones(5)},
-               tmp_path / "tied.pt")  # fmt: skip
+    model = _TiedHead()
+    weight = model.emb.weight.detach()
+    torch.save(model.state_dict(), tmp_path / "tied.pt")  # two names, one storage
     report = ckptkit.convert(tmp_path / "tied.pt", tmp_path / "out", to="dcp")
     assert report.aliases == {"head.weight": "emb.weight"}
+    # DCP's own reader of .metadata: both names are the one chunk, which is written once.
+    storage = dcp.FileSystemReader(str(tmp_path / "out")).read_metadata().storage_data
+    where = {i.fqn: (s.relative_path, s.offset, s.length) for i, s in storage.items()}
+    assert where["head.weight"] == where["emb.weight"] != where["head.bias"]
+    untied = {**model.state_dict(), "head.weight": weight.clone()}
+    torch.save(untied, tmp_path / "untied.pt")
+    ckptkit.convert(tmp_path / "untied.pt", tmp_path / "copies", to="dcp")
+    once, twice = ((tmp_path / d / "__0_0.distcp").stat().st_size for d in ("out", "copies"))
+    assert once <= twice - weight.nbytes
+    loaded = _dcp_load(tmp_path / "out", model.state_dict())
+    assert all(bit_equal(loaded[k], v) for k, v in model.state_dict().items())
     with ckptkit.open_source(tmp_path / "out") as source:
         assert source.aliases() == {"head.weight": "emb.weight"}
-    loaded = _dcp_load(tmp_path / "out", {"emb.weight": weight, "head.weight": weight})
-    assert torch.equal(loaded["emb.weight"], weight) and torch.equal(loaded["head.weight"], weight)
-    back = ckptkit.load_state_dict(tmp_path / "out")
-    assert back["head.weight"].data_ptr() == back["emb.weight"].data_ptr() or torch.equal(
-        back["head.weight"], back["emb.weight"]
-    )
+
+    # Out of the folder, the tie is what each format makes of one: one storage in a .pt...
+    ckptkit.convert(tmp_path / "out", tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert back["head.weight"].data_ptr() == back["emb.weight"].data_ptr()
+    assert bit_equal(back["emb.weight"], weight)
+    # ...and in safetensors one tensor, the other name recorded as save_model records it.
+    ckptkit.convert(tmp_path / "out", tmp_path / "back.safetensors")
+    save_model(_TiedHead(), str(tmp_path / "save_model.safetensors"))
+    forms = []
+    for name in ("back", "save_model"):
+        with safe_open(str(tmp_path / f"{name}.safetensors"), "pt") as f:
+            forms.append((sorted(f.keys()), (f.metadata() or {}).get("head.weight")))
+    assert forms[0] == forms[1] == (["emb.weight", "head.bias"], "emb.weight")
+    fresh = _TiedHead()
+    missing, unexpected = load_model(fresh, str(tmp_path / "back.safetensors"), strict=True)
+    assert not missing and not unexpected
+    assert fresh.head.weight is fresh.emb.weight and bit_equal(fresh.emb.weight.detach(), weight)
 
 
 def test_a_sharded_dcp_folder_becomes_one_chunk_per_tensor(tmp_path):
@@ -85,8 +120,10 @@ def test_a_sharded_dcp_folder_becomes_one_chunk_per_tensor(tmp_path):
     ckptkit.convert(FIXTURE_DIR / "dcp" / "fsdp2", tmp_path / "out", to="dcp")
     ckptkit.convert(FIXTURE_DIR / "dcp" / "fsdp2", tmp_path / "ref.safetensors")
     ref = load_file(tmp_path / "ref.safetensors")
-    assert all(bit_equal(v, r) for v, r in zip(_dcp_load(tmp_path / "out", ref).values(),
-                                                ref.values(), strict=True))  # fmt: skip
+    assert all(
+        bit_equal(v, r)
+        for v, r in zip(_dcp_load(tmp_path / "out", ref).values(), ref.values(), strict=True)
+    )
 
 
 def test_a_cast_goes_through_torch_and_is_checked(tmp_path):
@@ -143,15 +180,16 @@ def test_a_killed_run_s_temp_folder_is_removed_by_the_next(tmp_path):
         "    print(tmp, flush=True)\n"
         "    time.sleep(60)\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "out")],
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "out")], stdout=subprocess.PIPE, text=True
+    )
     temp = child.stdout.readline().strip()
     held = os.open(os.path.join(temp, ".ckptkit-lock"), os.O_RDONLY)
     with pytest.raises(BlockingIOError):  # the living writer holds it
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
     os.close(held)
     child.kill()
-    child.wait()
+    child.communicate()  # reaped, its pipe closed
     old = time.time() - 10
     os.utime(temp, (old, old))
     ckptkit.convert(FIXTURE_DIR / "single.pt", tmp_path / "out", to="dcp")

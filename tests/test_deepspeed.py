@@ -5,6 +5,10 @@ partitions, and damaged folders refused.
 The folders under ``fixtures/deepspeed`` were written by DeepSpeed itself (``make_deepspeed.py``);
 beside each, ``<name>.fp32.safetensors`` is what ``get_fp32_state_dict_from_zero_checkpoint``
 rebuilt from it. Where DeepSpeed is installed, it is also run here on the same folders.
+
+``zero2_bf16_aligned`` is the one DeepSpeed did not write (it does not install here): laid out
+by hand as DeepSpeed lays out ZeRO-1/2 with parameter alignment, so that its partitions carry
+alignment padding; its reference is the tensors the maker started from.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, bits, load_with_ties
+from helpers import FIXTURE_DIR, bits, load_with_ties
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 
@@ -90,8 +94,9 @@ def test_select_module_takes_the_training_dtype_copy(tmp_path):
     report = ckptkit.convert(DS / name, out, select="module")
     assert report.selected == "module"
     written = torch.load(out, weights_only=True)
-    module = torch.load(DS / name / "global_step3" / "mp_rank_00_model_states.pt",
-                        weights_only=False)["module"]  # fmt: skip
+    module = torch.load(
+        DS / name / "global_step3" / "mp_rank_00_model_states.pt", weights_only=False
+    )["module"]
     assert written.keys() == module.keys()
     for key in module:
         assert bits(written[key]) == bits(module[key]), key
@@ -164,6 +169,95 @@ def test_the_tag_folder_itself_is_read_too(tmp_path):
     whole = ckptkit.load_state_dict(DS / "zero2_bf16")
     tag = ckptkit.load_state_dict(DS / "zero2_bf16" / "global_step3")
     assert {k: bits(v) for k, v in whole.items()} == {k: bits(v) for k, v in tag.items()}
+
+
+ALIGNED = "zero2_bf16_aligned"  # laid out by hand: DeepSpeed does not install here
+
+
+def _optim_states(path: Path) -> dict:
+    """An optimizer-states file as torch's own full unpickler reads it, DeepSpeed's classes
+    (absent here) read as plain records of what they were built from."""
+    import pickle
+    import types
+
+    class Record:
+        def __init__(self, *args):
+            self.args = args
+
+        def __setstate__(self, state):
+            self.__dict__.update(state)
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if module.startswith("deepspeed."):
+                return type(name, (Record,), {})
+            return super().find_class(module, name)
+
+    module = types.SimpleNamespace(Unpickler=Unpickler, load=pickle.load, __name__="pickle")
+    return torch.load(path, weights_only=False, pickle_module=module)["optimizer_state_dict"]
+
+
+def test_zero12_alignment_padding_is_skipped_bit_for_bit(tmp_path):
+    """ZeRO-1/2 with parameter alignment: padding after parameters inside the partitions, and
+    tail padding left out of the saved ones. The rebuilt fp32 weights are the tensors the
+    folder was made from (make_deepspeed.aligned_originals), bit for bit."""
+    from make_deepspeed import aligned_model, aligned_originals
+
+    originals = aligned_originals()
+    tag = DS / ALIGNED / "global_step3"
+    ranks = [
+        _optim_states(tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt") for r in (0, 1)
+    ]
+    # What makes this folder worth having: padding between parameters and at a group's end.
+    assert ranks[0]["param_alignment_paddings"] == [[1, 3, 0], [1, 1, 1, 0]]
+    assert [r["group_paddings"] for r in ranks] == [[0, 0], [1, 3]]
+    # ...which is there in the partitions: the fp32 elements after emb.weight are padding.
+    emb = originals["emb.weight"].reshape(-1)
+    first = ranks[0]["single_partition_of_fp32_groups"][0]
+    assert bits(first[: emb.numel()]) == bits(emb) and first[emb.numel()] == 0
+    # The committed reference is what the maker starts from.
+    reference = load_file(DS / f"{ALIGNED}.fp32.safetensors")
+    assert {k: bits(v) for k, v in reference.items()} == {k: bits(v) for k, v in originals.items()}
+
+    out = tmp_path / "out.safetensors"
+    report = ckptkit.convert(DS / ALIGNED, out)
+    assert report.verified and report.selected == "fp32"
+    written = load_file(out)
+    assert {k: bits(v) for k, v in written.items()} == {k: bits(v) for k, v in originals.items()}
+    missing, unexpected = load_model(aligned_model(), out, strict=True)
+    assert not missing and not unexpected
+    # The module's bf16 copy (views of the padded bf16 buffer) is the originals cast by torch.
+    module = ckptkit.load_state_dict(DS / ALIGNED, select="module")
+    buffers = ("scale", "seen")  # kept as they are
+    expected = {k: v if k in buffers else v.to(torch.bfloat16) for k, v in originals.items()}
+    assert {k: bits(v) for k, v in module.items()} == {k: bits(v) for k, v in expected.items()}
+
+
+def test_zero12_tail_padding_saved_in_the_partitions_is_tolerated(tmp_path):
+    """Older DeepSpeed saved whole partitions, tail padding included: the partitions then hold
+    more elements than the parameters use (fewer than 2 * world more), as zero_to_fp32 allows."""
+    from make_deepspeed import aligned_originals, write_aligned
+
+    write_aligned(tmp_path / "old", strip_tail=False)
+    written = ckptkit.load_state_dict(tmp_path / "old")
+    assert {k: bits(v) for k, v in written.items()} == {
+        k: bits(v) for k, v in aligned_originals().items()
+    }
+
+
+def test_zero12_partitions_that_do_not_fit_the_parameters_are_refused(tmp_path):
+    """Model states of another run (a larger head) beside these partitions: refused, not
+    rebuilt from the wrong elements."""
+    from make_deepspeed import write_aligned
+
+    write_aligned(tmp_path / "mixed")
+    states = tmp_path / "mixed" / "global_step3" / "mp_rank_00_model_states.pt"
+    saved = torch.load(states, weights_only=True)
+    saved["param_shapes"][0]["head.weight"] = torch.Size([5, 8])
+    torch.save(saved, states)
+    with pytest.raises(FormatError, match="inconsistent: group 0 holds 99 elements"):
+        ckptkit.convert(tmp_path / "mixed", tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_fixtures_hold_no_deepspeed_script():

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, FIXTURES, ROOT, run_measured
+from helpers import FIXTURE_DIR, FIXTURES, ROOT, run_measured
 from safetensors.torch import save_file
 
 import ckptkit

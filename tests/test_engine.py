@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from helpers import ROOT
 from torch import nn
 
 import ckptkit
@@ -286,8 +286,18 @@ def test_a_crashing_worker_ends_the_job_fast_naming_its_rank(helpers):
 
 @pytest.mark.slow
 def test_a_worker_that_exits_without_a_word_is_named_with_its_exit_code(helpers):
-    proc = cli(helpers, "--mode", "ddp", "--model", "engine_helpers:exiting", "--out", "exit",
-               "--timeout", "20", "-q")  # fmt: skip
+    proc = cli(
+        helpers,
+        "--mode",
+        "ddp",
+        "--model",
+        "engine_helpers:exiting",
+        "--out",
+        "exit",
+        "--timeout",
+        "20",
+        "-q",
+    )
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1] == (
         "Error: worker rank 1 failed: exit code 7; the other workers were stopped"
@@ -299,9 +309,28 @@ def test_a_worker_that_exits_without_a_word_is_named_with_its_exit_code(helpers)
 def test_a_hung_rank_is_named_within_the_timeout(helpers, hang):
     started = time.monotonic()
     env = {**os.environ, "HANG_RANK": hang}
-    proc = subprocess.run([sys.executable, "-m", "ckptkit", "train", "--mode", "ddp", "--model",
-                           "engine_helpers:hanging", "--out", "hang", "--timeout", "6", "-q"],
-                          cwd=helpers, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptkit",
+            "train",
+            "--mode",
+            "ddp",
+            "--model",
+            "engine_helpers:hanging",
+            "--out",
+            "hang",
+            "--timeout",
+            "6",
+            "-q",
+        ],
+        cwd=helpers,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     elapsed = time.monotonic() - started
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1] == (
@@ -315,16 +344,44 @@ def test_a_hung_rank_is_named_within_the_timeout(helpers, hang):
 
 @pytest.mark.slow
 def test_workers_run_one_thread_each_as_under_torchrun(helpers):
-    proc = cli(helpers, "--mode", "ddp", "--model", "engine_helpers:threads", "--epochs", "1",
-               "--out", "threads")  # fmt: skip
+    proc = cli(
+        helpers,
+        "--mode",
+        "ddp",
+        "--model",
+        "engine_helpers:threads",
+        "--epochs",
+        "1",
+        "--out",
+        "threads",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "OMP_NUM_THREADS=1 in each of the 2 workers, as torchrun sets it" in proc.stderr
     for rank in (0, 1):
         assert (helpers / f"threads-{rank}.txt").read_text() == "1 1"
     env = {**os.environ, "OMP_NUM_THREADS": "2"}  # the user's choice stands
-    done = subprocess.run([sys.executable, "-m", "ckptkit", "train", "--mode", "ddp", "--model",
-                           "engine_helpers:threads", "--epochs", "1", "--out", "threads2", "-q"],
-                          cwd=helpers, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptkit",
+            "train",
+            "--mode",
+            "ddp",
+            "--model",
+            "engine_helpers:threads",
+            "--epochs",
+            "1",
+            "--out",
+            "threads2",
+            "-q",
+        ],
+        cwd=helpers,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert (helpers / "threads-1.txt").read_text() == "2 2"
 
@@ -541,8 +598,7 @@ def test_cuda_mixed_precision_saves_and_resumes(tmp_path, precision):
     payload = torch.load(first.checkpoint, map_location="cpu", weights_only=True)
     assert (payload["scaler"] is not None) == (precision == "fp16")
     assert all(v.dtype == torch.float32 for v in payload["model"].values() if v.is_floating_point())
-    resumed = run(tmp_path, precision, epochs=2, device="cuda", precision=precision,
-                  resume="auto")  # fmt: skip
+    resumed = run(tmp_path, precision, epochs=2, device="cuda", precision=precision, resume="auto")
     assert resumed.epochs_run == 1 and resumed.metrics[-1]["loss"] < first.metrics[-1]["loss"]
     demo_model().load_state_dict(weights(resumed.checkpoint), strict=True)
 
@@ -565,8 +621,15 @@ def test_resuming_with_nothing_left_to_train_is_a_usage_error(tmp_path, run_cli_
     with pytest.raises(UsageError, match="ckpt-epoch0002.pt is at epoch 2 and --epochs is 2"):
         run(tmp_path, "done", epochs=2, resume="auto")
     # refused before any worker starts, in the parent
-    result = run_cli_train("--mode", "ddp", "--epochs", "1", "--resume",
-                           str(tmp_path / "done" / "ckpt-epoch0002.pt"), "-q")  # fmt: skip
+    result = run_cli_train(
+        "--mode",
+        "ddp",
+        "--epochs",
+        "1",
+        "--resume",
+        str(tmp_path / "done" / "ckpt-epoch0002.pt"),
+        "-q",
+    )
     assert result.exit_code == 2
     assert "is at epoch 2 and --epochs is 1: nothing left to train" in result.stderr
     assert "give --epochs above 2" in result.stderr
@@ -578,7 +641,7 @@ def test_metrics_are_rewound_to_the_checkpoint_resumed_from(tmp_path):
     run(tmp_path, "m", epochs=4, resume=str(out / "ckpt-epoch0002.pt"))
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in lines] == [1, 2, 3, 4]
-    run(tmp_path, "m", epochs=1)  # a fresh run in the same folder starts the file again
+    run(tmp_path, "m", epochs=1, overwrite=True)  # a fresh run in the same folder starts anew
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in lines] == [1]
 
@@ -610,8 +673,9 @@ def test_a_killed_saves_temp_files_go_at_start_up(tmp_path):
 def test_every_node_reports_what_rank_0_wrote():
     from ckptkit.render import train_lines
 
-    result = ckptkit.engine.TrainResult("run", 2, None, "run/ckpt-epoch0002.pt", rank=2,
-                                        writer_host="node-a")  # fmt: skip
+    result = ckptkit.engine.TrainResult(
+        "run", 2, None, "run/ckpt-epoch0002.pt", rank=2, writer_host="node-a"
+    )
     assert train_lines(result, "ddp")[-1] == (
         "Checkpoint run/ckpt-epoch0002.pt (written by rank 0 on node-a)"
     )

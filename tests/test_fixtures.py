@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import FIXTURE_DIR, FIXTURES
+from helpers import FIXTURE_DIR, FIXTURES
 
 import ckptkit
 from ckptkit.formats.base.tensors import bit_equal

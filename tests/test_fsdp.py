@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import ROOT
+from helpers import ROOT, single_process_dcp
 from safetensors.torch import load_file
 
 import ckptkit
@@ -22,7 +22,6 @@ from ckptkit.engine.demo import demo_model
 from ckptkit.formats.base.tensors import bit_equal
 
 FAST = {"quiet": True, "timeout_s": 30.0}
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # dcp without a process group
 
 
 def run(tmp_path: Path, name: str, **options) -> ckptkit.engine.TrainResult:
@@ -65,7 +64,8 @@ def test_a_dcp_checkpoint_is_a_committed_folder(fsdp_run):
 def test_the_dcp_checkpoint_is_the_model_and_loads_anywhere(fsdp_run, tmp_path):
     """torch's own reader and ckptkit's agree, and the weights fit the plain model."""
     state = demo_model().state_dict()
-    dcp.load({"model": state}, checkpoint_id=str(fsdp_run))
+    with single_process_dcp():
+        dcp.load({"model": state}, checkpoint_id=str(fsdp_run), no_dist=True)
     ours = final_weights(str(fsdp_run), tmp_path)
     assert set(ours) == set(state)
     assert all(bit_equal(ours[k], state[k]) for k in state)
@@ -125,8 +125,9 @@ def test_resume_across_modes_with_the_optimizer(tmp_path, first, then):
     reference = run(tmp_path, "reference", mode="single", epochs=3)
     run(tmp_path, "run", mode=mode, nproc_per_node=ranks, epochs=2, save_format=fmt)
     mode, ranks, fmt = then
-    resumed = run(tmp_path, "run", mode=mode, nproc_per_node=ranks, epochs=3, save_format=fmt,
-                  resume="auto")  # fmt: skip
+    resumed = run(
+        tmp_path, "run", mode=mode, nproc_per_node=ranks, epochs=3, save_format=fmt, resume="auto"
+    )
     assert resumed.epochs_run == 1
     a = final_weights(reference.checkpoint, tmp_path)
     b = final_weights(resumed.checkpoint, tmp_path)
@@ -141,18 +142,31 @@ def test_a_checkpoint_ckptkit_wrote_with_to_dcp_loads_into_a_sharded_model(tmp_p
     first = run(tmp_path, "single", mode="single", epochs=1)
     weights_only = tmp_path / "weights"
     ckptkit.convert(first.checkpoint, weights_only, to="dcp")
-    resumed = run(tmp_path, "fsdp", mode="fsdp", nproc_per_node=2, epochs=2,
-                  resume=str(weights_only))  # fmt: skip
+    resumed = run(
+        tmp_path, "fsdp", mode="fsdp", nproc_per_node=2, epochs=2, resume=str(weights_only)
+    )
     assert resumed.epochs_run == 2  # weights only: no epoch counter in the folder
     expected = torch.load(first.checkpoint, weights_only=True)["model"]
     shards_read = tmp_path / "check.py"
     shards_read.write_text(_SHARDED_LOAD)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(shards_read), str(weights_only), str(tmp_path / "gathered.pt")],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(shards_read),
+            str(weights_only),
+            str(tmp_path / "gathered.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 0, _ranks_said(proc.stderr)
     gathered = torch.load(tmp_path / "gathered.pt", weights_only=True)
     assert set(gathered) == set(expected)
@@ -161,8 +175,9 @@ def test_a_checkpoint_ckptkit_wrote_with_to_dcp_loads_into_a_sharded_model(tmp_p
 
 def _ranks_said(stderr: str) -> str:
     """What the ranks printed before torchrun's failure summary (the summary hides it)."""
-    return "\n".join(line for line in stderr.splitlines() if not line.startswith(("[", "  "))
-                     )[-4000:]  # fmt: skip
+    return "\n".join(line for line in stderr.splitlines() if not line.startswith(("[", "  ")))[
+        -4000:
+    ]
 
 
 _SHARDED_LOAD = """
@@ -200,11 +215,16 @@ def test_plain_values_in_a_dcp_folder_go_through_the_safe_loader(tmp_path):
             return (os.system, (f"touch {marker}",))
 
     folder = tmp_path / "hostile"
-    dcp.save({"model": demo_model().state_dict(), "note": Boom()}, checkpoint_id=str(folder))
+    state = {"model": demo_model().state_dict(), "note": Boom()}
+    with single_process_dcp():
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
     with pytest.raises(FormatError, match="not plain data, and torch's safe loader refused it"):
         load_dcp(folder, {"model": demo_model().state_dict(), "note": 0})
     assert not marker.exists()
-    dcp.load({"model": demo_model().state_dict(), "note": 0}, checkpoint_id=str(folder))
+    with single_process_dcp():
+        dcp.load(
+            {"model": demo_model().state_dict(), "note": 0}, checkpoint_id=str(folder), no_dist=True
+        )
     assert marker.exists()  # what torch's own planner does with the same folder
 
 
@@ -213,10 +233,24 @@ def test_cli_fsdp_in_a_subprocess(tmp_path):
     """Through the real launcher, as a user types it."""
     out = tmp_path / "cli"
     proc = subprocess.run(
-        [sys.executable, "-m", "ckptkit", "train", "--mode", "fsdp", "--epochs", "1",
-         "--out", str(out), "--timeout", "30"],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ckptkit",
+            "train",
+            "--mode",
+            "fsdp",
+            "--epochs",
+            "1",
+            "--out",
+            str(out),
+            "--timeout",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, _ranks_said(proc.stderr)
     assert proc.stdout.splitlines()[-1] == f"Checkpoint {out / 'ckpt-epoch0001'}"
     assert "Trained 1 epoch in fsdp mode" in proc.stdout
@@ -227,8 +261,11 @@ def test_cli_fsdp_in_a_subprocess(tmp_path):
 def test_cuda_fsdp_with_nccl_reads_back_on_the_cpu(tmp_path):
     world = min(2, torch.cuda.device_count())
     out = tmp_path / "run"
-    result = train(TrainConfig(mode="fsdp", epochs=2, nproc_per_node=world, device="cuda",
-                               out=str(out), **FAST))  # fmt: skip
+    result = train(
+        TrainConfig(
+            mode="fsdp", epochs=2, nproc_per_node=world, device="cuda", out=str(out), **FAST
+        )
+    )
     folder = Path(result.checkpoint)
     meta = torch.load(folder / "meta.pt", map_location="cpu", weights_only=True)["ckptkit"]
     assert (meta["mode"], meta["backend"], meta["device_type"]) == ("fsdp", "nccl", "cuda")

@@ -194,13 +194,15 @@ def test_inner_wrapper_segments_are_stripped_where_the_keys_show_them():
     assert [w.prefix for w in found] == ["_orig_mod."]
     # A submodule merely named `module` beside a sibling stays; an only child is a wrapper.
     assert strip_inner_wrappers(["head.module.w", "head.b"])[0] == {
-        "head.module.w": "head.module.w", "head.b": "head.b"
-    }  # fmt: skip
+        "head.module.w": "head.module.w",
+        "head.b": "head.b",
+    }
     assert strip_inner_wrappers(["enc.module.w", "x"])[0] == {"enc.module.w": "enc.w", "x": "x"}
     # AveragedModel inside: its n_averaged goes with it; nested wrappers all go.
     assert strip_inner_wrappers(["ema.module.w", "ema.n_averaged"])[0] == {
-        "ema.module.w": "ema.w", "ema.n_averaged": None
-    }  # fmt: skip
+        "ema.module.w": "ema.w",
+        "ema.n_averaged": None,
+    }
     nested = [
         "a._orig_mod._checkpoint_wrapped_module.x",
         "a._orig_mod._checkpoint_wrapped_module.y",
@@ -209,8 +211,11 @@ def test_inner_wrapper_segments_are_stripped_where_the_keys_show_them():
 
 
 def test_strip_wrappers_composes_with_strip_prefix():
-    plan = build_plan(["model._orig_mod.l.w", "model._orig_mod.l.b"], strip_wrappers=True,
-                      strip_prefixes=["model."])  # fmt: skip
+    plan = build_plan(
+        ["model._orig_mod.l.w", "model._orig_mod.l.b"],
+        strip_wrappers=True,
+        strip_prefixes=["model."],
+    )
     assert list(plan.mapping.values()) == ["l.w", "l.b"]
     assert plan.steps == ["strip '_orig_mod.' (torch.compile) inside keys", "strip 'model.'"]
 
@@ -219,10 +224,11 @@ _names = st.from_regex(r"[a-z][a-z0-9]{0,4}", fullmatch=True)
 
 
 @given(
-    st.lists(st.lists(_names, min_size=2, max_size=4).map(".".join), min_size=1, max_size=12,
-             unique=True),
+    st.lists(
+        st.lists(_names, min_size=2, max_size=4).map(".".join), min_size=1, max_size=12, unique=True
+    ),
     st.sampled_from([w.prefix for w in WRAPPERS]),
-)  # fmt: skip
+)
 def test_strip_inner_undoes_inserting_a_wrapper_under_a_subtree(keys, prefix):
     # Insert the wrapper after the first segment of every key under one subtree: all keys
     # under it get it, so the keys show a wrapper there.

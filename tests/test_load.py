@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, FIXTURES, reference_model, sample_input
+from helpers import FIXTURE_DIR, FIXTURES, reference_model, sample_input
 from safetensors.torch import load_model
 from torch import nn
 

@@ -6,6 +6,7 @@ is not one."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -15,12 +16,20 @@ from safetensors.torch import load_file, load_model
 import ckptkit
 from ckptkit.errors import FormatError
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+@contextlib.contextmanager
+def _made_on_purpose():
+    """Making these tensors is the point: torch's warnings that CSR support is in beta, that
+    quantized tensors and dynamic quantization are deprecated, are about them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+        warnings.filterwarnings("ignore", ".*quantized tensor creation functions", UserWarning)
+        warnings.filterwarnings("ignore", "torch.ao.quantization is deprecated", DeprecationWarning)
+        yield
 
 
 def _quantized():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with _made_on_purpose():
         net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
         return torch.ao.quantization.quantize_dynamic(net, {torch.nn.Linear}, dtype=torch.qint8)
 
@@ -30,15 +39,14 @@ class Odd(torch.nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.lin = torch.nn.Linear(4, 3)
-        self.register_buffer("coo", torch.randn(4, 5, generator=g).relu().to_sparse())
-        self.register_buffer("csr", torch.randn(4, 5, generator=g).relu().to_sparse_csr())
-        scales, zeros = torch.tensor([0.1, 0.2, 0.3]), torch.tensor([0, 1, 2])
-        self.register_buffer(
-            "qt", torch.quantize_per_tensor(torch.randn(3, 4), 0.1, 3, torch.qint8)
-        )
-        self.register_buffer(
-            "qc", torch.quantize_per_channel(torch.randn(3, 4), scales, zeros, 0, torch.quint8)
-        )
+        with _made_on_purpose():
+            coo = torch.randn(4, 5, generator=g).relu().to_sparse()
+            csr = torch.randn(4, 5, generator=g).relu().to_sparse_csr()
+            scales, zeros = torch.tensor([0.1, 0.2, 0.3]), torch.tensor([0, 1, 2])
+            qt = torch.quantize_per_tensor(torch.randn(3, 4), 0.1, 3, torch.qint8)
+            qc = torch.quantize_per_channel(torch.randn(3, 4), scales, zeros, 0, torch.quint8)
+        for name, tensor in {"coo": coo, "csr": csr, "qt": qt, "qc": qc}.items():
+            self.register_buffer(name, tensor)
 
 
 def _same(a, b) -> bool:
@@ -117,8 +125,9 @@ def test_sparse_and_quantized_tensors_are_described_and_kept(tmp_path, run):
 
 
 def test_same_value_tells_them_apart():
-    a = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
-    b = torch.quantize_per_tensor(torch.ones(3), 0.2, 0, torch.qint8)
+    with _made_on_purpose():
+        a = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+        b = torch.quantize_per_tensor(torch.ones(3), 0.2, 0, torch.qint8)
     assert _same(a, a) and not _same(a, b)
     s = torch.eye(3).to_sparse()
     assert _same(s, torch.eye(3).to_sparse()) and not _same(s, (2 * torch.eye(3)).to_sparse())
@@ -194,8 +203,12 @@ def test_a_dtensor_shard_is_described_and_refused(tmp_path, run):
     import sys
 
     path = tmp_path / "rank0.pt"
-    done = subprocess.run([sys.executable, "-c", _DTENSOR_SAVE, str(path)], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _DTENSOR_SAVE, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     info = dict(ckptkit.summarize(path).tensors)["0.weight"]
     assert (info.kind, info.shape, info.dtype) == ("DTensor", (5, 6), "float32")

@@ -10,7 +10,7 @@ import pickletools
 from collections import OrderedDict
 
 import pytest
-from conftest import FIXTURE_DIR, no_torch_imported
+from helpers import FIXTURE_DIR, no_torch_imported
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -168,8 +168,9 @@ def test_a_run_with_metrics_alone_draws_its_epochs(tmp_path):
     metrics.jsonl records."""
     folder = tmp_path / "old"
     folder.mkdir()
-    lines = [{"epoch": e, "step": 25 * e, "loss": 1.0 / e, "lr": 0.1, "world_size": 2}
-             for e in (1, 2)]  # fmt: skip
+    lines = [
+        {"epoch": e, "step": 25 * e, "loss": 1.0 / e, "lr": 0.1, "world_size": 2} for e in (1, 2)
+    ]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     curves = read_curves(folder, "old")
     assert (curves.mode, curves.world_size, curves.label) == (None, 2, "old (x2)")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, bits, dcp_to_torch, no_torch_imported
+from helpers import FIXTURE_DIR, bits, dcp_to_torch, no_torch_imported
 from safetensors.torch import load_file
 
 import ckptkit

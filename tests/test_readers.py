@@ -11,7 +11,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, FIXTURES, ROOT
+from helpers import FIXTURE_DIR, FIXTURES, ROOT
 
 import ckptkit
 from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError, UsageError
@@ -60,7 +60,8 @@ def test_views_of_one_buffer_keep_their_own_ranges():
     assert all(
         a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False)
     )  # ...in disjoint slices
-    assert not open_source(FIXTURE_DIR / "flat_buffer.pt").aliases()
+    with open_source(FIXTURE_DIR / "flat_buffer.pt") as source:
+        assert not source.aliases()
 
 
 def test_tied_weights_are_aliases():
@@ -289,8 +290,10 @@ def test_ema_copies_are_listed_and_taken_with_ema(tmp_path, run, fixture_copy):
     assert report.selected == "model_ema" and "--ema" in report.selected_reason
     # timm: state_dict and state_dict_ema beside each other.
     timm = tmp_path / "timm.pth.tar"
-    torch.save({"state_dict": {"w": torch.ones(2)}, "state_dict_ema": {"w": torch.zeros(2)},
-                "epoch": 3}, timm)  # fmt: skip
+    torch.save(
+        {"state_dict": {"w": torch.ones(2)}, "state_dict_ema": {"w": torch.zeros(2)}, "epoch": 3},
+        timm,
+    )
     with open_source(timm, ema=True) as source:
         assert source.selected == "state_dict_ema" and torch.equal(source.load("w"), torch.zeros(2))
     fixture_copy("single.pt")

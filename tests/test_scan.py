@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, FIXTURES
+from helpers import FIXTURE_DIR, FIXTURES
 
 from ckptkit.formats.pickles.verdicts import classify, scan_pickle
 from ckptkit.scan import scan
@@ -94,8 +94,10 @@ def test_getattr_on_a_named_global_names_the_attribute_as_a_global():
     """getattr(<global os.path>, "os").system("true") reaches os.system through two lookups:
     each is named as the global it reaches and the call is one of os.path.os.system; getattr
     stays named too, and a dunder is never resolved."""
-    reach = (b"\x80\x02cbuiltins\ngetattr\nq\x00cbuiltins\ngetattr\ncos\npath\n"
-             b"X\x02\x00\x00\x00os\x86RX\x06\x00\x00\x00system\x86R")  # fmt: skip
+    reach = (
+        b"\x80\x02cbuiltins\ngetattr\nq\x00cbuiltins\ngetattr\ncos\npath\n"
+        b"X\x02\x00\x00\x00os\x86RX\x06\x00\x00\x00system\x86R"
+    )
     found = scan_pickle(reach + b"X\x04\x00\x00\x00true\x85R.")
     assert {"builtins.getattr", "os.path", "os.path.os", "os.path.os.system"} <= set(found.globals)
     assert found.calls == {"os.path.os.system": 1}

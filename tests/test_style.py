@@ -6,7 +6,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 
 @pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]])

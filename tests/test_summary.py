@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, FIXTURES, ROOT
+from helpers import FIXTURE_DIR, FIXTURES, ROOT
 from safetensors.torch import save_file
 
 import ckptkit

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import FIXTURE_DIR, reference_model, sample_input
+from helpers import FIXTURE_DIR, reference_model, sample_input
 from hypothesis import given
 from hypothesis import strategies as st
 from make_fixtures import TiedLM

@@ -57,8 +57,10 @@ def test_torch_loads_what_is_written(tmp_path, zip64):
             assert bit_equal(loaded[key], tensor)
     with zipfile.ZipFile(path) as zf:
         names = zf.namelist()
-        assert names[:4] == [f"archive/{n}" for n in ("data.pkl", ".format_version",
-                                                      ".storage_alignment", "byteorder")]  # fmt: skip
+        assert names[:4] == [
+            f"archive/{n}"
+            for n in ("data.pkl", ".format_version", ".storage_alignment", "byteorder")
+        ]
         assert names[-2:] == ["archive/version", "archive/.data/serialization_id"]
         assert zf.read("archive/data.pkl")  # the small records carry real CRCs
         assert zf.read("archive/version") == b"3\n"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import single_process_dcp
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -38,7 +39,8 @@ def dcp_weights(folder: Path) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
 
     state = demo_model().state_dict()
-    dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
+    with single_process_dcp():
+        dcp.load({"model": state}, checkpoint_id=str(folder), no_dist=True)
     return state
 
 
@@ -49,11 +51,51 @@ def bit_equal(a: dict, b: dict) -> bool:
 # --- the update ------------------------------------------------------------------------------
 
 
+def reference_training(epochs: int, grad_accum: int, batch_size: int = 64, lr: float = 0.05):
+    """The engine's single-device run written out by hand, as the PyTorch docs write gradient
+    accumulation: the seeded demo model, SGD with momentum 0.9, each global batch of the
+    seeded shuffle cut into ``grad_accum`` micro-batches whose losses, each divided by
+    ``grad_accum``, are backpropagated before one optimizer step."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    torch.manual_seed(0)
+    model = demo_model()
+    data = BlobData()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []  # each epoch's mean loss over its samples, as the metrics report it
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        loss_sum, samples = 0.0, 0.0
+        for inputs, labels in DataLoader(data, batch_size, sampler=sampler, drop_last=True):
+            optimizer.zero_grad(set_to_none=True)
+            step_sum = 0.0
+            for x, y in zip(
+                inputs.tensor_split(grad_accum), labels.tensor_split(grad_accum), strict=True
+            ):
+                loss = nn.functional.cross_entropy(model(x), y)
+                (loss / grad_accum).backward()
+                step_sum += float(loss.detach()) * len(y)
+                samples += len(y)
+            optimizer.step()
+            loss_sum += step_sum
+        losses.append(loss_sum / samples)
+    return {k: v.detach() for k, v in model.state_dict().items()}, losses
+
+
 def test_grad_accumulation_is_one_batch_of_the_same_size(tmp_path):
-    whole = model_of(run(tmp_path, "whole", epochs=1, lr_schedule="constant"))
-    accum = model_of(run(tmp_path, "accum", epochs=1, lr_schedule="constant", grad_accum=4))
-    assert not bit_equal(whole, accum)  # summed in another order...
-    for key in whole:  # ...to float tolerance the same update
+    result = run(tmp_path, "accum", epochs=1, lr_schedule="constant", grad_accum=4)
+    accum, losses = reference_training(epochs=1, grad_accum=4)
+    assert bit_equal(model_of(result), accum)  # the very same steps
+    assert [m["loss"] for m in result.metrics] == pytest.approx(losses, rel=1e-12)
+    result = run(tmp_path, "whole", epochs=1, lr_schedule="constant")
+    whole, losses = reference_training(epochs=1, grad_accum=1)
+    assert bit_equal(model_of(result), whole)
+    assert [m["loss"] for m in result.metrics] == pytest.approx(losses, rel=1e-12)
+    # Accumulating 4 micro-batches of 16 is one batch of 64 summed in another order: to float
+    # tolerance the same update, and not merely the same one run twice.
+    assert not bit_equal(whole, accum)
+    for key in whole:
         torch.testing.assert_close(accum[key], whole[key], rtol=1e-5, atol=1e-6)
 
 
@@ -77,8 +119,18 @@ def test_learning_rate_schedules():
 
 
 def test_optimizers_precision_and_clipping_train_and_are_recorded(tmp_path):
-    result = run(tmp_path, "adamw", epochs=2, optimizer="adamw", lr=1e-3, weight_decay=0.01,
-                 lr_schedule="cosine", warmup_steps=5, precision="bf16", clip_grad_norm=1.0)  # fmt: skip
+    result = run(
+        tmp_path,
+        "adamw",
+        epochs=2,
+        optimizer="adamw",
+        lr=1e-3,
+        weight_decay=0.01,
+        lr_schedule="cosine",
+        warmup_steps=5,
+        precision="bf16",
+        clip_grad_norm=1.0,
+    )
     metrics = result.metrics
     assert metrics[-1]["loss"] < metrics[0]["loss"] and metrics[-1]["accuracy"] > 0.5
     assert metrics[-1]["lr"] < metrics[0]["lr"]  # cosine
@@ -87,7 +139,10 @@ def test_optimizers_precision_and_clipping_train_and_are_recorded(tmp_path):
     assert "exp_avg" in next(iter(saved["optimizer"]["state"].values()))
     config = saved["ckptkit"]["config"]
     assert (config["optimizer"], config["precision"], config["clip_grad_norm"]) == (
-        "adamw", "bf16", 1.0)  # fmt: skip
+        "adamw",
+        "bf16",
+        1.0,
+    )
 
 
 def test_fp16_saves_and_resumes_its_gradient_scaler(tmp_path):
@@ -161,13 +216,19 @@ def test_mse_a_custom_loss_and_a_model_that_returns_its_loss(tmp_path):
 def test_a_run_stopped_mid_epoch_resumes_bit_exactly(tmp_path, mode):
     procs = {"mode": mode, "nproc_per_node": 2}
     straight = run(tmp_path, "straight", epochs=3, **procs)
-    stopped = run(tmp_path, "stopped", epochs=3, max_steps=45, save_every_steps=10, keep_last=0,
-                  **procs)  # fmt: skip
+    stopped = run(
+        tmp_path, "stopped", epochs=3, max_steps=45, save_every_steps=10, keep_last=0, **procs
+    )
     assert stopped.stopped == "max_steps" and stopped.steps == 45
     names = [p.name for p in list_checkpoints(tmp_path / "stopped")]
-    assert names == ["ckpt-epoch0000-step00000010.pt", "ckpt-epoch0000-step00000020.pt",
-                     "ckpt-epoch0000-step00000030.pt", "ckpt-epoch0001.pt",
-                     "ckpt-epoch0001-step00000040.pt", "ckpt-epoch0001-step00000045.pt"]  # fmt: skip
+    assert names == [
+        "ckpt-epoch0000-step00000010.pt",
+        "ckpt-epoch0000-step00000020.pt",
+        "ckpt-epoch0000-step00000030.pt",
+        "ckpt-epoch0001.pt",
+        "ckpt-epoch0001-step00000040.pt",
+        "ckpt-epoch0001-step00000045.pt",
+    ]
     with pytest.raises(UsageError, match="is at step 45 and --max-steps is 45: nothing left"):
         run(tmp_path, "stopped", epochs=3, resume="auto", max_steps=45, **procs)
     resumed = run(tmp_path, "stopped", epochs=3, resume="auto", **procs)
@@ -177,6 +238,56 @@ def test_a_run_stopped_mid_epoch_resumes_bit_exactly(tmp_path, mode):
     assert resumed.metrics[0]["loss"] == straight.metrics[1]["loss"]
     lines = (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in lines] == [1, 2, 3]
+
+
+DROPOUT = """
+from torch import nn
+from ckptkit.engine.demo import CLASSES, FEATURES
+
+
+def dropout_model():
+    return nn.Sequential(
+        nn.Linear(FEATURES, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, CLASSES)
+    )
+"""
+
+
+@pytest.mark.parametrize("mode", ["single", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_a_resumed_run_continues_each_rank_s_random_stream(tmp_path, monkeypatch, mode):
+    """With dropout, each step draws from the rank's RNG: a run stopped mid-epoch and resumed
+    equals the straight run bit for bit only because the checkpoint gives every rank its own
+    stream back. The same checkpoint without its RNG states (or, in DDP, with the ranks' states
+    swapped) resumes into a different run: what the comparison would miss otherwise."""
+    (tmp_path / "dropout_models.py").write_text(DROPOUT)
+    monkeypatch.chdir(tmp_path)  # the workers import the model from here
+    common = {
+        "model": "dropout_models:dropout_model",
+        "epochs": 2,
+        "mode": mode,
+        "nproc_per_node": 2,
+        "lr_schedule": "constant",
+    }
+    straight = model_of(run(tmp_path, "straight", **common))
+    stopped = run(tmp_path, "cut", max_steps=20, **common)
+    assert stopped.stopped == "max_steps" and stopped.steps == 20  # mid-way through epoch 1
+    resumed = run(tmp_path, "cut", resume="auto", **common)
+    assert resumed.steps == 64
+    assert bit_equal(model_of(resumed), straight)
+
+    checkpoint = tmp_path / "cut" / "ckpt-epoch0000-step00000020.pt"
+    payload = torch.load(checkpoint, weights_only=True)
+    world = 2 if mode == "ddp" else 1
+    assert len(payload["rng"]) == world  # one stream per rank
+    if world == 2:
+        assert not torch.equal(payload["rng"][0]["torch"], payload["rng"][1]["torch"])
+    variants = {"without": {k: v for k, v in payload.items() if k != "rng"}}
+    if world == 2:
+        variants["swapped"] = {**payload, "rng": payload["rng"][::-1]}
+    for name, changed in variants.items():
+        torch.save(changed, tmp_path / f"{name}.pt")
+        other = run(tmp_path, name, resume=str(tmp_path / f"{name}.pt"), **common)
+        assert other.steps == 64
+        assert not bit_equal(model_of(other), straight), name
 
 
 def test_data_loader_workers_give_the_same_run(tmp_path):
@@ -211,9 +322,12 @@ def slow():
 def _start(cwd: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "ckptkit", "train", "--model", "helpers_slow:slow", *args],
-        cwd=cwd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=cwd,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
         start_new_session=True,  # its own process group, as a terminal or a scheduler has
-    )  # fmt: skip
+    )
 
 
 def _signal_after_first_epoch(proc: subprocess.Popen, sig: int) -> str:
@@ -234,9 +348,23 @@ def test_sigterm_saves_at_the_next_step_and_the_run_resumes_exactly(tmp_path, mo
     (tmp_path / "helpers_slow.py").write_text(SLOW)
     common = ["--mode", mode, "--epochs", "3", "--timeout", "30"]
     straight = subprocess.run(
-        [sys.executable, "-m", "ckptkit", "train", "--model", "helpers_slow:slow", *common,
-         "--out", "straight", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ckptkit",
+            "train",
+            "--model",
+            "helpers_slow:slow",
+            *common,
+            "--out",
+            "straight",
+            "-q",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert straight.returncode == 0, straight.stderr
     proc = _start(tmp_path, *common, "--out", "cut")
     stderr = _signal_after_first_epoch(proc, signal.SIGTERM)
@@ -245,10 +373,25 @@ def test_sigterm_saves_at_the_next_step_and_the_run_resumes_exactly(tmp_path, mo
     assert last.startswith("Error: stopped by SIGTERM") and "ckpt-epoch0001-step" in last, stderr
     assert last.endswith("resume with --resume auto") and "Traceback" not in stderr
     resumed = subprocess.run(
-        [sys.executable, "-m", "ckptkit", "train", "--model", "helpers_slow:slow", *common,
-         "--out", "cut", "--resume", "auto", "-q"], cwd=tmp_path, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "ckptkit",
+            "train",
+            "--model",
+            "helpers_slow:slow",
+            *common,
+            "--out",
+            "cut",
+            "--resume",
+            "auto",
+            "-q",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert resumed.returncode == 0, resumed.stderr
     a = torch.load(tmp_path / "straight" / "ckpt-epoch0003.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "cut" / "ckpt-epoch0003.pt", weights_only=True)["model"]
@@ -283,7 +426,11 @@ def test_a_toml_config_with_flags_over_it(tmp_path, run_cli):
     doc = json.loads(result.stdout)
     saved = torch.load(doc["checkpoint"], weights_only=True)["ckptkit"]["config"]
     assert (saved["epochs"], saved["lr"], saved["grad_accum"], saved["optimizer"]) == (
-        1, 0.2, 2, "adam")  # fmt: skip
+        1,
+        0.2,
+        2,
+        "adam",
+    )
     (tmp_path / "bad.toml").write_text("lr = 0.1\nlearning_rate = 3\n")
     result = run_cli("train", "--config", "bad.toml")
     assert result.exit_code == 2
@@ -303,8 +450,16 @@ def test_compiled_model_saves_canonical_keys(tmp_path):
 
 
 def test_validation_best_pointer_and_early_stopping(tmp_path):
-    result = run(tmp_path, "val", epochs=12, val_fraction=0.25, monitor="val_accuracy",
-                 monitor_mode="max", keep_last=1, early_stop_patience=2)  # fmt: skip
+    result = run(
+        tmp_path,
+        "val",
+        epochs=12,
+        val_fraction=0.25,
+        monitor="val_accuracy",
+        monitor_mode="max",
+        keep_last=1,
+        early_stop_patience=2,
+    )
     metrics = result.metrics
     assert all(m["val_loss"] > 0 and 0 <= m["val_accuracy"] <= 1 for m in metrics)
     accuracy = [m["val_accuracy"] for m in metrics]
@@ -363,8 +518,16 @@ def test_plot_draws_a_single_and_a_ddp_run_side_by_side(tmp_path, run):
     pytest.importorskip("matplotlib")
     single = tmp_path / "single"
     run_result = train(TrainConfig(out=str(single), epochs=2, val_fraction=0.2, **FAST))
-    ddp = train(TrainConfig(out=str(tmp_path / "ddp"), epochs=2, val_fraction=0.2, mode="ddp",
-                            nproc_per_node=2, **FAST))  # fmt: skip
+    ddp = train(
+        TrainConfig(
+            out=str(tmp_path / "ddp"),
+            epochs=2,
+            val_fraction=0.2,
+            mode="ddp",
+            nproc_per_node=2,
+            **FAST,
+        )
+    )
     steps = [json.loads(line) for line in (single / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(10, run_result.steps + 1, 10))
     assert all(s["lr"] == 0.05 and 0 < s["loss"] for s in steps)
@@ -389,7 +552,10 @@ def test_plot_refuses_a_folder_that_is_no_run(tmp_path, run):
 def test_steps_log_is_rewound_on_resume(tmp_path):
     run(tmp_path, "s", epochs=3, keep_last=0)
     run(tmp_path, "s", epochs=3, resume=str(tmp_path / "s" / "ckpt-epoch0001.pt"))
-    steps = [json.loads(line)["step"] for line in (tmp_path / "s" / "steps.jsonl").open()]
+    steps = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "s" / "steps.jsonl").read_text().splitlines()
+    ]
     assert steps == list(range(10, 97, 10))
 
 
@@ -399,16 +565,26 @@ def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run(tmp_path, "tb", epochs=3, keep_last=0, log=("tensorboard",), val_fraction=0.25)
-    run(tmp_path, "tb", epochs=3, resume=str(tmp_path / "tb" / "ckpt-epoch0001.pt"),
-        log=("tensorboard",), val_fraction=0.25)  # fmt: skip
+    run(
+        tmp_path,
+        "tb",
+        epochs=3,
+        resume=str(tmp_path / "tb" / "ckpt-epoch0001.pt"),
+        log=("tensorboard",),
+        val_fraction=0.25,
+    )
     board = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
     board.Reload()
-    lines = [json.loads(line) for line in (tmp_path / "tb" / "steps.jsonl").open()]
+    lines = [
+        json.loads(line) for line in (tmp_path / "tb" / "steps.jsonl").read_text().splitlines()
+    ]
     losses = board.Scalars("train/loss")
     assert [e.step for e in losses] == [line["step"] for line in lines]  # each once, in order
     for event, line in zip(losses, lines, strict=True):
         assert event.value == pytest.approx(line["loss"], rel=1e-6)
-    epochs = [json.loads(line) for line in (tmp_path / "tb" / "metrics.jsonl").open()]
+    epochs = [
+        json.loads(line) for line in (tmp_path / "tb" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [e.step for e in board.Scalars("epoch/val_loss")] == [m["step"] for m in epochs]
     assert [e.value for e in board.Scalars("epoch/lr")] == pytest.approx([m["lr"] for m in epochs])
     with pytest.raises(UsageError, match="unknown --log 'csv'"):
@@ -435,9 +611,11 @@ def test_progress_lines_go_through_logging(tmp_path, capsys):
     finally:
         logging.getLogger("ckptkit.train").removeHandler(keep)
     assert [line.split("  ")[0] for line in seen] == [
-        "epoch 1/2", "epoch 2/2", f"resumed from {tmp_path / 'a' / 'ckpt-epoch0002.pt'} at epoch 2",
+        "epoch 1/2",
+        "epoch 2/2",
+        f"resumed from {tmp_path / 'a' / 'ckpt-epoch0002.pt'} at epoch 2",
         "epoch 3/3",
-    ]  # fmt: skip
+    ]
     assert shown == len(seen)  # --quiet: none
     err = capsys.readouterr().err
     assert "epoch 1/2  loss " in err and "samples/s" in err
