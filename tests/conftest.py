@@ -8,13 +8,9 @@ import shutil
 
 import pytest
 from click.testing import CliRunner
-from helpers import FIXTURE_DIR, ROOT
+from helpers import FIXTURE_DIR
 
 from ckptkit.cli import cli
-
-# Still importable from here (`from conftest import FIXTURE_DIR, ROOT`) until every file uses
-# helpers.
-__all__ = ["FIXTURE_DIR", "ROOT"]
 
 
 @pytest.fixture

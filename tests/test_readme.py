@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import FIXTURE_DIR, ROOT
+from helpers import FIXTURE_DIR, ROOT
 
 from ckptkit.cli import cli
 
