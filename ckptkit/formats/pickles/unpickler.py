@@ -254,6 +254,12 @@ def _latin1_encode(text: Any, encoding: str = "utf-8") -> bytes:
     return text.encode("latin1")
 
 
+def _bytes(value: Any = b"") -> bytes:
+    if not isinstance(value, (bytes, bytearray)):  # bytes(10**12) would allocate it
+        raise ValueError("bytes of anything but bytes")
+    return bytes(value)
+
+
 def _bytearray(value: Any = b"") -> bytearray:
     if not isinstance(value, (bytes, bytearray)):  # bytearray(10**12) would allocate it
         raise ValueError("bytearray of anything but bytes")
@@ -427,10 +433,10 @@ DATA_CALLS: Mapping[str, Callable[..., Any]] = MappingProxyType(
         "collections.defaultdict": lambda *args: {},
         "collections.deque": _deque,
         "builtins.frozenset": _container(frozenset),
+        "builtins.bytes": _bytes,  # b'' below protocol 3 pickles as bytes()
     }
 )
-#: Every data class: those decoded above, and those that only appear as values or are built
-#: by NEWOBJ and BUILD (their state recorded as it is).
+
 _DCP = "torch.distributed.checkpoint."
 # The classes of DCP's own .metadata (torch's dataclasses and one enum): read as data, never
 # imported, as the fields of the objects they describe.
@@ -447,6 +453,9 @@ DCP_METADATA_GLOBALS = frozenset(
         _DCP + "filesystem._StorageInfo",
     }
 )
+
+#: Every data class: those decoded above, and those that only appear as values or are built
+#: by NEWOBJ and BUILD (their state recorded as it is).
 DATA_GLOBALS: frozenset[str] = (
     frozenset(DATA_CALLS)
     | DCP_METADATA_GLOBALS
