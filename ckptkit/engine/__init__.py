@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,10 +14,23 @@ from ckptkit.engine.config import TrainConfig
 from ckptkit.errors import UsageError
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from ckptkit.engine.distributed import Mode
     from ckptkit.engine.trainer import Engine, TrainResult
 
 __all__ = ["train", "Engine", "TrainConfig", "TrainResult", "Mode"]
+
+# In the environment ckptkit's launcher starts its workers with: the launcher's pid.
+_LAUNCHER_PID_ENV = "CKPTKIT_LAUNCHER_PID"
+# The exit code of a worker that found itself re-running the script's top level: the launcher
+# turns it into one UsageError.
+_RERUN_EXIT_CODE = 86
+_RERUN_MESSAGE = (
+    "train() was called again in a worker process: each worker re-runs your script's top level "
+    "before it starts (Python's spawn start method)"
+)
+_RERUN_FIX = 'put the call under `if __name__ == "__main__":`'
 
 
 def __getattr__(name: str) -> Any:
@@ -41,7 +56,11 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
 
     Raises:
         CkptkitError: bad options, a failed worker (named by rank), or a failed save.
+        UsageError: in DDP and FSDP also a call the workers would repeat (a script without
+            ``if __name__ == "__main__":``) or a factory they cannot receive (not picklable).
+        KeyboardInterrupt: Ctrl-C, once every worker has stopped.
     """
+    _refuse_rerun()  # first: a worker re-running the script leaves before importing torch
     from ckptkit.engine.distributed import Mode, under_launcher
 
     config = config or TrainConfig(**options)  # type: ignore[arg-type]
@@ -49,8 +68,9 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
     if Mode(config.mode).distributed and not under_launcher():
         # Only what launching needs is imported here: the workers wait for this process.
         from ckptkit.engine.checkpoint import check_fresh
-        from ckptkit.engine.launch import launch
+        from ckptkit.engine.launch import check_sendable, launch
 
+        check_sendable(config)  # a factory the workers cannot receive, before any process
         # Here, before any worker starts: an earlier run in --out, and a resume with nothing left.
         check_fresh(Path(config.out), resume=config.resume, overwrite=config.overwrite)
         if config.resume is not None:
@@ -66,6 +86,38 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
     from ckptkit.engine.trainer import Engine
 
     return Engine(config).run()
+
+
+def _refuse_rerun() -> None:
+    """Refuse a call made while a process started with spawn (or forkserver) re-runs the main
+    script's top level, as each DDP worker does before it can run: a script that calls train()
+    outside ``if __name__ == "__main__":`` would launch workers from every worker.
+
+    Raises:
+        UsageError: naming the fix; in a worker of ckptkit's own launcher, a quiet exit with
+            ``_RERUN_EXIT_CODE`` instead, which the launcher reports once for all workers.
+    """
+    if not _rerunning_main():
+        return
+    if os.environ.get(_LAUNCHER_PID_ENV) == str(os.getppid()):
+        raise SystemExit(_RERUN_EXIT_CODE)
+    raise UsageError(_RERUN_MESSAGE, _RERUN_FIX)
+
+
+def _rerunning_main() -> bool:
+    """True while this process, started by multiprocessing, imports the parent's main module
+    (as ``__mp_main__``)."""
+    from multiprocessing import current_process
+
+    # What multiprocessing itself checks to refuse starting a process at this point.
+    if getattr(current_process(), "_inheriting", False):
+        return True
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:  # the re-run main module calls train(), maybe through others
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _check_resume(config: TrainConfig) -> None:
