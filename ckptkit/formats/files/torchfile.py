@@ -42,12 +42,13 @@ __all__ = [
     "TrustedTorchSource",
     "scan_torch_file",
     "LEGACY_MAGIC",
+    "ZipLayout",
 ]
 
 _LOCAL_HEADER = struct.Struct("<4s22sHH")  # signature, fixed fields, name length, extra length
 
 
-class _ZipLayout:
+class ZipLayout:
     """Where each storage's bytes sit inside a torch zip file."""
 
     def __init__(self, path: Path, raw: Any) -> None:
@@ -134,7 +135,7 @@ def _zip_damage(path: Path, name: str, exc: Exception) -> FormatError:
     )
 
 
-class _LegacyLayout(_ZipLayout):
+class _LegacyLayout(ZipLayout):
     """The legacy format: magic, protocol and system-info pickles, the main pickle, the list of
     storage keys, then each storage as an int64 element count followed by its bytes."""
 
@@ -227,7 +228,7 @@ def checked_reading(
 
 def scan_torch_file(
     path: Path, allowed: Iterable[str] = (), *, check_safety: bool = True
-) -> tuple[PickleScan, _ZipLayout, Any, list[Reading]]:
+) -> tuple[PickleScan, ZipLayout, Any, list[Reading]]:
     """Check a torch file and read its pickle statically.
 
     Returns:
@@ -243,10 +244,10 @@ def scan_torch_file(
     return scan, layout, raw, found
 
 
-def _layout_for(path: Path, raw: Any, reading: Reading) -> tuple[_ZipLayout, PickleScan]:
+def _layout_for(path: Path, raw: Any, reading: Reading) -> tuple[ZipLayout, PickleScan]:
     """Where a torch file's storages lie, and its main pickle, from ``torch.load``'s reading."""
     if reading.kind == "torch-zip":
-        layout = _ZipLayout(path, raw)
+        layout = ZipLayout(path, raw)
         main = next((p for p in reading.pickles if p.label == layout.pickle_name), None)
         if main is None:
             raise FormatError(f"{path} is damaged: no {layout.pickle_name} was read")
@@ -256,7 +257,7 @@ def _layout_for(path: Path, raw: Any, reading: Reading) -> tuple[_ZipLayout, Pic
 
 
 def _check_extents(
-    path: Path, layout: _ZipLayout, stubs: Iterable[tuple[str | None, TensorStub]]
+    path: Path, layout: ZipLayout, stubs: Iterable[tuple[str | None, TensorStub]]
 ) -> None:
     """Every tensor lies inside its storage, and every storage inside the file, from headers
     alone.

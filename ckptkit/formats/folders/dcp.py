@@ -224,7 +224,7 @@ class DCPSource(ChunkedSource):
 
     def _archive(self, path: Path, start: int, length: int, what: str) -> tuple[Any, Any]:
         """A chunk's (or value's) torch.save archive: its statically read root and layout."""
-        from ckptkit.formats.files.torchfile import _ZipLayout
+        from ckptkit.formats.files.torchfile import ZipLayout
 
         size = path.stat().st_size if path.is_file() else -1
         if start < 0 or length <= 0 or start + length > size:
@@ -249,7 +249,7 @@ class DCPSource(ChunkedSource):
                 f"{path} holds '{what}' that is not plain data: {why}",
                 "see 'ckptkit scan'; only a folder you trust can be loaded, with torch itself",
             )
-        return findings.scan.root, _ZipLayout(path, part)
+        return findings.scan.root, ZipLayout(path, part)
 
     def _object(self, path: Path, start: int, length: int, fqn: str) -> Any:
         root, _ = self._archive(path, start, length, fqn)
