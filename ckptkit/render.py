@@ -134,7 +134,7 @@ def _render(node: dict[str, Any], level: int, depth: int | None, lines: list[str
             lines.append(f"{pad}{label:<{width}}  {_describe(info, count)}")
         else:
             tensors, size = _totals(child)
-            lines.append(f"{pad}{label}  ({tensors} tensors, {human_size(size)})")
+            lines.append(f"{pad}{label}  ({plural(tensors, 'tensor')}, {human_size(size)})")
             if depth is None or level + 1 < depth:
                 _render(child, level + 1, depth, lines)
 
@@ -189,7 +189,7 @@ def summary_lines(summary: Any) -> list[str]:
         )
     for part in summary.dropped:
         lines.append(
-            f"also        {part.path}: {part.tensors} tensors, "
+            f"also        {part.path}: {plural(part.tensors, 'tensor')}, "
             f"{human_size(part.nbytes)} (not weights)"
         )
     run = summary.training

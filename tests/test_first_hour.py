@@ -172,3 +172,12 @@ def test_a_pt_report_says_the_extras_are_not_written(run, tmp_path):
         "Omitted  args, epoch, scheduler, step: not written (a .pt output holds only the state "
         "dict; .safetensors keeps them in its metadata)"
     ) in result.stdout.splitlines()
+
+
+def test_inspect_counts_one_tensor_in_the_singular(run, tmp_path):
+    import torch
+
+    torch.save({"model": {"w": torch.ones(2)}, "rng": torch.zeros(3)}, tmp_path / "c.pt")
+    lines = run("inspect", tmp_path / "c.pt").stdout.splitlines()
+    assert "also        rng: 1 tensor, 12 B (not weights)" in lines
+    assert "w  [2] f32  8 B" in lines
