@@ -28,6 +28,7 @@ from run import measure, python, run_ways, table  # noqa: E402
 # exp_avg and exp_avg_sq), saved with dcp.save as {"model": ..., "optim": ...}, and its weights
 # saved again with DCP's HuggingFaceStorageWriter beside it (<out>-hf).
 MAKE = """
+import os
 import sys
 from datetime import timedelta
 import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
@@ -54,6 +55,7 @@ writer = dcp.HuggingFaceStorageWriter(out + "-hf", save_distributed=True)
 dcp.save(msd, storage_writer=writer)
 dist.barrier()  # no rank tears the group down while another still uses it
 dist.destroy_process_group()
+os._exit(0)  # no interpreter finalization: gloo's threads can abort it (see tests/test_fsdp.py)
 """
 
 TORCH_WAY = """
