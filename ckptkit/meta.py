@@ -14,7 +14,15 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["DISTRIBUTION", "NAMESPACE", "TRAINING_KEY", "CheckpointMeta", "jsonable", "version"]
+__all__ = [
+    "DISTRIBUTION",
+    "NAMESPACE",
+    "TRAINING_KEY",
+    "CheckpointMeta",
+    "jsonable",
+    "training_of",
+    "version",
+]
 
 # The name this project is installed under: `ckptkit` on the public index is another project.
 # The import name and the command stay `ckptkit`.
@@ -146,3 +154,14 @@ def _jsonable(value: Any, budget: list[int], active: set[int], depth: int) -> An
         return repr(value)[:200]
     finally:
         active.discard(id(value))
+
+
+def training_of(extras: Mapping[str, Any], header: Mapping[str, str]) -> dict[str, Any]:
+    """A training run's metadata: the engine's checkpoint keeps it under ``TRAINING_KEY``, a
+    converted safetensors file in its ``ckptkit.training`` header entry; empty when neither."""
+    meta = extras.get(TRAINING_KEY)
+    if isinstance(meta, dict):
+        return meta
+    if not any(key.startswith(NAMESPACE) for key in header):
+        return {}
+    return CheckpointMeta.from_header(header).training

@@ -129,10 +129,12 @@ def _how_it_ran(folder: Path, epochs: list[dict[str, Any]]) -> tuple[str | None,
             world = line["world_size"]
     mode = None
     if is_run_folder(folder):
-        from ckptkit.summary import summarize
+        from ckptkit.formats.open import open_source
+        from ckptkit.meta import training_of
 
-        try:
-            training = summarize(folder).training
+        try:  # the latest checkpoint's headers: no tensor, no scan of the other files
+            with open_source(folder, check_safety=False) as source:
+                training = training_of(source.extras, source.metadata)
         except (CkptkitError, OSError):  # a damaged checkpoint: the curves are still worth it
             training = {}
         if isinstance(training.get("mode"), str):

@@ -18,7 +18,7 @@ from ckptkit.formats.base.source import TensorInfo
 from ckptkit.formats.base.tree import Candidate, DroppedPart
 from ckptkit.formats.open import open_source
 from ckptkit.keys import Wrapper, build_plan, detect_wrappers
-from ckptkit.meta import NAMESPACE, TRAINING_KEY, CheckpointMeta
+from ckptkit.meta import NAMESPACE, CheckpointMeta, training_of
 from ckptkit.scan import ScanReport, report_of, scan
 
 __all__ = ["summarize", "Summary", "collapse", "keep"]
@@ -90,8 +90,7 @@ class Summary:
     @property
     def training(self) -> dict[str, Any]:
         """The training run's metadata, from an engine checkpoint or a converted file's header."""
-        meta = self.extras.get(TRAINING_KEY)
-        return meta if isinstance(meta, dict) else self.ckptkit_metadata.get("training", {})
+        return training_of(self.extras, self.metadata)
 
     @property
     def ckptkit_metadata(self) -> dict[str, Any]:

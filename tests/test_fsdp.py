@@ -210,7 +210,7 @@ os._exit(0)
 def test_plain_values_in_a_dcp_folder_go_through_the_safe_loader(tmp_path):
     """DCP's default planner unpickles plain values in full, so a hostile value runs code;
     ckptkit's resume reads them with torch's safe loader and refuses it."""
-    from ckptkit.engine.checkpoint import load_dcp
+    from ckptkit.engine.payload import load_dcp
     from ckptkit.errors import FormatError
 
     marker = tmp_path / "pwned"

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ckptkit.engine.distributed import quiet_single_process_dcp
-from ckptkit.engine.payload import DIGEST, META, MODEL, TRAIN_STATE, load_dcp, load_payload
+from ckptkit.engine.payload import DIGEST, META, MODEL, TRAIN_STATE, load_payload
 from ckptkit.engine.ptwriter import write_payload
 from ckptkit.engine.saver import BackgroundSaver, Staging, dcp_stager, staged
 from ckptkit.errors import CkptkitError, FormatError, UsageError
@@ -39,7 +39,6 @@ __all__ = [
     "checkpoint_name",
     "commit",
     "commit_dcp",
-    "load_dcp",  # now ckptkit.engine.payload's, importable here as before
     "find_resume",
     "list_checkpoints",
     "weights_sha256",

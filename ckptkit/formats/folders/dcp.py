@@ -31,12 +31,12 @@ from ckptkit.formats.files.safetensors import HF_SHARDING
 from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, Piece, check_cover
 from ckptkit.formats.pickles.machine import Global, Opaque, fields
 from ckptkit.formats.pickles.safe_globals import safe_globals
-from ckptkit.formats.pickles.unpickler import DATA_GLOBALS, DCP_METADATA_GLOBALS, TensorStub
+from ckptkit.formats.pickles.unpickler import DATA_GLOBALS, TensorStub
 from ckptkit.formats.pickles.verdicts import scan_pickle
 from ckptkit.formats.pickles.writer import Call, New, Ref, dumps
 from ckptkit.meta import jsonable
 
-__all__ = ["DCPSource", "DCP_GLOBALS", "METADATA", "DISTCP", "SIDECAR", "dcp_metadata"]
+__all__ = ["DCPSource", "METADATA", "DISTCP", "SIDECAR", "dcp_metadata"]
 
 METADATA = ".metadata"
 DISTCP = "__0_0.distcp"  # the one data file ckptkit writes: rank 0's first, as dcp.save names it
@@ -44,7 +44,6 @@ SIDECAR = "ckptkit.json"  # the conversion's metadata beside a DCP folder ckptki
 LIGHTNING_META = "meta.pt"  # Lightning's FSDP strategy saves the trainer's state beside DCP
 _DCP = "torch.distributed.checkpoint."
 # DCP's own classes in .metadata: dataclasses of plain values, read as data, never imported.
-DCP_GLOBALS = DCP_METADATA_GLOBALS | {"pathlib.PosixPath", "pathlib.WindowsPath"}
 
 
 class _Slice(io.RawIOBase):
@@ -83,7 +82,7 @@ def read_metadata(path: Path) -> dict[str, Any]:
         FormatError: it is damaged or not DCP metadata.
     """
     findings = scan_pickle(path.read_bytes(), METADATA)
-    allowed = safe_globals() | DATA_GLOBALS | DCP_GLOBALS
+    allowed = safe_globals() | DATA_GLOBALS  # DCP's own classes are data (DATA_GLOBALS)
     unsafe = [g for g in findings.globals if g not in allowed]
     if unsafe or findings.problems:
         what = ", ".join(unsafe) or findings.problems[0]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.files.safetensors import dcp_sharding_info
-from ckptkit.formats.folders.runs import CHECKPOINT_NAME, is_run_folder
+from ckptkit.formats.folders.runs import CHECKPOINT_NAME, CHECKPOINT_STEM, is_run_folder
 
 __all__ = ["MODEL_FILES", "model_file_in", "folder_parts", "find_deepspeed", "find_dcp"]
 
@@ -69,11 +69,8 @@ _DCP_PARTS = (
 
 # ckptkit train's --out folder (folders/runs.py); a DCP checkpoint is a folder of DCP parts.
 _RUN_PARTS = (
-    (
-        re.compile(r"ckpt-epoch\d{4,}(-step\d{8,})?\.pt"),
-        "a training checkpoint (weights and state)",
-    ),
-    (re.compile(r"ckpt-epoch\d{4,}(-step\d{8,})?\.safetensors"), "a checkpoint's weights"),
+    (re.compile(CHECKPOINT_STEM + r"\.pt"), "a training checkpoint (weights and state)"),
+    (re.compile(CHECKPOINT_STEM + r"\.safetensors"), "a checkpoint's weights"),
     (re.compile(r"latest"), "the name of the newest complete checkpoint"),
     (re.compile(r"best"), "the name of the best checkpoint (--monitor)"),
     (re.compile(r"metrics\.jsonl"), "a line of metrics per epoch"),

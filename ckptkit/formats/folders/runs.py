@@ -16,6 +16,7 @@ from ckptkit.errors import FormatError, SelectError
 __all__ = [
     "LATEST",
     "BEST",
+    "CHECKPOINT_STEM",
     "CHECKPOINT_NAME",
     "list_checkpoints",
     "is_run_folder",
@@ -26,7 +27,8 @@ LATEST = "latest"
 BEST = "best"  # names the checkpoint with the best --monitor value
 # ckpt-epoch0003.pt after 3 epochs; ckpt-epoch0003-step00000070.pt 70 steps in, during the 4th;
 # a DCP checkpoint is a folder of the same stem.
-CHECKPOINT_NAME = re.compile(r"ckpt-epoch(\d{4,})(?:-step(\d{8,}))?(?:\.(pt|safetensors))?")
+CHECKPOINT_STEM = r"ckpt-epoch(\d{4,})(?:-step(\d{8,}))?"
+CHECKPOINT_NAME = re.compile(CHECKPOINT_STEM + r"(?:\.(pt|safetensors))?")
 _PREFERENCE = {".pt": 0, "": 1, ".safetensors": 2}  # which one a step saved twice resumes from
 
 
