@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ckptkit.adapters import AdapterOptions, open_merged
 from ckptkit.errors import CastError, FormatError, KeyMatchError, OutputError, UsageError
 from ckptkit.formats.base.dtypes import DTYPES, TensorSpec
 from ckptkit.formats.base.source import KEPT_IN_TORCH, KINDS, Source, TensorInfo
@@ -69,6 +70,7 @@ class ReadOptions:
     ema: bool = False
     trust: bool = False
     allow_globals: tuple[str, ...] = ()
+    adapters: AdapterOptions = field(default_factory=AdapterOptions)
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,10 @@ class ConvertReport:
     dry_run: bool = False
     verified: bool = False
     kept_wrappers: list[str] = field(default_factory=list)  # wrapper prefixes still on the keys
+    adapters: list[dict[str, Any]] = field(default_factory=list)  # merged, in order
+    merged: dict[str, float] = field(default_factory=dict)  # key -> |merged - base| / |base|
+    output_check: dict[str, Any] | None = None  # --check-outputs: merged vs unmerged layers
+    copied_files: list[str] = field(default_factory=list)  # a folder output's config, tokenizer
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary (the schema of ``ckptkit convert --json``)."""
@@ -151,6 +157,10 @@ class ConvertReport:
             "match": self.match.describe() if self.match else None,
             "dry_run": self.dry_run,
             "verified": self.verified,
+            "adapters": self.adapters,
+            "merged": self.merged,
+            "output_check": self.output_check,
+            "copied_files": self.copied_files,
         }
 
 
@@ -266,8 +276,13 @@ def convert_checkpoint(
     fmt = output_format(dst, output.to)
     keys = replace(keys, renames=tuple(keys.rename_rules()))  # a bad rule fails before reading
     target, shard_limit = _cast_target(output.dtype), _shard_limit(output, fmt)
-    with open_source(
-        src, select=read.select, trust=read.trust, allow_globals=read.allow_globals, ema=read.ema
+    with open_merged(
+        src,
+        read.adapters,
+        select=read.select,
+        trust=read.trust,
+        allow_globals=read.allow_globals,
+        ema=read.ema,
     ) as source:
         plan = _plan(source, src, dst, fmt, keys, output, target, shard_limit)
         report = _report(source, plan, dry_run)

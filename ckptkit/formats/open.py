@@ -13,7 +13,13 @@ from pathlib import Path
 from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError
 from ckptkit.formats.base.source import Source
 from ckptkit.formats.files.readings import detect_format
-from ckptkit.formats.folders.layouts import find_dcp, find_deepspeed, folder_parts, model_file_in
+from ckptkit.formats.folders.layouts import (
+    adapter_file_in,
+    find_dcp,
+    find_deepspeed,
+    folder_parts,
+    model_file_in,
+)
 from ckptkit.formats.folders.rank_files import find_rank_files
 from ckptkit.formats.folders.runs import run_checkpoint
 
@@ -100,6 +106,11 @@ def _open_folder(
             from ckptkit.formats.folders.deepspeed import DeepSpeedSource
 
             return DeepSpeedSource(path, tag, select=select)
+        adapter = adapter_file_in(path)
+        if adapter is not None:  # a PEFT adapter folder: ckptkit.adapters reads its config
+            source = open_source(adapter, allow_globals=allow_globals)
+            source.selected_reason = f"{adapter.name} of the PEFT adapter folder"
+            return source
         model_file = model_file_in(path, select)
         if model_file is None and select:
             raise SelectError(
@@ -116,13 +127,16 @@ def _open_folder(
             source.selected_reason = f"{model_file.name} of the folder" + (
                 f"; --select {' or '.join(others)} for another" if others else ""
             )
+            source.folder = path
             return source
     if index is not None:
         from ckptkit.formats.folders.sharded import ShardedSource
 
         if select not in (None, ""):
             raise FormatError(f"{path} is a sharded state dict", "drop --select")
-        return ShardedSource(index, opener=open_source, allow_globals=allow_globals)
+        sharded = ShardedSource(index, opener=open_source, allow_globals=allow_globals)
+        sharded.folder = index.parent
+        return sharded
     return None
 
 

@@ -14,7 +14,15 @@ from ckptkit.errors import FormatError
 from ckptkit.formats.files.safetensors import dcp_sharding_info
 from ckptkit.formats.folders.runs import CHECKPOINT_NAME, CHECKPOINT_STEM, is_run_folder
 
-__all__ = ["MODEL_FILES", "model_file_in", "folder_parts", "find_deepspeed", "find_dcp"]
+__all__ = [
+    "MODEL_FILES",
+    "ADAPTER_FILES",
+    "model_file_in",
+    "adapter_file_in",
+    "folder_parts",
+    "find_deepspeed",
+    "find_dcp",
+]
 
 # The weights file of a Hugging Face model folder (save_pretrained), in transformers' order.
 MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -29,6 +37,17 @@ def model_file_in(folder: Path, select: str | None = None) -> Path | None:
     if not select:
         names = list(MODEL_FILES)
     return next((folder / n for n in names if (folder / n).is_file()), None)
+
+
+# A PEFT adapter folder (peft's save_pretrained): its weights beside adapter_config.json.
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def adapter_file_in(folder: Path) -> Path | None:
+    """The weights file of a PEFT adapter folder, or None."""
+    if not (folder / "adapter_config.json").is_file():
+        return None
+    return next((folder / n for n in ADAPTER_FILES if (folder / n).is_file()), None)
 
 
 # Accelerate's save_state names its parts (accelerate/checkpointing.py); N counts models,

@@ -1,0 +1,193 @@
+"""Adapters: PEFT LoRA folders, kohya LoRA files and PeftModel state dicts, read from headers,
+merged into their base one tensor at a time (``merged.py``) or stripped.
+
+``open_merged`` is what ``convert`` and ``load_into`` open instead of the plain source: the
+source itself, the base with adapters merged in, or a PeftModel state dict's base alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptkit.adapters.adapter import Adapter, AdapterError, Target
+from ckptkit.adapters.base_model import find_base
+from ckptkit.adapters.kohya import is_kohya, read_kohya
+from ckptkit.adapters.peft import CONFIG, WEIGHTS, adapter_from_tensors, is_peft_folder, read_config
+from ckptkit.adapters.wrapped import (
+    REFUSAL_HINT,
+    config_from_options,
+    is_peft_model_state,
+    split_peft_model_state,
+)
+from ckptkit.errors import UsageError
+from ckptkit.formats.base.source import Source
+from ckptkit.formats.open import open_source
+
+__all__ = [
+    "Adapter",
+    "AdapterError",
+    "Target",
+    "AdapterOptions",
+    "adapter_of",
+    "read_adapter",
+    "parse_adapter_arg",
+    "open_merged",
+]
+
+
+@dataclass(frozen=True)
+class AdapterOptions:
+    """What to do with adapters: merge these (``(path, weight)``, in order) into the source, take
+    an adapter's base from ``base``, or strip / merge a PeftModel state dict's adapter."""
+
+    adapters: tuple[tuple[str, float], ...] = ()
+    base: str | None = None
+    drop_adapters: bool = False
+    lora_alpha: float | None = None
+    adapter_config: str | None = None
+
+    @property
+    def any(self) -> bool:
+        return bool(
+            self.adapters
+            or self.base
+            or self.drop_adapters
+            or self.lora_alpha is not None
+            or self.adapter_config
+        )
+
+
+def parse_adapter_arg(text: str) -> tuple[str, float]:
+    """``PATH`` or ``PATH:WEIGHT`` (``--adapter``)."""
+    path, sep, weight = text.rpartition(":")
+    if sep and path and not Path(text).exists():
+        try:
+            return path, float(weight)
+        except ValueError:
+            pass
+    return text, 1.0
+
+
+def adapter_of(source: Source) -> Adapter | None:
+    """The adapter a Source holds (a kohya file by its keys, a PEFT adapter file by the config
+    beside it), or None for a model's weights."""
+    keys = source.keys()
+    if is_kohya(keys):
+        return read_kohya(source.path, source)
+    folder = source.path.parent
+    if source.path.name in WEIGHTS and (folder / CONFIG).is_file():
+        config = read_config(folder / CONFIG)
+        return adapter_from_tensors(folder, source, config, kind="PEFT LoRA")
+    return None
+
+
+def read_adapter(path: str | Path, *, weight: float = 1.0) -> Adapter:
+    """Open an adapter: a PEFT folder (or its weights file) or a kohya LoRA file.
+
+    Raises:
+        AdapterError: ``path`` holds no adapter ckptkit merges.
+    """
+    path = Path(path)
+    source = (
+        open_source(path / next(w for w in WEIGHTS if (path / w).is_file()))
+        if (is_peft_folder(path))
+        else open_source(path)
+    )
+    try:
+        adapter = adapter_of(source)
+        if adapter is None:
+            raise AdapterError(
+                f"{path} is not a LoRA adapter (a PEFT folder with {CONFIG}, or a kohya LoRA file)",
+                "give the adapter's folder",
+            )
+    except BaseException:
+        source.close()
+        raise
+    adapter.weight = weight
+    return adapter
+
+
+def _read_all(specs: Iterable[tuple[str, float]]) -> list[Adapter]:
+    adapters: list[Adapter] = []
+    try:
+        for path, weight in specs:
+            adapters.append(read_adapter(path, weight=weight))
+    except BaseException:
+        for adapter in adapters:
+            adapter.close()
+        raise
+    return adapters
+
+
+def open_merged(src: str | Path, options: AdapterOptions, **read: object) -> Source:
+    """Open ``src`` for conversion with ``options`` applied (``read`` goes to ``open_source``).
+
+    Raises:
+        AdapterError: an adapter does not fit its base, or a PeftModel state dict would be
+            written with its adapter tensors as weights (no option says what to do with them).
+        UsageError: an option that does not apply to ``src``.
+    """
+    from ckptkit.adapters.merged import MergedSource
+
+    source = open_source(src, **read)  # type: ignore[arg-type]
+    extra: list[Adapter] = []
+    try:
+        base: Source = source
+        first: list[Adapter] = []
+        if is_peft_model_state(source.keys()):
+            base, first = _peft_model_state(source, options)
+        else:
+            if options.drop_adapters or options.lora_alpha is not None or options.adapter_config:
+                raise UsageError(
+                    f"{src} is not a PeftModel state dict (no base_layer / lora_A.default keys)",
+                    "drop --drop-adapters, --lora-alpha and --adapter-config",
+                )
+            adapter = adapter_of(source)
+            if adapter is not None:
+                path = options.base or str(
+                    find_base(adapter.base_name, adapter.path, adapter.revision)
+                )
+                first = [adapter]
+                base = open_source(path)
+            elif options.base:
+                raise UsageError(
+                    f"{src} is not an adapter, so --base does not apply",
+                    "merge adapters into it with --adapter PATH",
+                )
+        extra = _read_all(options.adapters)
+        adapters = first + extra
+        return MergedSource(base, adapters) if adapters else base
+    except BaseException:
+        for adapter in extra:
+            adapter.close()
+        source.close()
+        raise
+
+
+def _peft_model_state(source: Source, options: AdapterOptions) -> tuple[Source, list[Adapter]]:
+    """A PeftModel state dict's base view, and its adapter when it is to be merged."""
+    base, tensors, dropped = split_peft_model_state(source)
+    if options.drop_adapters:
+        if options.lora_alpha is not None or options.adapter_config:
+            raise UsageError(
+                "--drop-adapters strips the adapter that --lora-alpha / --adapter-config merge",
+                "use one or the other",
+            )
+        base.dropped = [*source.dropped, dropped]
+        return base, []
+    if options.lora_alpha is None and not options.adapter_config:
+        raise AdapterError(
+            f"{source.path} is a PeftModel state dict: the base's weights with a LoRA adapter's "
+            "tensors beside them, and no lora_alpha to say how to merge them",
+            REFUSAL_HINT,
+        )
+    config = read_config(Path(options.adapter_config)) if options.adapter_config else None
+    adapter = adapter_from_tensors(
+        source.path,
+        tensors,
+        config_from_options(options.lora_alpha, config),
+        kind="PeftModel state dict",
+    )
+    return base, [adapter]

@@ -1,0 +1,91 @@
+"""An adapter as ckptkit reads it: what it changes in a base model, named by the base's module
+paths, and the tensors it reads to do so. Readers (``peft.py``, ``kohya.py``, ``wrapped.py``)
+build it from headers alone; ``merged.py`` applies it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptkit.errors import FormatError
+from ckptkit.formats.base.source import Source
+
+__all__ = ["Target", "Adapter", "AdapterError"]
+
+
+class AdapterError(FormatError):
+    """An adapter ckptkit cannot merge, or one that does not fit its base: named, with why."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One module a low-rank adapter changes (what ``inspect`` lists)."""
+
+    module: str  # the module path in the base's names
+    layer: str  # linear, embedding, conv (from the adapter's tensor shapes)
+    rank: int
+    alpha: float
+    scale: float
+    a: str  # adapter keys
+    b: str
+    magnitude: str | None = None  # DoRA
+    bias: str | None = None  # lora_bias: lora_B's bias
+    fan_in_fan_out: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.module,
+            "layer": self.layer,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "scale": self.scale,
+            "dora": self.magnitude is not None,
+            "lora_bias": self.bias is not None,
+        }
+
+
+@dataclass
+class Adapter:
+    """An opened adapter: its targets, the base tensors it replaces, and its own tensors."""
+
+    path: Path
+    kind: str  # "PEFT LoRA", "kohya LoRA", "PeftModel state dict"
+    source: Source  # the adapter's own tensors
+    variant: str  # LoRA, rsLoRA, DoRA
+    targets: list[Target] = field(default_factory=list)
+    # Base tensor (module path + ".weight"...) -> the adapter key holding its replacement
+    # (modules_to_save, and biases trained with bias="all").
+    replaced: dict[str, str] = field(default_factory=dict)
+    # Embedding weight -> (adapter key of the new rows, their token indices).
+    token_rows: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    base_name: str | None = None
+    revision: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
+
+    def base_keys(self) -> list[str]:
+        """The base tensors this adapter changes, in the names it gives them."""
+        keys = [t.module + ".weight" for t in self.targets]
+        keys += [t.module + ".bias" for t in self.targets if t.bias]
+        return keys + list(self.replaced) + list(self.token_rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(info.nbytes for _, info in self.source.entries())
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``inspect --json`` says of it."""
+        return {
+            "kind": self.kind,
+            "variant": self.variant,
+            "base": self.base_name,
+            "targets": [t.to_dict() for t in self.targets],
+            "target_modules": sorted({t.module.rsplit(".", 1)[-1] for t in self.targets}),
+            "modules_to_save": sorted({k.rsplit(".", 1)[0] for k in self.replaced}),
+            "trainable_tokens": {k: list(v[1]) for k, v in self.token_rows.items()},
+            "bytes": self.nbytes,
+        }
+
+    def close(self) -> None:
+        self.source.close()

@@ -1,0 +1,174 @@
+"""What an adapter does to one base tensor, and the arithmetic of merging it, in fp32.
+
+Each ``Change`` names the adapter tensors it needs (read when the base tensor is merged) and
+changes a block of the base tensor's rows. A merge walks the base tensor a block of rows at a
+time, applies every change of every adapter in order in fp32, and rounds once to the base's
+dtype, so memory holds the output tensor and one block, and a bf16 base is rounded once where
+peft rounds the delta and then the sum.
+
+The formulas are peft 0.21's (``peft/tuners/lora/layer.py`` ``get_delta_weight`` and
+``merge``, ``dora.py``) and sd-scripts' ``networks/lora.py`` for kohya files; the tests compare
+them with peft's own ``merge_and_unload``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Change", "LowRank", "BiasDelta", "Replace", "TokenRows", "Tensors", "merge_rows"]
+
+# An adapter's tensors by key, as fp32 on the CPU.
+Tensors = Callable[[str], "torch.Tensor"]
+
+# Output rows per block: about 16 MiB of fp32 temporaries for a 4096-wide weight.
+BLOCK_ELEMENTS = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Change:
+    """One adapter's change to one base tensor (a base of ``shape``)."""
+
+    def keys(self) -> list[str]:
+        """The adapter tensors it reads."""
+        raise NotImplementedError
+
+    def row_local(self) -> bool:
+        """Whether a block of output rows depends only on the same rows of the base."""
+        return True
+
+    def apply(self, rows: torch.Tensor, start: int, tensors: Tensors) -> torch.Tensor:
+        """``rows`` (fp32, the base's rows ``start:start+len(rows)`` flattened to 2-D, with
+        every earlier change applied) with this change applied."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class LowRank(Change):
+    """A LoRA update ``scale * B @ A`` laid out as the base weight is, optionally DoRA's
+    rescaling of each output row to ``magnitude``.
+
+    ``layout`` is ``linear`` (weight ``out x in``), ``linear_t`` (``fan_in_fan_out``: GPT-2's
+    ``Conv1D`` keeps ``in x out``), ``embedding`` (``lora_embedding_A`` is ``r x vocab``, ``B``
+    ``dim x r``) or ``conv`` (``A`` a ``k x k`` conv to ``r`` channels, ``B`` a ``1 x 1`` one).
+    """
+
+    a: str
+    b: str
+    scale: float
+    layout: str
+    magnitude: str | None = None
+
+    def keys(self) -> list[str]:
+        return [self.a, self.b] + ([self.magnitude] if self.magnitude else [])
+
+    def row_local(self) -> bool:
+        # DoRA normalises each output row; with fan_in_fan_out those are the stored columns.
+        return not (self.magnitude and self.layout in ("linear_t", "embedding"))
+
+    def delta(self, start: int, stop: int, tensors: Tensors) -> torch.Tensor:
+        """Rows ``start:stop`` of ``scale * B @ A`` in the base's layout, flattened to 2-D."""
+        import torch
+
+        a, b = tensors(self.a), tensors(self.b)
+        if self.layout == "linear":
+            return (b[start:stop] @ a) * self.scale
+        if self.layout in ("linear_t", "embedding"):  # the stored rows are A's columns
+            return (b @ a[:, start:stop]).T * self.scale
+        out = b[start:stop]
+        if a.dim() == 4 and a.shape[2:] == (1, 1):  # 1x1 Conv2d: a matrix product, as in peft
+            product = out.flatten(1) @ a.flatten(1)
+        else:  # k x k: compose the two convolutions
+            functional = torch.nn.functional
+            conv = {3: functional.conv1d, 4: functional.conv2d}.get(a.dim(), functional.conv3d)
+            product = conv(a.transpose(0, 1), out).transpose(0, 1).flatten(1)
+        return product * self.scale
+
+    def apply(self, rows: torch.Tensor, start: int, tensors: Tensors) -> torch.Tensor:
+        stop = start + rows.shape[0]
+        if self.magnitude is None:
+            return rows + self.delta(start, stop, tensors)
+        if not self.row_local():  # the whole tensor, stored transposed: norm its columns
+            merged = rows + self.delta(start, stop, tensors)
+            norm = merged.norm(dim=0)
+            return merged * (tensors(self.magnitude).reshape(-1) / norm).reshape(1, -1)
+        merged = rows + self.delta(start, stop, tensors)
+        norm = merged.norm(dim=1)
+        factor = tensors(self.magnitude).reshape(-1)[start:stop] / norm
+        return merged * factor.reshape(-1, 1)
+
+
+@dataclass(frozen=True)
+class BiasDelta(Change):
+    """``lora_bias``: the adapter's ``lora_B`` bias times the scale, added to the base bias."""
+
+    bias: str
+    scale: float
+
+    def keys(self) -> list[str]:
+        return [self.bias]
+
+    def apply(self, rows: torch.Tensor, start: int, tensors: Tensors) -> torch.Tensor:
+        bias = tensors(self.bias).reshape(-1, 1)[start : start + rows.shape[0]]
+        return rows + bias * self.scale
+
+
+@dataclass(frozen=True)
+class Replace(Change):
+    """``modules_to_save``: the adapter's trained copy of the tensor replaces the base's."""
+
+    key: str
+
+    def keys(self) -> list[str]:
+        return [self.key]
+
+    def apply(self, rows: torch.Tensor, start: int, tensors: Tensors) -> torch.Tensor:
+        new = tensors(self.key)
+        return new.reshape(new.shape[0], -1)[start : start + rows.shape[0]].clone()
+
+
+@dataclass(frozen=True)
+class TokenRows(Change):
+    """Trainable tokens: the adapter's rows replace the embedding's rows ``indices``."""
+
+    rows_key: str
+    indices: tuple[int, ...]
+
+    def keys(self) -> list[str]:
+        return [self.rows_key]
+
+    def apply(self, rows: torch.Tensor, start: int, tensors: Tensors) -> torch.Tensor:
+        new = tensors(self.rows_key)
+        rows = rows.clone()
+        for position, index in enumerate(self.indices):
+            if start <= index < start + rows.shape[0]:
+                rows[index - start] = new[position]
+        return rows
+
+
+def merge_rows(
+    base: torch.Tensor, steps: list[tuple[Change, Tensors]], out: torch.Tensor
+) -> tuple[float, float]:
+    """Merge ``steps`` (each change with its adapter's tensors, in order) into ``base`` a block
+    of rows at a time, computing in fp32 and rounding once into ``out`` (the base's shape and
+    dtype). Returns the squared norms of the change and of the base, for the report."""
+    import torch
+
+    flat = base.reshape(base.shape[0], -1) if base.dim() else base.reshape(1, 1)
+    target = out.view(flat.shape)
+    row_local = all(change.row_local() for change, _ in steps)
+    step = max(1, BLOCK_ELEMENTS // max(1, flat.shape[1])) if row_local else flat.shape[0]
+    change_sq = base_sq = 0.0
+    for start in range(0, flat.shape[0], step):
+        before = flat[start : start + step].to(torch.float32)
+        rows = before
+        for change, tensors in steps:
+            rows = change.apply(rows, start, tensors)
+        target[start : start + step].copy_(rows)
+        change_sq += float(torch.linalg.vector_norm(rows - before)) ** 2
+        base_sq += float(torch.linalg.vector_norm(before)) ** 2
+    return change_sq, base_sq
