@@ -13,7 +13,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
-    from ckptkit.convert import ConvertReport, convert
+    from ckptkit.convert import ConvertReport, convert, merge_adapters
     from ckptkit.diff import DiffReport, diff
     from ckptkit.engine import Engine, TrainConfig, TrainResult, train
     from ckptkit.errors import CkptkitError
@@ -27,6 +27,7 @@ __all__ = [
     "__version__",
     "CkptkitError",
     "convert",
+    "merge_adapters",
     "ConvertReport",
     "load_state_dict",
     "load_into",
@@ -49,6 +50,7 @@ __all__ = [
 _WHERE = {
     "CkptkitError": "ckptkit.errors",
     "convert": "ckptkit.convert",
+    "merge_adapters": "ckptkit.convert",
     "ConvertReport": "ckptkit.convert",
     "load_state_dict": "ckptkit.load",
     "load_into": "ckptkit.load",

@@ -225,6 +225,41 @@ def cli() -> None:
     type=click.Choice(["safetensors", "pt", "dcp"]),
     help="Output format (default: DST's suffix); dcp writes a torch.distributed.checkpoint folder.",
 )
+@click.option(
+    "--base",
+    metavar="PATH",
+    help="The base model a LoRA adapter SRC is merged into (default: the one its "
+    "adapter_config.json names, found locally or in the Hugging Face cache; never downloaded).",
+)
+@click.option(
+    "--adapter",
+    "adapters",
+    multiple=True,
+    metavar="PATH[:WEIGHT]",
+    help="Merge this LoRA adapter (PEFT folder or kohya file) into SRC; repeatable, in order.",
+)
+@click.option(
+    "--drop-adapters",
+    is_flag=True,
+    help="A PeftModel state dict: write the base alone, without its adapter tensors.",
+)
+@click.option(
+    "--lora-alpha",
+    type=float,
+    metavar="N",
+    help="A PeftModel state dict: merge its adapter with this lora_alpha (rank from the shapes).",
+)
+@click.option(
+    "--adapter-config",
+    type=click.Path(exists=True, dir_okay=False, path_type=str),
+    metavar="JSON",
+    help="A PeftModel state dict: merge its adapter as this adapter_config.json says.",
+)
+@click.option(
+    "--check-outputs",
+    is_flag=True,
+    help="Run each merged layer and its unmerged form on seeded inputs; report the worst error.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the key plan; write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
 @click.option(
@@ -246,6 +281,12 @@ def convert(
     ema: bool,
     trust: bool,
     allow_global: tuple[str, ...],
+    base: str | None,
+    adapters: tuple[str, ...],
+    drop_adapters: bool,
+    lora_alpha: float | None,
+    adapter_config: str | None,
+    check_outputs: bool,
     dry_run: bool,
     force: bool,
     no_verify: bool,
@@ -263,19 +304,30 @@ def convert(
     ckptkit convert lightning.ckpt model.safetensors --strip-prefix model.
     ckptkit convert single.pt ddp-ready.pt --add-module
     ckptkit convert big.pt out/model.safetensors --dtype bf16 --max-shard-size 5GB
+    ckptkit convert my-lora/ merged/ --base base-model/
+    ckptkit convert base-model/ merged/ --adapter style.safetensors:0.8 --adapter fix/
     """
+    from ckptkit.adapters import AdapterOptions, parse_adapter_arg
     from ckptkit.convert import OutputOptions, ReadOptions, convert_checkpoint
 
     output["keep_dtype"] = tuple(output["keep_dtype"])
+    merge = AdapterOptions(
+        tuple(parse_adapter_arg(a) for a in adapters),
+        base,
+        drop_adapters,
+        lora_alpha,
+        adapter_config,
+    )
     report = convert_checkpoint(
         src,
         dst,
-        read=ReadOptions(select, ema, trust, allow_global),
+        read=ReadOptions(select, ema, trust, allow_global, merge),
         keys=keys,
         output=OutputOptions(**output),
         dry_run=dry_run,
         force=force,
         verify=not no_verify,
+        check_outputs=check_outputs,
         progress=_progress(quiet or as_json),
     )
     if as_json:

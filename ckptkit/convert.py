@@ -12,16 +12,18 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import re
+import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckptkit.adapters import AdapterOptions, open_merged
+from ckptkit.adapters import AdapterOptions, adapter_options, open_merged
 from ckptkit.errors import CastError, FormatError, KeyMatchError, OutputError, UsageError
 from ckptkit.formats.base.dtypes import DTYPES, TensorSpec
 from ckptkit.formats.base.source import KEPT_IN_TORCH, KINDS, Source, TensorInfo
 from ckptkit.formats.base.tree import DroppedPart
+from ckptkit.formats.folders.layouts import folder_files
 from ckptkit.formats.io.atomic import (
     atomic_folder,
     atomic_outputs,
@@ -53,6 +55,7 @@ from ckptkit.progress import progress_bar
 
 __all__ = [
     "convert",
+    "merge_adapters",
     "convert_checkpoint",
     "ConvertReport",
     "ReadOptions",
@@ -256,6 +259,49 @@ def convert(
     )
 
 
+def merge_adapters(
+    base: str | Path,
+    adapters: Iterable[str | Path | tuple[str | Path, float]],
+    dst: str | Path,
+    *,
+    dtype: str | None = None,
+    max_shard_size: int | str | None = None,
+    force: bool = False,
+    verify: bool = True,
+    check_outputs: bool = False,
+    progress: bool = False,
+) -> ConvertReport:
+    """Merge LoRA adapters into a base model, one tensor at a time, and write the result.
+
+    Args:
+        base: the base model (a file, or a Hugging Face folder, which gives a folder ``dst``
+            with its config and tokenizer files).
+        adapters: PEFT adapter folders or kohya LoRA files, merged in order: ``PATH``,
+            ``"PATH:WEIGHT"`` or ``(PATH, WEIGHT)``.
+        dst: the output file, or a new folder for a folder base.
+        dtype: cast the output (``bf16``, ``fp16``, ``fp32``); by default the base's dtypes.
+        max_shard_size: shard the output (default: as the base folder was sharded).
+        force: replace an existing ``dst``.
+        verify: read the output back: merged tensors against a fresh merge from the files,
+            the others bit-exact.
+        check_outputs: run each merged layer and its unmerged form on seeded inputs.
+        progress: show a progress bar on stderr.
+
+    Returns:
+        The report, with each merged tensor's relative change (and the output check).
+    """
+    return convert_checkpoint(
+        base,
+        dst,
+        read=ReadOptions(adapters=adapter_options(None, adapters)),
+        output=OutputOptions(dtype=dtype, max_shard_size=max_shard_size),
+        force=force,
+        verify=verify,
+        check_outputs=check_outputs,
+        progress=progress,
+    )
+
+
 def convert_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -266,6 +312,7 @@ def convert_checkpoint(
     dry_run: bool = False,
     force: bool = False,
     verify: bool = True,
+    check_outputs: bool = False,
     progress: bool = False,
 ) -> ConvertReport:
     """:func:`convert` with its options grouped, as the CLI gives them: plan, write, report."""
@@ -273,7 +320,9 @@ def convert_checkpoint(
     src, dst = Path(src), Path(dst)
     if dst.is_dir() and output.to != "dcp":  # a model folder: save_pretrained's names
         dst = dst / "model.safetensors"
-    fmt = output_format(dst, output.to)
+    # A new name without a suffix: a model folder, when the source is one (checked once open).
+    folder = dst if not dst.suffix and output.to is None and not dst.exists() else None
+    fmt = "safetensors" if folder else output_format(dst, output.to)
     keys = replace(keys, renames=tuple(keys.rename_rules()))  # a bad rule fails before reading
     target, shard_limit = _cast_target(output.dtype), _shard_limit(output, fmt)
     with open_merged(
@@ -284,18 +333,27 @@ def convert_checkpoint(
         allow_globals=read.allow_globals,
         ema=read.ema,
     ) as source:
-        plan = _plan(source, src, dst, fmt, keys, output, target, shard_limit)
+        if folder is not None:
+            if source.folder is None:
+                output_format(dst)  # the error that names the suffixes
+            dst = folder / "model.safetensors"
+        plan = _plan(source, src, dst, fmt, keys, output, target, shard_limit, folder)
         report = _report(source, plan, dry_run)
         if dry_run:
             return report
         header = _metadata(source, report).to_header()
         if plan.ties == "once":  # as safetensors.torch.save_model records a removed name
             header.update({k: v for k, v in plan.aliases.items() if k not in header})
-        with _parent_folders(dst):  # made as train --out makes its folder; gone on failure
-            for path in plan.outputs:
+        with _parent_folders(folder or dst):  # made as train --out makes its folder
+            if folder is not None:
+                check_folder_output(folder, force=force, inputs=[src])
+            for path in [] if folder else plan.outputs:
                 check = check_folder_output if fmt == "dcp" else check_output
                 check(path, force=force, inputs=[src])
             _write(source, plan, report, header, force=force, verify=verify, progress=progress)
+        _merge_report(source, report, check_outputs)
+        if folder is not None:
+            return report
         if force and fmt == "safetensors":
             for path in stale_shards(dst, plan.outputs, dst.parent.iterdir()):
                 if path.is_file():
@@ -320,6 +378,8 @@ class _Plan:
     ties: str
     allow_overflow: bool = False
     special: frozenset[str] = field(default_factory=frozenset)  # kept as they are in .pt
+    folder: Path | None = None  # a model folder output: the outputs are inside it
+    copies: list[Path] = field(default_factory=list)  # the source folder's config, tokenizer...
 
 
 def _plan(
@@ -331,6 +391,7 @@ def _plan(
     output: OutputOptions,
     target: str | None,
     shard_limit: int | None,
+    folder: Path | None = None,
 ) -> _Plan:
     entries = dict(source.entries())
     _refuse_special(src, entries, fmt)
@@ -359,6 +420,8 @@ def _plan(
     by_key = {item.spec.key: item for item in items}
     units = [(i.spec.key, i.spec.nbytes, aliases.get(i.spec.key, i.spec.key)) for i in items]
     shards = [[by_key[k] for k in shard] for shard in plan_shards(units, shard_limit)]
+    if folder is not None and shard_limit is None and source.folder is not None:
+        shards = _shards_as_in(source.folder, items) or shards
     return _Plan(
         src=src,
         dst=dst,
@@ -373,7 +436,25 @@ def _plan(
         ties=ties,
         allow_overflow=output.allow_overflow,
         special=frozenset(old for old, info in entries.items() if info.kind != "dense"),
+        folder=folder,
+        copies=folder_files(source.folder) if folder is not None and source.folder else [],
     )
+
+
+def _shards_as_in(folder: Path, items: list[Item]) -> list[list[Item]] | None:
+    """The items grouped as the source folder's shard index groups their keys (a sharded
+    model stays sharded the same way), or None for a folder with one weights file."""
+    from ckptkit.formats.folders.sharded import find_index, read_index
+
+    index = find_index(folder)
+    if index is None:
+        return None
+    where, _ = read_index(index)
+    names = sorted(set(where.values()))
+    groups: dict[str, list[Item]] = {name: [] for name in names}
+    for item in items:
+        groups[where.get(item.old, names[-1])].append(item)
+    return [group for group in groups.values() if group]
 
 
 def _report(source: Source, plan: _Plan, dry_run: bool) -> ConvertReport:
@@ -431,15 +512,18 @@ def _write(
         if writer.folder:
             with atomic_folder(plan.outputs[0], force=force, inputs=inputs) as tmp:
                 _write_shard(writer, copier, tmp, plan.shards[0], plan.outputs[0], plan, verify)
+        elif plan.folder is not None:  # a model folder appears whole, or not at all
+            with atomic_folder(plan.folder, force=force, inputs=inputs) as tmp:
+                _write_files(
+                    writer, copier, plan, [tmp / p.name for p in plan.outputs], header, verify
+                )
+                for path in plan.copies:
+                    shutil.copyfile(path, tmp / path.name)
+                report.copied_files = [path.name for path in plan.copies]
         else:
             # In order, or none: the index (last) appears only once every shard is in place.
             with atomic_outputs(plan.outputs, force=force, inputs=inputs) as temps:
-                for shard, tmp, path in zip(plan.shards, temps, plan.outputs, strict=False):
-                    _write_shard(writer, copier, tmp, shard, path, plan, verify)
-                if len(plan.outputs) > len(plan.shards):  # the index of a sharded output
-                    sizes = [[(i.spec.key, i.spec.nbytes) for i in s] for s in plan.shards]
-                    names = [p.name for p in plan.outputs[:-1]]
-                    temps[-1].write_text(index_document(sizes, names, header))
+                _write_files(writer, copier, plan, temps, header, verify)
         report.verified = verify
         report.copied, report.through_torch = copier.copied, copier.through_torch
         report.overflowed = list(copier.overflowed)
@@ -447,6 +531,53 @@ def _write(
         copier.close()
         if bar:
             bar.close()
+
+
+def _write_files(
+    writer: Writer,
+    copier: Copier,
+    plan: _Plan,
+    temps: list[Path],
+    header: dict[str, str],
+    verify: bool,
+) -> None:
+    """Each shard to its temp path, then the index of a sharded output."""
+    for shard, tmp, path in zip(plan.shards, temps, plan.outputs, strict=False):
+        _write_shard(writer, copier, tmp, shard, path, plan, verify)
+    if len(plan.outputs) > len(plan.shards):  # the index of a sharded output
+        sizes = [[(i.spec.key, i.spec.nbytes) for i in s] for s in plan.shards]
+        names = [p.name for p in plan.outputs[:-1]]
+        temps[-1].write_text(index_document(sizes, names, header))
+
+
+def _merge_report(source: Source, report: ConvertReport, check_outputs: bool) -> None:
+    """What was merged (adapters, each tensor's relative change) and, if asked, how merged
+    layers compare with their unmerged forms."""
+    from ckptkit.adapters.merged import MergedSource
+
+    if not isinstance(source, MergedSource):
+        if check_outputs:
+            raise UsageError("--check-outputs checks merged adapters", "merge one, or drop it")
+        return
+    report.adapters = [
+        {
+            "path": str(a.path),
+            "kind": a.kind,
+            "variant": a.variant,
+            "weight": a.weight,
+            "modules": len(a.targets),
+            "base": str(source.base.folder or source.base.path),
+        }
+        for a in source.adapters
+    ]
+    for key in source.changes:
+        if key not in source.relative:
+            source.load(key)
+    report.merged = {key: source.relative[key] for key in source.changes}
+    if check_outputs:
+        from ckptkit.adapters.check import check_outputs as run_checks
+
+        report.output_check = run_checks(source).to_dict()
 
 
 def _write_shard(

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptkit.adapters import adapter_options, open_merged
 from ckptkit.errors import KeyMatchError
-from ckptkit.formats.open import open_source
 from ckptkit.keys import (
     KeyMatch,
     build_plan,
@@ -32,20 +32,34 @@ def load_state_dict(
     strip_wrappers: bool = False,
     trust: bool = False,
     allow_globals: Iterable[str] = (),
+    base: str | Path | None = None,
+    adapters: Iterable[str | Path | tuple[str | Path, float]] = (),
 ) -> dict[str, torch.Tensor]:
     """Read the state dict of any checkpoint ckptkit reads, safely.
 
     Args:
-        path: a torch file (zip or legacy, any training checkpoint) or safetensors.
+        path: a torch file (zip or legacy, any training checkpoint) or safetensors; a LoRA
+            adapter (PEFT folder, kohya file) gives its base with the adapter merged in.
         select: dotted path of the state dict inside a training checkpoint (default: found).
         strip_wrappers: remove the detected wrapper chain (``module.``, ``_orig_mod.``, ...).
         trust: use torch's full unpickler (only for files you trust).
         allow_globals: pickle globals to admit beside torch's safe set.
+        base: the base model an adapter ``path`` is merged into (default: the one it names).
+        adapters: LoRA adapters to merge into ``path``, in order (``PATH``, ``"PATH:WEIGHT"``
+            or ``(PATH, WEIGHT)``).
 
     Returns:
-        Key -> CPU tensor; tensors of torch files are memory-mapped views (copy-on-write).
+        Key -> CPU tensor; tensors of torch files are memory-mapped views (copy-on-write),
+        merged tensors are new ones.
     """
-    with open_source(path, select=select, trust=trust, allow_globals=allow_globals) as source:
+    opened = open_merged(
+        path,
+        adapter_options(base, adapters),
+        select=select,
+        trust=trust,
+        allow_globals=allow_globals,
+    )
+    with opened as source:
         keys = source.keys()
         plan = build_plan(keys, strip_wrappers=strip_wrappers)
         state = OrderedDict(
@@ -106,6 +120,8 @@ def load_into(
     select: str | None = None,
     trust: bool = False,
     allow_globals: Iterable[str] = (),
+    base: str | Path | None = None,
+    adapters: Iterable[str | Path | tuple[str | Path, float]] = (),
 ) -> LoadReport:
     """Load a checkpoint into ``model``, mapping wrapper prefixes on either side automatically.
 
@@ -120,6 +136,8 @@ def load_into(
         select: dotted path of the state dict inside a training checkpoint.
         trust: use torch's full unpickler (only for files you trust).
         allow_globals: pickle globals to admit beside torch's safe set.
+        base: the base model an adapter ``path`` is merged into (default: the one it names).
+        adapters: LoRA adapters to merge into ``path`` first, in order.
 
     Returns:
         The prefix change used, the number of tensors loaded, and what did not fit.
@@ -128,7 +146,14 @@ def load_into(
         KeyMatchError: with ``strict``, listing missing, unexpected and mismatched keys.
     """
     target = model.state_dict()
-    with open_source(path, select=select, trust=trust, allow_globals=allow_globals) as source:
+    opened = open_merged(
+        path,
+        adapter_options(base, adapters),
+        select=select,
+        trust=trust,
+        allow_globals=allow_globals,
+    )
+    with opened as source:
         entries = dict(source.entries())
         # Wrappers inside the checkpoint's keys (blocks compiled one by one) that the model
         # does not have: matched without them, read under their own names.

@@ -311,11 +311,16 @@ def convert_lines(report: Any) -> list[str]:
             f"Omitted  {', '.join(report.extras)}: not written (a .pt output holds only the "
             "state dict; .safetensors keeps them in its metadata)"
         )
+    lines += _merge_lines(report)
     if report.dry_run:
         lines.append("Dry run: nothing written")
         return lines
     if not report.verified:
         checked = "not verified (--no-verify)"
+    elif report.merged:
+        checked = (
+            "verified: merged tensors equal a fresh fp32 merge from the files, the rest bit-exact"
+        )
     elif report.cast:
         checked = "verified: read back equal to the cast values"
     else:
@@ -328,6 +333,35 @@ def convert_lines(report: Any) -> list[str]:
         lines.append(
             f"Copied   {report.copied} of {plural(report.tensors, 'tensor')} as bytes, "
             "without torch"
+        )
+    if report.copied_files:
+        lines.append(f"Copied   {', '.join(report.copied_files)} from the model folder")
+    check = report.output_check
+    if check and check["worst"]:
+        worst = check["worst"]
+        lines.append(
+            f"Checked  {plural(check['layers'], 'merged layer')} against the unmerged adapter on "
+            f"seeded inputs: worst relative error {worst['relative_error']:.2g} "
+            f"({worst['key']})"
+        )
+    return lines
+
+
+def _merge_lines(report: Any) -> list[str]:
+    """What ``convert`` merged: each adapter, and the largest relative changes."""
+    lines = []
+    for adapter in report.adapters:
+        weight = f" at weight {adapter['weight']:g}" if adapter["weight"] != 1 else ""
+        lines.append(
+            f"Merged   {adapter['path']} ({adapter['kind']}, {adapter['variant']}, "
+            f"{plural(adapter['modules'], 'module')}){weight} into {adapter['base']}"
+        )
+    if report.merged:
+        top = sorted(report.merged.items(), key=lambda kv: -kv[1])[:3]
+        shown = ", ".join(f"{key} {change:.3g}" for key, change in top)
+        lines.append(
+            f"Changed  {plural(len(report.merged), 'tensor')} (fp32, rounded once); largest "
+            f"relative change: {shown}"
         )
     return lines
 

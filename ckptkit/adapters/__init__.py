@@ -33,6 +33,7 @@ __all__ = [
     "adapter_of",
     "read_adapter",
     "parse_adapter_arg",
+    "adapter_options",
     "open_merged",
 ]
 
@@ -68,6 +69,17 @@ def parse_adapter_arg(text: str) -> tuple[str, float]:
         except ValueError:
             pass
     return text, 1.0
+
+
+def adapter_options(
+    base: str | Path | None, adapters: Iterable[str | Path | tuple[str | Path, float]]
+) -> AdapterOptions:
+    """The library's ``base=`` and ``adapters=`` as the options ``open_merged`` takes."""
+    specs = tuple(
+        (str(a[0]), float(a[1])) if isinstance(a, tuple) else parse_adapter_arg(str(a))
+        for a in adapters
+    )
+    return AdapterOptions(specs, None if base is None else str(base))
 
 
 def adapter_of(source: Source) -> Adapter | None:

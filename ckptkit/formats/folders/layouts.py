@@ -19,6 +19,7 @@ __all__ = [
     "ADAPTER_FILES",
     "model_file_in",
     "adapter_file_in",
+    "folder_files",
     "folder_parts",
     "find_deepspeed",
     "find_dcp",
@@ -48,6 +49,23 @@ def adapter_file_in(folder: Path) -> Path | None:
     if not (folder / "adapter_config.json").is_file():
         return None
     return next((folder / n for n in ADAPTER_FILES if (folder / n).is_file()), None)
+
+
+# Weights (of any format) and indexes: never copied beside converted weights, which replace them.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+def folder_files(folder: Path) -> list[Path]:
+    """A model folder's files other than weights and indexes (config.json, tokenizer files,
+    generation_config.json, a model card): what a converted copy of the folder keeps."""
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file()
+        and not p.name.startswith(".")
+        and not p.name.endswith(_WEIGHT_SUFFIXES)
+        and not p.name.endswith(".index.json")
+    )
 
 
 # Accelerate's save_state names its parts (accelerate/checkpointing.py); N counts models,
