@@ -65,6 +65,11 @@ WRAPPERS: tuple[Wrapper, ...] = (
     Wrapper("_checkpoint_wrapped_module.", "activation checkpointing (checkpoint_wrapper)"),
     # Lightning Fabric's _FabricModule keeps the user's module as `._forward_module`.
     Wrapper("_forward_module.", "Lightning Fabric"),
+    # peft's PeftModel keeps the model as `.base_model` (a LoraModel), which keeps it as `.model`.
+    Wrapper("base_model.model.", "PEFT (PeftModel)"),
+    # A peft LoRA layer keeps the layer it adapts as `.base_layer` (inside keys, beside the
+    # adapter's lora_A / lora_B, which only a merge or --drop-adapters removes).
+    Wrapper("base_layer.", "PEFT (LoRA layer)"),
 )
 
 MODULE_PREFIX = WRAPPERS[0].prefix

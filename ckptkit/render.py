@@ -164,6 +164,8 @@ def summary_lines(summary: Any) -> list[str]:
     )
     count = f"{len(summary.tensors)}, {summary.parameters:,} elements, {human_size(summary.nbytes)}"
     lines.append(f"tensors     {count}" + (f" ({by_dtype})" if by_dtype else ""))
+    if summary.adapter:
+        return lines + adapter_lines(summary.adapter)
     if summary.wrappers:
         chain = " ".join(f"{w.prefix} ({w.added_by})" for w in summary.wrappers)
         lines.append(f"wrappers    {chain}; `ckptkit convert --strip-wrappers` removes them")
@@ -243,6 +245,35 @@ def _short(value: Any, limit: int = 90) -> str:
 
     text = value if isinstance(value, str) else json.dumps(value, default=repr)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def adapter_lines(adapter: dict[str, Any]) -> list[str]:
+    """What ``inspect`` says of a LoRA adapter (or a PeftModel state dict)."""
+    if adapter["kind"] == "PeftModel state dict":
+        return [
+            f"adapter     a PeftModel state dict: the base's weights with "
+            f"{plural(adapter['adapter_tensors'], 'adapter tensor')} "
+            f"({human_size(adapter['adapter_bytes'])}) beside them and no lora_alpha",
+            f"convert     {adapter['convert']}",
+        ]
+    pairs = ", ".join(f"r={p['rank']} alpha={p['alpha']:g}" for p in adapter["rank_alpha"])
+    lines = [
+        f"adapter     {adapter['kind']} ({adapter['variant']}), "
+        f"{plural(len(adapter['targets']), 'module')}, {human_size(adapter['bytes'])}",
+        f"base        {adapter['base'] or '(not named: convert needs --base PATH)'}",
+        f"rank        {pairs}",
+        f"targets     {', '.join(adapter['target_modules'])}",
+    ]
+    if len(adapter["rank_alpha"]) > 1:  # rank_pattern / alpha_pattern: per module
+        lines += [
+            f"  {t['module']}: r={t['rank']} alpha={t['alpha']:g}" for t in adapter["targets"]
+        ]
+    if adapter["modules_to_save"]:
+        lines.append(f"replaces    {', '.join(adapter['modules_to_save'])} (modules_to_save)")
+    for key, rows in adapter["trainable_tokens"].items():
+        lines.append(f"tokens      {len(rows)} rows of {key} (trainable tokens: {rows})")
+    lines.append("merge       `ckptkit convert ADAPTER OUT` (into the base; --base PATH to choose)")
+    return lines
 
 
 def inspect_lines(

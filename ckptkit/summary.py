@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptkit.adapters import describe
 from ckptkit.formats.base.source import TensorInfo
 from ckptkit.formats.base.tree import Candidate, DroppedPart
 from ckptkit.formats.open import open_source
@@ -54,6 +55,7 @@ class Summary:
     # bytes, and its scan verdict.
     parts: list[dict[str, Any]] = field(default_factory=list)
     shards: dict[str, int] = field(default_factory=dict)
+    adapter: dict[str, Any] | None = None  # a LoRA adapter's kind, base, ranks, targets
 
     @property
     def parameters(self) -> int:
@@ -125,6 +127,7 @@ class Summary:
             "metadata": {k: v for k, v in self.metadata.items() if not k.startswith(NAMESPACE)},
             "ckptkit_metadata": self.ckptkit_metadata,
             "safety": self.safety.to_dict() if self.safety else None,
+            "adapter": self.adapter,
             "tensors": [
                 {"key": key, **info.to_dict(), "contiguous": info.contiguous}
                 for key, info in self.tensors
@@ -182,6 +185,7 @@ def summarize(path: str | Path, *, select: str | None = None) -> Summary:
                 name: shard.path.stat().st_size
                 for name, shard in getattr(source, "shards", {}).items()
             },
+            adapter=describe(source),
         )
     return summary
 

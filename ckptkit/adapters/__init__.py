@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckptkit.adapters.adapter import Adapter, AdapterError, Target
 from ckptkit.adapters.base_model import find_base
@@ -35,6 +36,7 @@ __all__ = [
     "parse_adapter_arg",
     "adapter_options",
     "open_merged",
+    "describe",
 ]
 
 
@@ -203,3 +205,20 @@ def _peft_model_state(source: Source, options: AdapterOptions) -> tuple[Source, 
         kind="PeftModel state dict",
     )
     return base, [adapter]
+
+
+def describe(source: Source) -> dict[str, Any] | None:
+    """What ``inspect`` says of an adapter Source (None for a model's weights): its kind, the
+    base it names, rank and alpha (per module where they differ), the variant, targets,
+    ``modules_to_save`` and the bytes; for a PeftModel state dict, how to convert it."""
+    keys = source.keys()
+    if is_peft_model_state(keys):
+        _, tensors, dropped = split_peft_model_state(source)
+        return {
+            "kind": "PeftModel state dict",
+            "adapter_tensors": dropped.tensors,
+            "adapter_bytes": dropped.nbytes,
+            "convert": REFUSAL_HINT,
+        }
+    adapter = adapter_of(source)
+    return None if adapter is None else adapter.to_dict()

@@ -74,14 +74,27 @@ class Adapter:
     def nbytes(self) -> int:
         return sum(info.nbytes for _, info in self.source.entries())
 
+    def target_modules(self) -> list[str]:
+        """The names peft's ``target_modules`` would give (``query``, ``value``); a kohya file's
+        groups (``lora_unet``, ``lora_te``) with their module counts."""
+        if self.kind != "kohya LoRA":
+            return sorted({t.module.rsplit(".", 1)[-1] for t in self.targets})
+        groups: dict[str, int] = {}
+        for t in self.targets:
+            group = "_".join(t.module.split("_")[:2])
+            groups[group] = groups.get(group, 0) + 1
+        return [f"{g} ({n} module{'s' if n != 1 else ''})" for g, n in sorted(groups.items())]
+
     def to_dict(self) -> dict[str, Any]:
         """What ``inspect --json`` says of it."""
+        ranks = sorted({(t.rank, t.alpha) for t in self.targets})
         return {
             "kind": self.kind,
             "variant": self.variant,
             "base": self.base_name,
+            "rank_alpha": [{"rank": r, "alpha": a} for r, a in ranks],
             "targets": [t.to_dict() for t in self.targets],
-            "target_modules": sorted({t.module.rsplit(".", 1)[-1] for t in self.targets}),
+            "target_modules": self.target_modules(),
             "modules_to_save": sorted({k.rsplit(".", 1)[0] for k in self.replaced}),
             "trainable_tokens": {k: list(v[1]) for k, v in self.token_rows.items()},
             "bytes": self.nbytes,

@@ -82,6 +82,14 @@ _PARTS = (
 )
 
 
+# peft's save_pretrained of an adapter.
+_ADAPTER_PARTS = (
+    (re.compile(r"adapter_config\.json"), "the PEFT adapter's config (r, lora_alpha, targets)"),
+    (re.compile(r"adapter_model\.(safetensors|bin)"), "the adapter's weights"),
+    (re.compile(r"README\.md"), "peft's model card"),
+)
+
+
 # DeepSpeed's engine.save_checkpoint (deepspeed/runtime/engine.py names them).
 _DEEPSPEED_PARTS = (
     (re.compile(r"latest"), "the tag of the latest checkpoint"),
@@ -134,7 +142,15 @@ def folder_parts(folder: Path) -> list[tuple[str, str]]:
     if is_run_folder(folder):
         return _run_parts(folder)
     tag = find_deepspeed(folder)
-    known = _DEEPSPEED_PARTS if tag is not None else _DCP_PARTS if find_dcp(folder) else _PARTS
+    known = (
+        _DEEPSPEED_PARTS
+        if tag is not None
+        else _DCP_PARTS
+        if find_dcp(folder)
+        else _ADAPTER_PARTS
+        if adapter_file_in(folder)
+        else _PARTS
+    )
     files = sorted(p for p in folder.iterdir() if p.is_file())
     if tag is not None and tag != folder:
         files += sorted(p for p in tag.iterdir() if p.is_file())
