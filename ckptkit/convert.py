@@ -459,10 +459,14 @@ def _shards_as_in(folder: Path, items: list[Item]) -> list[list[Item]] | None:
 
 def _report(source: Source, plan: _Plan, dry_run: bool) -> ConvertReport:
     """The report of a plan, before anything is written."""
+    from ckptkit.adapters.merged import MergedSource
+
     items, entries = plan.items, plan.entries
     rewritten = plan.keys.added or plan.keys.removed or plan.match is not None
-    return ConvertReport(
-        source=str(plan.src),
+    merged = isinstance(source, MergedSource)
+    report = ConvertReport(
+        # A merge reads the base: name it, whichever of base and adapter SRC was.
+        source=str(source.base.folder or source.base.path) if merged else str(plan.src),
         source_format=source.format,
         destination=str(plan.dst),
         output_format=plan.fmt,
@@ -486,6 +490,19 @@ def _report(source: Source, plan: _Plan, dry_run: bool) -> ConvertReport:
         if rewritten
         else [w.prefix for w in detect_wrappers(item.spec.key for item in items)],
     )
+    if isinstance(source, MergedSource):
+        report.adapters = [
+            {
+                "path": str(a.path),
+                "kind": a.kind,
+                "variant": a.variant,
+                "weight": a.weight,
+                "modules": len(a.targets),
+                "base": report.source,
+            }
+            for a in source.adapters
+        ]
+    return report
 
 
 def _write(
@@ -559,17 +576,6 @@ def _merge_report(source: Source, report: ConvertReport, check_outputs: bool) ->
         if check_outputs:
             raise UsageError("--check-outputs checks merged adapters", "merge one, or drop it")
         return
-    report.adapters = [
-        {
-            "path": str(a.path),
-            "kind": a.kind,
-            "variant": a.variant,
-            "weight": a.weight,
-            "modules": len(a.targets),
-            "base": str(source.base.folder or source.base.path),
-        }
-        for a in source.adapters
-    ]
     for key in source.changes:
         if key not in source.relative:
             source.load(key)
@@ -660,7 +666,12 @@ def _metadata(source: Source, report: ConvertReport) -> CheckpointMeta:
         selected=source.selected or None,
         removed_prefixes=inherited.removed_prefixes + report.plan.removed,
         added_prefixes=inherited.added_prefixes + report.plan.added,
-        key_steps=inherited.key_steps + report.plan.steps,
+        key_steps=inherited.key_steps
+        + [
+            f"merged {a['path']} ({a['kind']}, {a['variant']}, weight {a['weight']:g})"
+            for a in report.adapters
+        ]
+        + report.plan.steps,
         aliases=report.aliases,
         dropped={
             part.path: {"tensors": part.tensors, "bytes": part.nbytes} for part in report.dropped

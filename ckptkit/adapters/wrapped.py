@@ -127,8 +127,13 @@ def split_peft_model_state(source: Source) -> tuple[ViewSource, ViewSource, Drop
         len(adapter),
         sum(entries[old].nbytes for old in adapter.values()),
     )
+    base_view = ViewSource(source, base, format=source.format)
+    base_view.selected_reason = (
+        "the base model of a PeftModel state dict: base_model.model. and .base_layer. removed, "
+        "original modules kept"
+    )
     return (
-        ViewSource(source, base, format=source.format),
+        base_view,
         ViewSource(source, adapter, format="PeftModel adapter tensors"),
         dropped,
     )
