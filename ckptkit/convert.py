@@ -463,10 +463,10 @@ def _report(source: Source, plan: _Plan, dry_run: bool) -> ConvertReport:
 
     items, entries = plan.items, plan.entries
     rewritten = plan.keys.added or plan.keys.removed or plan.match is not None
-    merged = isinstance(source, MergedSource)
+    # A merge reads the base: name it, whichever of base and adapter SRC was.
+    base = source.base if isinstance(source, MergedSource) else None
     report = ConvertReport(
-        # A merge reads the base: name it, whichever of base and adapter SRC was.
-        source=str(source.base.folder or source.base.path) if merged else str(plan.src),
+        source=str(base.folder or base.path) if base else str(plan.src),
         source_format=source.format,
         destination=str(plan.dst),
         output_format=plan.fmt,

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptkit.adapters.adapter import Adapter, AdapterError, Target
-from ckptkit.adapters.changes import BiasDelta, Change, LowRank, Replace, TokenRows, merge_rows
+from ckptkit.adapters.changes import (
+    BiasDelta,
+    Change,
+    LowRank,
+    Replace,
+    Tensors,
+    TokenRows,
+    merge_rows,
+)
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
 
@@ -173,12 +181,17 @@ class MergedSource(Source):
         self.folder = getattr(base, "folder", None)
         self._entries = base.entries()
         self.changes = bind(dict(self._entries), adapters)
+        for alias, target in base.aliases().items():  # tied names are one tensor: merged alike
+            if target in self.changes or alias in self.changes:
+                self.changes[alias] = self.changes[target] = self.changes.get(
+                    target, self.changes.get(alias, [])
+                )
         self.relative: dict[str, float] = {}  # merged key -> |merged - base| / |base|
 
     def entries(self) -> list[tuple[str, TensorInfo]]:
         return self._entries
 
-    def tensors_of(self, adapter: Adapter) -> object:
+    def tensors_of(self, adapter: Adapter) -> Tensors:
         """``key -> fp32 tensor`` of one adapter's tensors."""
         import torch
 
