@@ -125,7 +125,8 @@ class ConvertReport:
     verified: bool = False
     kept_wrappers: list[str] = field(default_factory=list)  # wrapper prefixes still on the keys
     adapters: list[dict[str, Any]] = field(default_factory=list)  # merged, in order
-    merged: dict[str, float] = field(default_factory=dict)  # key -> |merged - base| / |base|
+    # key -> |merged - base| / |base| (None where the base tensor is all zeros)
+    merged: dict[str, float | None] = field(default_factory=dict)
     output_check: dict[str, Any] | None = None  # --check-outputs: merged vs unmerged layers
     copied_files: list[str] = field(default_factory=list)  # a folder output's config, tokenizer
 
@@ -333,6 +334,8 @@ def convert_checkpoint(
         allow_globals=read.allow_globals,
         ema=read.ema,
     ) as source:
+        if check_outputs and not _is_merge(source):
+            raise UsageError("--check-outputs checks merged adapters", "merge one, or drop it")
         if folder is not None:
             if source.folder is None:
                 output_format(dst)  # the error that names the suffixes
@@ -567,14 +570,18 @@ def _write_files(
         temps[-1].write_text(index_document(sizes, names, header))
 
 
+def _is_merge(source: Source) -> bool:
+    from ckptkit.adapters.merged import MergedSource
+
+    return isinstance(source, MergedSource)
+
+
 def _merge_report(source: Source, report: ConvertReport, check_outputs: bool) -> None:
     """What was merged (adapters, each tensor's relative change) and, if asked, how merged
     layers compare with their unmerged forms."""
     from ckptkit.adapters.merged import MergedSource
 
     if not isinstance(source, MergedSource):
-        if check_outputs:
-            raise UsageError("--check-outputs checks merged adapters", "merge one, or drop it")
         return
     for key in source.changes:
         if key not in source.relative:

@@ -388,7 +388,8 @@ def _merge_lines(report: Any) -> list[str]:
             f"{plural(adapter['modules'], 'module')}){weight} into {adapter['base']}"
         )
     if report.merged:
-        top = sorted(report.merged.items(), key=lambda kv: -kv[1])[:3]
+        changes = [(k, v) for k, v in report.merged.items() if v is not None]
+        top = sorted(changes, key=lambda kv: -kv[1])[:3]
         shown = ", ".join(f"{key} {change:.3g}" for key, change in top)
         lines.append(
             f"Changed  {plural(len(report.merged), 'tensor')} (fp32, rounded once); largest "

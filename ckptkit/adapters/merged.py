@@ -186,7 +186,8 @@ class MergedSource(Source):
                 self.changes[alias] = self.changes[target] = self.changes.get(
                     target, self.changes.get(alias, [])
                 )
-        self.relative: dict[str, float] = {}  # merged key -> |merged - base| / |base|
+        # merged key -> |merged - base| / |base| (None for an all-zero base tensor)
+        self.relative: dict[str, float | None] = {}
 
     def entries(self) -> list[tuple[str, TensorInfo]]:
         return self._entries
@@ -207,7 +208,7 @@ class MergedSource(Source):
         loaders = {id(a): self.tensors_of(a) for a, _ in self.changes[key]}
         steps = [(change, loaders[id(adapter)]) for adapter, change in self.changes[key]]
         change_sq, base_sq = merge_rows(base, steps, out)
-        self.relative[key] = math.sqrt(change_sq / base_sq) if base_sq else math.inf
+        self.relative[key] = math.sqrt(change_sq / base_sq) if base_sq else None
         return out
 
     def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:

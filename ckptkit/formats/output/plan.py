@@ -90,7 +90,9 @@ def index_document(
     and the header in ``metadata``, and the shard of every key."""
     weight_map = {key: name for shard, name in zip(shards, names, strict=True) for key, _ in shard}
     total = sum(nbytes for shard in shards for _, nbytes in shard)
-    index = {"metadata": {"total_size": total, **header}, "weight_map": weight_map}
+    # A source index's own totals (carried in the header) are not this output's.
+    kept = {k: v for k, v in header.items() if k not in ("total_size", "total_parameters")}
+    index = {"metadata": {**kept, "total_size": total}, "weight_map": weight_map}
     return json.dumps(index, indent=2) + "\n"
 
 
