@@ -72,3 +72,20 @@ def test_train_and_save_benches_quick_run_and_report_every_way():
         stalls = quick("save.py", "--mode", mode)
         assert set(stalls) == {"synchronous", "--async-save"}
         assert all(r["saves"] == 3 and r["median_stall_s"] > 0 for r in stalls.values())
+
+
+@pytest.mark.slow
+def test_adapters_bench_quick_runs_and_reports_every_way():
+    results = quick("adapters.py")
+    assert set(results["merge"]) == {
+        "ckptkit convert --base (verified)",
+        "peft merge_and_unload + save_pretrained",
+        "cp -r of the base, then sync",
+        "import torch (alone)",
+    }
+    assert all(r["wall_s"] > 0 and r["peak_rss_bytes"] > 0 for r in results["merge"].values())
+    assert set(results["flat_memory"]) == {"half", "full"}
+    checks = results["correctness"]
+    assert len(checks) == 3
+    for name in ("bf16 base, fp32 adapter (peft's defaults)", "fp32 base, fp32 adapter"):
+        assert checks[name]["bit_equal"] == checks[name]["tensors"]

@@ -43,7 +43,8 @@ class Change:
 
     def apply(self, rows: torch.Tensor, start: int, tensors: Tensors) -> torch.Tensor:
         """``rows`` (fp32, the base's rows ``start:start+len(rows)`` flattened to 2-D, with
-        every earlier change applied) with this change applied."""
+        every earlier change applied) with this change applied. ``rows`` is the merge's own
+        buffer: a change may update it in place and return it."""
         raise NotImplementedError
 
 
@@ -75,10 +76,10 @@ class LowRank(Change):
         import torch
 
         a, b = tensors(self.a), tensors(self.b)
-        if self.layout == "linear":
-            return (b[start:stop] @ a) * self.scale
+        if self.layout == "linear":  # (B @ A) * scale, as peft: the product, then the scale
+            return (b[start:stop] @ a).mul_(self.scale)
         if self.layout in ("linear_t", "embedding"):  # the stored rows are A's columns
-            return (b @ a[:, start:stop]).T * self.scale
+            return (b @ a[:, start:stop]).mul_(self.scale).T
         out = b[start:stop]
         if a.dim() == 4 and a.shape[2:] == (1, 1):  # 1x1 Conv2d: a matrix product, as in peft
             product = out.flatten(1) @ a.flatten(1)
@@ -86,20 +87,24 @@ class LowRank(Change):
             functional = torch.nn.functional
             conv = {3: functional.conv1d, 4: functional.conv2d}.get(a.dim(), functional.conv3d)
             product = conv(a.transpose(0, 1), out).transpose(0, 1).flatten(1)
-        return product * self.scale
+        return product.mul_(self.scale)
+
+    def norm_sq(self, tensors: Tensors) -> float:
+        """``|scale * B @ A|^2`` (Frobenius) from the factors alone: ``scale^2`` times the sum
+        of ``(B^T B) * (A A^T)``, a rank x rank product instead of a pass over the delta."""
+        a, b = tensors(self.a).flatten(1), tensors(self.b).flatten(1)
+        return float(((b.T @ b) * (a @ a.T)).sum()) * self.scale**2
 
     def apply(self, rows: torch.Tensor, start: int, tensors: Tensors) -> torch.Tensor:
         stop = start + rows.shape[0]
+        merged = rows.add_(self.delta(start, stop, tensors))
         if self.magnitude is None:
-            return rows + self.delta(start, stop, tensors)
+            return merged
+        magnitude = tensors(self.magnitude).reshape(-1)
         if not self.row_local():  # the whole tensor, stored transposed: norm its columns
-            merged = rows + self.delta(start, stop, tensors)
-            norm = merged.norm(dim=0)
-            return merged * (tensors(self.magnitude).reshape(-1) / norm).reshape(1, -1)
-        merged = rows + self.delta(start, stop, tensors)
-        norm = merged.norm(dim=1)
-        factor = tensors(self.magnitude).reshape(-1)[start:stop] / norm
-        return merged * factor.reshape(-1, 1)
+            return merged.mul_((magnitude / merged.norm(dim=0)).reshape(1, -1))
+        factor = magnitude[start:stop] / merged.norm(dim=1)
+        return merged.mul_(factor.reshape(-1, 1))
 
 
 @dataclass(frozen=True)
@@ -155,20 +160,34 @@ def merge_rows(
 ) -> tuple[float, float]:
     """Merge ``steps`` (each change with its adapter's tensors, in order) into ``base`` a block
     of rows at a time, computing in fp32 and rounding once into ``out`` (the base's shape and
-    dtype). Returns the squared norms of the change and of the base, for the report."""
+    dtype). Returns the squared norms of the change and of the base, for the report.
+
+    The blocks reuse two fp32 buffers, so a merge allocates little beyond its delta: fresh
+    16 MiB temporaries per block cost page faults and grow the heap.
+    """
     import torch
 
     flat = base.reshape(base.shape[0], -1) if base.dim() else base.reshape(1, 1)
     target = out.view(flat.shape)
     row_local = all(change.row_local() for change, _ in steps)
     step = max(1, BLOCK_ELEMENTS // max(1, flat.shape[1])) if row_local else flat.shape[0]
+    rows_buffer = torch.empty((min(step, flat.shape[0]), flat.shape[1]), dtype=torch.float32)
+    # One plain LoRA: the change's norm comes from its factors, so no copy of the base is kept.
+    single = steps[0][0] if len(steps) == 1 else None
+    factored = isinstance(single, LowRank) and single.magnitude is None
+    before_buffer = None if factored else torch.empty_like(rows_buffer)
     change_sq = base_sq = 0.0
     for start in range(0, flat.shape[0], step):
-        before = flat[start : start + step].to(torch.float32)
-        rows = before
+        block = flat[start : start + step]
+        rows = rows_buffer[: block.shape[0]].copy_(block)
+        base_sq += float(torch.linalg.vector_norm(rows)) ** 2
+        before = None if before_buffer is None else before_buffer[: block.shape[0]].copy_(rows)
         for change, tensors in steps:
             rows = change.apply(rows, start, tensors)
         target[start : start + step].copy_(rows)
-        change_sq += float(torch.linalg.vector_norm(rows - before)) ** 2
-        base_sq += float(torch.linalg.vector_norm(before)) ** 2
+        if before is not None:
+            change_sq += float(torch.linalg.vector_norm(rows.sub_(before))) ** 2
+    if factored:
+        assert isinstance(single, LowRank)
+        change_sq = single.norm_sq(steps[0][1])
     return change_sq, base_sq
