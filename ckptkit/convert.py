@@ -621,6 +621,8 @@ def _refuse_special(src: Path, entries: dict[str, TensorInfo], fmt: str) -> None
         if info.kind == "dense" or (info.kind in KEPT_IN_TORCH and fmt == "torch"):
             continue
         what = KINDS.get(info.kind, info.kind)
+        if info.kind == "tensor subclass" and info.detail:
+            what += f" ({info.detail})"
         if info.kind == "placeholder":
             hint = (
                 "convert the DeepSpeed checkpoint folder (the one holding 'latest'), "

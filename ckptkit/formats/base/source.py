@@ -32,7 +32,7 @@ KINDS = {
     "value": "a value a quantized module keeps in its state dict",
 }
 # Kinds a ``.pt`` output keeps as they are (torch.save holds them; safetensors cannot).
-KEPT_IN_TORCH = frozenset({"sparse", "quantized", "packed params", "value"})
+KEPT_IN_TORCH = frozenset({"sparse", "quantized", "packed params", "value", "tensor subclass"})
 
 
 @dataclass(frozen=True)

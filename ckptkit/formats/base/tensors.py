@@ -65,6 +65,16 @@ def same_value(a: Any, b: Any) -> bool:
         )
     if not (torch.is_tensor(a) and torch.is_tensor(b)):
         return bool(a == b) and type(a) is type(b)
+    plain = (torch.Tensor, torch.nn.Parameter)
+    if type(a) not in plain or type(b) not in plain:  # a subclass (torchao): its inner tensors
+        if type(a) is not type(b) or not hasattr(a, "__tensor_flatten__"):
+            return False
+        (names, context), (names_b, context_b) = a.__tensor_flatten__(), b.__tensor_flatten__()
+        return (
+            names == names_b
+            and repr(context) == repr(context_b)
+            and all(same_value(getattr(a, n), getattr(b, n)) for n in names)
+        )
     if a.layout != b.layout or a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.is_quantized:

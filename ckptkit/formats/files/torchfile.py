@@ -8,12 +8,16 @@ a record after the legacy pickles), so each tensor is a view of a memory map, re
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import mmap
+import os
 import struct
+import sys
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -484,6 +488,41 @@ def _placeholders(root: Any, stubs: dict[str, Any]) -> dict[str, tuple[int, ...]
 _QUANTIZED_AS = {"qint8": "int8", "quint8": "uint8", "qint32": "int32"}  # integer storage
 
 
+@contextlib.contextmanager
+def _current_folder_importable() -> Iterator[None]:
+    """The current folder on ``sys.path`` while a trusted file is unpickled, as it is for
+    ``python -c "torch.load(...)"`` run there (a console script's path does not hold it)."""
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        yield
+    finally:
+        if added and here in sys.path:
+            sys.path.remove(here)
+
+
+def _modules_as_state_dicts(root: Any) -> Any:
+    """``root`` with every ``nn.Module`` in it (at the top, or in dicts, lists and tuples) as
+    its ``state_dict()``: a pickled whole model, or a trainer's ``{"model": module, "ema":
+    module}``, gives its weights as a state dict would."""
+    import torch
+
+    def plain(obj: Any, depth: int) -> Any:
+        if isinstance(obj, torch.nn.Module):
+            return obj.state_dict()
+        if depth > 32 or not isinstance(obj, (dict, list, tuple)):
+            return obj
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        new = {k: plain(v, depth + 1) for k, v in items}
+        if all(new[k] is v for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj))):
+            return obj  # nothing changed: kept as it is (a state dict keeps its _metadata)
+        return new if isinstance(obj, dict) else list(new.values())
+
+    return plain(root, 0)
+
+
 class TrustedTorchSource(Source):
     """A torch file loaded with the full unpickler (``weights_only=False``): for trusted files only.
 
@@ -497,13 +536,22 @@ class TrustedTorchSource(Source):
         raw.close()
         is_zip = not isinstance(layout, _LegacyLayout)
         try:
-            root = torch.load(path, map_location="cpu", weights_only=False, mmap=is_zip)
+            with _current_folder_importable():
+                root = torch.load(path, map_location="cpu", weights_only=False, mmap=is_zip)
         except Exception as exc:  # arbitrary code ran: report whatever it raised
-            raise FormatError(f"torch.load failed on {path}: {type(exc).__name__}: {exc}") from exc
+            hint = (
+                "run ckptkit from the folder that holds that module (as `python` would import "
+                "it), or put it on PYTHONPATH"
+                if isinstance(exc, ImportError)
+                else None
+            )
+            raise FormatError(
+                f"torch.load failed on {path}: {type(exc).__name__}: {exc}", hint
+            ) from exc
         fmt = "torch-zip" if is_zip else "torch-legacy"
         super().__init__(path=path, format=fmt, globals=list(scan.globals))
         sel = select_state_dict(
-            root,
+            _modules_as_state_dicts(root),
             torch.is_tensor,
             lambda t: t.numel() * t.element_size(),
             select=select,
@@ -521,6 +569,13 @@ class TrustedTorchSource(Source):
             if not torch.is_tensor(t):  # a quantized module's packed values
                 kind = "packed params" if isinstance(t, tuple) else "value"
                 out.append((key, TensorInfo("uint8", (), kind=kind, detail=repr(t)[:80])))
+                continue
+            if type(t) not in (torch.Tensor, torch.nn.Parameter):  # torchao, DTensor...
+                cls = f"{type(t).__module__}.{type(t).__qualname__}"
+                kind = "DTensor" if type(t).__name__ == "DTensor" else "tensor subclass"
+                name = dtype_name(t.dtype)
+                info = TensorInfo(name if name in DTYPES else "uint8", tuple(t.shape), kind=kind)
+                out.append((key, replace(info, detail=cls)))
                 continue
             if t.is_quantized or t.layout != torch.strided or t.is_meta:
                 kind = "quantized" if t.is_quantized else "meta" if t.is_meta else "sparse"
