@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from ckptkit.keys import detect_wrappers
     from ckptkit.load import LoadReport, load_into, load_state_dict
     from ckptkit.scan import ScanReport, scan
+    from ckptkit.stats import TensorStats, tensor_stats
     from ckptkit.summary import Summary, summarize
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "DiffReport",
     "scan",
     "ScanReport",
+    "tensor_stats",
+    "TensorStats",
     "train",
     "Engine",
     "TrainConfig",
@@ -63,6 +66,8 @@ _WHERE = {
     "DiffReport": "ckptkit.diff",
     "scan": "ckptkit.scan",
     "ScanReport": "ckptkit.scan",
+    "tensor_stats": "ckptkit.stats",
+    "TensorStats": "ckptkit.stats",
     "train": "ckptkit.engine",  # imports torch
     "Engine": "ckptkit.engine",
     "TrainConfig": "ckptkit.engine",
