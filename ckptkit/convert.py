@@ -334,6 +334,12 @@ def convert_checkpoint(
         allow_globals=read.allow_globals,
         ema=read.ema,
     ) as source:
+        if source.format == "gguf":
+            raise FormatError(
+                f"{src} is a GGUF file (llama.cpp): ckptkit describes it (inspect, diff, scan) "
+                "but does not convert it",
+                "convert it with llama.cpp's tools (gguf-py)",
+            )
         if check_outputs and not _is_merge(source):
             raise UsageError("--check-outputs checks merged adapters", "merge one, or drop it")
         if folder is not None:

@@ -174,11 +174,12 @@ def overall_verdict(reports: Iterable[ScanReport]) -> str:
 def _structure_damage(path: Path, found: list[Reading]) -> str | None:
     """Damage a loader would hit beyond the pickles: storages, tensor extents, headers."""
     kind = found[0].kind
-    if kind == "safetensors":
+    if kind in ("safetensors", "gguf"):  # data only: a header that reads is all there is
+        from ckptkit.formats.files.gguf import read_gguf_header
         from ckptkit.formats.files.safetensors import read_header
 
         try:
-            read_header(path)
+            (read_header if kind == "safetensors" else read_gguf_header)(path)
         except FormatError as exc:
             return exc.message
         return None
@@ -196,4 +197,5 @@ def _article(kind: str) -> str:
         "torch-legacy": "a legacy torch pickle stream",
         "pickle": "a pickle",
         "safetensors": "a safetensors file",
+        "gguf": "a GGUF file",
     }.get(kind, kind)

@@ -176,7 +176,7 @@ def _number(value: float | None) -> str:
 
 def stats_lines(stats: dict[str, TensorStats]) -> list[str]:
     """``inspect --stats``'s table, then one line on what is not finite."""
-    rows = [("key", "min", "max", "mean", "std", "nan", "inf")]
+    rows: list[tuple[str, ...]] = [("key", "min", "max", "mean", "std", "nan", "inf")]
     for key, s in stats.items():
         if s.skipped:
             rows.append((key, f"({s.skipped})", "", "", "", "", ""))

@@ -50,6 +50,7 @@ class TensorInfo:
     contiguous: bool = True
     kind: str = "dense"  # or a key of KINDS
     detail: str = ""  # what a tensor of another kind is ("COO, 7 stored values")
+    stored: int | None = None  # bytes, where a block format stores it otherwise (GGUF's Q8_0)
 
     @property
     def numel(self) -> int:
@@ -57,7 +58,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return dtypes.nbytes(self.dtype, self.shape)
+        return dtypes.nbytes(self.dtype, self.shape) if self.stored is None else self.stored
 
     def to_dict(self) -> dict[str, Any]:
         out = {"dtype": self.dtype, "shape": list(self.shape), "bytes": self.nbytes}
@@ -80,6 +81,12 @@ class Source(ABC):
     # The model folder the weights came from (save_pretrained's), whose other files (config,
     # tokenizer) a folder output copies.
     folder: Path | None = None
+    # The weights file name a folder output takes, as the source's library names it
+    # (diffusers' diffusion_pytorch_model.safetensors); None: transformers' model.safetensors.
+    weights_name: str | None = None
+    # The tensors are a diffusers EMAModel's shadow_params, a list keyed here by position
+    # ("0", "1", ...): names come from the model (open_source's names_from).
+    unnamed: bool = False
 
     @abstractmethod
     def entries(self) -> list[tuple[str, TensorInfo]]:
@@ -95,6 +102,7 @@ class Source(ABC):
         self.selected, self.selected_reason = selection.path, selection.reason
         self.extras, self.dropped = selection.extras, selection.dropped
         self.candidates = selection.candidates
+        self.unnamed = selection.unnamed
         return selection.state_dict
 
     def value(self, key: str) -> Any:

@@ -69,7 +69,10 @@ def same_value(a: Any, b: Any) -> bool:
     if type(a) not in plain or type(b) not in plain:  # a subclass (torchao): its inner tensors
         if type(a) is not type(b) or not hasattr(a, "__tensor_flatten__"):
             return False
-        (names, context), (names_b, context_b) = a.__tensor_flatten__(), b.__tensor_flatten__()
+        (names, context), (names_b, context_b) = (
+            a.__tensor_flatten__(),  # type: ignore[attr-defined]
+            b.__tensor_flatten__(),
+        )
         return (
             names == names_b
             and repr(context) == repr(context_b)

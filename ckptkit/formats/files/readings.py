@@ -49,7 +49,6 @@ _MAX_PICKLES = 64  # pickles one after another in a plain file
 
 # Formats people mistake for checkpoints ckptkit reads, by their first bytes.
 _FOREIGN_MAGIC = (
-    (b"GGUF", "a GGUF file (llama.cpp)"),
     (b"\x89HDF", "an HDF5 file (Keras / h5py)"),
     (b"\x93NUMPY", "a NumPy .npy file"),
     (b"\x08\x01\x12", "an ONNX model"),
@@ -105,7 +104,8 @@ def _open_tar(raw: io.BufferedReader) -> tarfile.TarFile | None:
 
 
 def detect_format(path: str | Path) -> str:
-    """Tell a file's format from its content: ``torch-zip``, ``torch-legacy`` or ``safetensors``.
+    """Tell a file's format from its content: ``torch-zip``, ``torch-legacy``, ``safetensors``
+    or ``gguf`` (llama.cpp's, described but not converted).
 
     Raises:
         FormatError: a folder, a missing, empty or foreign file, TorchScript, a legacy tar
@@ -128,6 +128,8 @@ def detect_format(path: str | Path) -> str:
             f"{path} is a legacy tar checkpoint (torch < 0.1.10), which only a full unpickle reads",
             "if you trust it, load it with --trust; check it first with 'ckptkit scan'",
         )
+    if head.startswith(b"GGUF"):
+        return "gguf"
     # Before the pickle test: a header length such as 0x280 also starts with b"\x80\x02".
     if _looks_like_safetensors(head, size):
         return "safetensors"
@@ -198,6 +200,8 @@ def readings(path: str | Path) -> list[Reading]:
                 found.append(stream)
     if _looks_like_safetensors(head, size):
         found.append(Reading("safetensors", "safetensors loaders"))
+    if head.startswith(b"GGUF"):
+        found.append(Reading("gguf", "llama.cpp's GGUF loaders"))
     if size and zipfile.is_zipfile(path):
         with open(path, "rb") as raw:
             found.append(_zip_reading(raw, "zip", "Python's zipfile (at the end)"))
