@@ -70,8 +70,8 @@ def same_value(a: Any, b: Any) -> bool:
         if type(a) is not type(b) or not hasattr(a, "__tensor_flatten__"):
             return False
         (names, context), (names_b, context_b) = (
-            a.__tensor_flatten__(),  # type: ignore[attr-defined]
-            b.__tensor_flatten__(),
+            a.__tensor_flatten__(),
+            b.__tensor_flatten__(),  # type: ignore[attr-defined]
         )
         return (
             names == names_b
