@@ -36,8 +36,12 @@ def _emit(command: str, body: dict[str, Any]) -> None:
 
 
 def _echo(lines: list[str]) -> None:
+    """Print text lines, each escaped (``ckptkit.text.escape``; the views' lines already are):
+    whatever builds them, nothing from a file reaches the terminal raw."""
+    from ckptkit.text import escape
+
     for line in lines:
-        click.echo(line)
+        click.echo(escape(line))
 
 
 # Options several commands share, defined once (as sqlite-utils' cli.py bundles its own).
@@ -125,11 +129,19 @@ def key_rule_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _report_error(exc: BaseException) -> int:
-    """Print one ``Error:`` line for an exception and return the exit code it maps to."""
+    """Print one ``Error:`` line for an exception and return the exit code it maps to.
+
+    The line is escaped (``ckptkit.text.escape``): messages quote keys and names from the file.
+    """
+    from ckptkit.text import escape
+
+    def say(text: str) -> None:
+        click.echo(f"Error: {escape(text)}", err=True)
+
     if os.environ.get("CKPTKIT_DEBUG") == "1":
         traceback.print_exception(exc)
     if isinstance(exc, CkptkitError):
-        click.echo(f"Error: {exc.cli_text}", err=True)
+        say(exc.cli_text)
         return exc.exit_code
     if isinstance(exc, click.exceptions.NoArgsIsHelpError):  # `ckptkit` alone: the help
         exc.show()
@@ -137,19 +149,18 @@ def _report_error(exc: BaseException) -> int:
     if isinstance(exc, click.ClickException):
         ctx = getattr(exc, "ctx", None)
         hint = f"; see '{ctx.command_path} --help'" if ctx else ""
-        click.echo(f"Error: {exc.format_message().rstrip('.')}{hint}", err=True)
+        say(f"{exc.format_message().rstrip('.')}{hint}")
         return exc.exit_code
     if isinstance(exc, (KeyboardInterrupt, click.Abort)):
-        click.echo("Error: interrupted", err=True)
+        say("interrupted")
         return 130
     if isinstance(exc, OSError):
         where = f": {exc.filename}" if exc.filename else ""
-        click.echo(f"Error: {exc.strerror or exc}{where}", err=True)
+        say(f"{exc.strerror or exc}{where}")
         return 1
-    click.echo(
-        f"Error: internal error ({type(exc).__name__}: {exc}); "
-        "rerun with CKPTKIT_DEBUG=1 and report the traceback",
-        err=True,
+    say(
+        f"internal error ({type(exc).__name__}: {exc}); "
+        "rerun with CKPTKIT_DEBUG=1 and report the traceback"
     )
     return 1
 
@@ -269,7 +280,9 @@ def cli() -> None:
 @click.option(
     "--trust",
     is_flag=True,
-    help="Load SRC with torch's full unpickler. It can run code: only for files you trust.",
+    help="Load SRC with torch's full unpickler. It can run code: only for files you trust. "
+    "Its classes are imported as `python` run here would (the current folder first); a "
+    "pickled nn.Module gives its state_dict().",
 )
 @json_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, no report.")
@@ -547,6 +560,12 @@ def train(ctx: click.Context, as_json: bool, config_file: str | None, **options:
     type=click.IntRange(min=1),
     help="Fold the tree below this depth.  [default: no folding]",
 )
+@click.option(
+    "--stats",
+    is_flag=True,
+    help="Read every tensor once: min, max, mean, std, NaN and inf counts (the table replaces "
+    "the tree).",
+)
 @json_option
 @quiet_option
 def inspect(
@@ -555,6 +574,7 @@ def inspect(
     flat: bool,
     key_filter: str | None,
     depth: int | None,
+    stats: bool,
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -564,18 +584,34 @@ def inspect(
     ckptkit inspect model.pt
     ckptkit inspect model.safetensors --filter 'layers.0.*' --flat
     ckptkit inspect shards/ --depth 2
+    ckptkit inspect download.safetensors --stats
     """
-    from ckptkit.summary import summarize
+    from ckptkit.summary import keep, summarize
 
     if flat and depth:
         raise UsageError("--flat and --depth do not go together", "use one of them")
     summary = summarize(path, select=select)
+    values = None
+    if stats:  # every tensor read once (the headers alone say nothing of the values)
+        from ckptkit.stats import tensor_stats
+
+        keys = [key for key, _ in summary.tensors if keep(key, key_filter)]
+        values = tensor_stats(path, select=select, keys=keys)
     if as_json:
-        _emit("inspect", summary.to_dict(key_filter))
+        document = summary.to_dict(key_filter)
+        if values is not None:
+            document["stats"] = {key: s.to_dict() for key, s in values.items()}
+        _emit("inspect", document)
     elif not quiet:
         from ckptkit.render import inspect_lines
 
-        _echo(inspect_lines(summary, flat=flat, depth=depth, key_filter=key_filter))
+        if values is not None:
+            from ckptkit.render import summary_lines
+            from ckptkit.stats import stats_lines
+
+            _echo([*summary_lines(summary), "", *stats_lines(values)])
+        else:
+            _echo(inspect_lines(summary, flat=flat, depth=depth, key_filter=key_filter))
 
 
 @cli.command()
@@ -602,7 +638,9 @@ def scan(paths: tuple[str, ...], allow_global: tuple[str, ...], as_json: bool, q
     reports = scan_many(paths, allow_globals=allow_global)
     for report in reports:
         if report.error:
-            click.echo(f"Error: {report.error}", err=True)
+            from ckptkit.text import escape
+
+            click.echo(escape(f"Error: {report.error}"), err=True)
     worst = overall_verdict(reports)
     if as_json:
         _emit("scan", {"verdict": worst, "files": [r.to_dict() for r in reports]})

@@ -3,17 +3,27 @@
 Each command's report object (``ConvertReport``, ``Summary``, ``ScanReport``, ``DiffReport``,
 ``TrainResult``) is rendered here, both ways, so the two never drift. JSON documents carry a
 ``schema`` version each (documented in the README); an error is a document too.
+
+Text from files (keys, global names, metadata, member names) is made safe to print: every line
+a view returns is escaped whole by ``ckptkit.text.escape`` (each public view is wrapped by
+``_terminal_safe``, so no line is missed, whatever it is built from; ``str()`` of a report is
+safe too), and a JSON document's strings that are not valid UTF-8 get the same escaping. The
+CLI escapes again what it prints (``escape`` leaves escaped text as it is) and its ``Error:``
+lines, so lines built outside these views are covered as well.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import KINDS, TensorInfo
 from ckptkit.meta import NAMESPACE, TRAINING_KEY
+from ckptkit.text import escape
 
 __all__ = [
     "SCHEMAS",
@@ -35,9 +45,47 @@ __all__ = [
 SCHEMAS = {"inspect": 2, "convert": 2, "scan": 2, "diff": 2, "train": 2, "plot": 1, "error": 1}
 
 
+_P = ParamSpec("_P")
+
+
+def _terminal_safe(view: Callable[_P, list[str]]) -> Callable[_P, list[str]]:
+    """A view whose lines are escaped (``ckptkit.text.escape``) when it returns: whatever a line
+    holds, from ckptkit or from the file, no terminal acts on it. Lines of a view it calls are
+    escaped already and stay as they are (escaping is done once)."""
+
+    @functools.wraps(view)
+    def safe(*args: _P.args, **kwargs: _P.kwargs) -> list[str]:
+        return [escape(line) for line in view(*args, **kwargs)]
+
+    return safe
+
+
 def document(command: str, body: dict[str, Any]) -> str:
-    """A command's JSON document: its schema version, then the report's fields."""
-    return json.dumps({"schema": SCHEMAS[command], **body}, indent=2)
+    """A command's JSON document: its schema version, then the report's fields.
+
+    ASCII, as ``json.dumps`` writes it; a string that is not valid UTF-8 (a surrogate: bytes
+    that were not UTF-8, or a lone ``\\ud800``) is escaped as the text views escape it, so the
+    document is valid UTF-8 JSON any parser reads.
+    """
+    text = json.dumps({"schema": SCHEMAS[command], **body}, indent=2)
+    if "\\ud" in text:  # a surrogate, lone or in a pair: look at the strings (rare)
+        text = json.dumps({"schema": SCHEMAS[command], **_valid_utf8(body)}, indent=2)
+    return text
+
+
+def _valid_utf8(value: Any) -> Any:
+    """``value`` with each string (and key) that is not valid UTF-8 escaped."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return escape(value)
+        return value
+    if isinstance(value, dict):
+        return {_valid_utf8(k): _valid_utf8(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_valid_utf8(v) for v in value]
+    return value
 
 
 def error_document(exc: BaseException, exit_code: int) -> str:
@@ -76,6 +124,7 @@ def _describe(info: TensorInfo, count: int = 1) -> str:
     return f"{shape} {dtype}{times}  {human_size(info.nbytes * count)}{note}"
 
 
+@_terminal_safe
 def flat_lines(summary: Any, *, key_filter: str | None = None) -> list[str]:
     """One line per tensor: key, shape, dtype, size."""
     from ckptkit.summary import keep
@@ -85,6 +134,7 @@ def flat_lines(summary: Any, *, key_filter: str | None = None) -> list[str]:
     return [f"{key:<{width}}  {_describe(info)}" for key, info in rows]
 
 
+@_terminal_safe
 def tree_lines(
     summary: Any, *, depth: int | None = None, key_filter: str | None = None
 ) -> list[str]:
@@ -94,7 +144,9 @@ def tree_lines(
     rows = [(k, i) for k, i in summary.tensors if keep(k, key_filter)]
     # Fold on what a tensor looks like, not on where its bytes live.
     looks = {
-        k: TensorInfo(i.dtype, i.shape, contiguous=i.contiguous, kind=i.kind, detail=i.detail)
+        k: TensorInfo(
+            i.dtype, i.shape, contiguous=i.contiguous, kind=i.kind, detail=i.detail, stored=i.stored
+        )
         for k, i in rows
     }
     folded = collapse([(k, looks[k]) for k, _ in rows])
@@ -139,6 +191,7 @@ def _render(node: dict[str, Any], level: int, depth: int | None, lines: list[str
                 _render(child, level + 1, depth, lines)
 
 
+@_terminal_safe
 def summary_lines(summary: Any) -> list[str]:
     """The header of the default view: one fact a line."""
     lines = [f"{summary.path}  ({summary.format}, {human_size(summary.file_size)} on disk)"]
@@ -247,6 +300,7 @@ def _short(value: Any, limit: int = 90) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+@_terminal_safe
 def adapter_lines(adapter: dict[str, Any]) -> list[str]:
     """What ``inspect`` says of a LoRA adapter (or a PeftModel state dict)."""
     if adapter["kind"] == "PeftModel state dict":
@@ -276,6 +330,7 @@ def adapter_lines(adapter: dict[str, Any]) -> list[str]:
     return lines
 
 
+@_terminal_safe
 def inspect_lines(
     summary: Any, *, flat: bool = False, depth: int | None = None, key_filter: str | None = None
 ) -> list[str]:
@@ -288,6 +343,7 @@ def inspect_lines(
     return [*summary_lines(summary), "", *(body or ["(no tensor matches)"])]
 
 
+@_terminal_safe
 def convert_lines(report: Any) -> list[str]:
     """``convert``'s text report."""
     where = (
@@ -398,6 +454,7 @@ def _merge_lines(report: Any) -> list[str]:
     return lines
 
 
+@_terminal_safe
 def scan_lines(report: Any) -> list[str]:
     """``scan``'s text for one file (an unscannable file says so on stderr instead)."""
     if report.error:
@@ -440,6 +497,7 @@ def _retyped_lines(retyped: list[Any], some: Any) -> list[str]:
     return lines
 
 
+@_terminal_safe
 def diff_lines(report: Any) -> list[str]:
     """``diff``'s text report."""
     lines = []
@@ -481,6 +539,7 @@ def diff_lines(report: Any) -> list[str]:
     return lines
 
 
+@_terminal_safe
 def train_lines(result: Any, mode: str) -> list[str]:
     """``train``'s closing lines."""
     last = result.metrics[-1] if result.metrics else None

@@ -106,8 +106,8 @@ BAD_INPUTS = [
         "model.gguf",
         lambda p: p.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 64),
         1,
-        "Error: model.gguf is a GGUF file (llama.cpp), not a checkpoint ckptkit reads; ckptkit reads PyTorch "
-        "files (torch.save: .pt .pth .bin .ckpt) and safetensors",
+        "Error: model.gguf is a GGUF file (llama.cpp): ckptkit describes it (inspect, diff, scan) "
+        "but does not convert it; convert it with llama.cpp's tools (gguf-py)",
     ),
 ]
 

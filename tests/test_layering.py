@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ckptkit"
-CORE = {"ckptkit.errors", "ckptkit.keys", "ckptkit.meta"}
+CORE = {"ckptkit.errors", "ckptkit.keys", "ckptkit.meta", "ckptkit.text"}
 
 
 def module_name(path: Path) -> str:

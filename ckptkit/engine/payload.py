@@ -34,6 +34,7 @@ from ckptkit.errors import FormatError, UsageError
 from ckptkit.formats.base.tree import map_leaves
 from ckptkit.keys import match_keys, mismatch_message
 from ckptkit.meta import TRAINING_KEY, version
+from ckptkit.text import escape
 
 if TYPE_CHECKING:
     from ckptkit.engine.build import Run
@@ -196,7 +197,7 @@ def restore(path: Path, run: Run, progress: Progress, ctx: Context) -> None:
     else:
         optimizer_restored = _restore_whole(path, payload, run, ctx)
     if not optimizer_restored and ctx.is_main:
-        logger.warning("%s holds weights only: the optimizer starts afresh", path)
+        logger.warning("%s holds weights only: the optimizer starts afresh", escape(str(path)))
     if payload.get(SCALER) and run.scaler is not None:
         run.scaler.load_state_dict(payload[SCALER])
     progress.epoch = int(payload.get(EPOCH, 0))
@@ -213,7 +214,7 @@ def restore(path: Path, run: Run, progress: Progress, ctx: Context) -> None:
     if isinstance(rng, list) and len(rng) == ctx.world_size:
         _set_rng_state(rng[ctx.rank])  # same world size: each rank continues its stream
     where = f"epoch {progress.epoch}" + (f", step {progress.step}" if progress.batch else "")
-    logger.info("resumed from %s at %s", path, where)
+    logger.info("resumed from %s at %s", escape(str(path)), where)
 
 
 def _restore_shards(path: Path, parts: set[str], run: Run, ctx: Context) -> bool:
