@@ -47,6 +47,9 @@ class Wrapper:
     added_by: str
     # Keys the wrapper keeps beside the wrapped model's (AveragedModel's step counter).
     own_keys: frozenset[str] = frozenset()
+    # Whether it is also found inside keys, around one submodule (compile, checkpointing):
+    # PeftModel's two-level prefix only ever wraps the whole model.
+    inner: bool = True
 
 
 WRAPPERS: tuple[Wrapper, ...] = (
@@ -66,7 +69,7 @@ WRAPPERS: tuple[Wrapper, ...] = (
     # Lightning Fabric's _FabricModule keeps the user's module as `._forward_module`.
     Wrapper("_forward_module.", "Lightning Fabric"),
     # peft's PeftModel keeps the model as `.base_model` (a LoraModel), which keeps it as `.model`.
-    Wrapper("base_model.model.", "PEFT (PeftModel)"),
+    Wrapper("base_model.model.", "PEFT (PeftModel)", inner=False),
     # A peft LoRA layer keeps the layer it adapts as `.base_layer` (inside keys, beside the
     # adapter's lora_A / lora_B, which only a merge or --drop-adapters removes).
     Wrapper("base_layer.", "PEFT (LoRA layer)"),
@@ -346,7 +349,7 @@ def inner_wrappers(keys: Iterable[str]) -> list[tuple[str, Wrapper]]:
                 inner.add(parent + parts[i] + ".")
     sites = []
     for parent, names in children.items():
-        for wrapper in WRAPPERS:
+        for wrapper in (w for w in WRAPPERS if w.inner):
             name = wrapper.prefix[:-1]
             if parent + wrapper.prefix in inner and names - {name} <= wrapper.own_keys:
                 sites.append((parent, wrapper))
