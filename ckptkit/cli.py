@@ -237,6 +237,20 @@ def cli() -> None:
     help="Output format (default: DST's suffix); dcp writes a torch.distributed.checkpoint folder.",
 )
 @click.option(
+    "--variant",
+    metavar="NAME",
+    help="In a model folder, the weights of this variant (diffusers' "
+    "diffusion_pytorch_model.fp16.safetensors for fp16); default: the file without a variant, "
+    "else the only one.",
+)
+@click.option(
+    "--names-from",
+    metavar="MODEL_FOLDER",
+    type=click.Path(exists=True, path_type=str),
+    help="A diffusers EMAModel state dict: name its shadow_params after this model's "
+    "parameters, in order (shapes checked); a folder DST gets the model's config.",
+)
+@click.option(
     "--base",
     metavar="PATH",
     help="The base model a LoRA adapter SRC is merged into (default: the one its "
@@ -294,6 +308,8 @@ def convert(
     ema: bool,
     trust: bool,
     allow_global: tuple[str, ...],
+    variant: str | None,
+    names_from: str | None,
     base: str | None,
     adapters: tuple[str, ...],
     drop_adapters: bool,
@@ -334,7 +350,9 @@ def convert(
     report = convert_checkpoint(
         src,
         dst,
-        read=ReadOptions(select, ema, trust, allow_global, merge),
+        read=ReadOptions(
+            select, ema, trust, allow_global, merge, variant=variant, names_from=names_from
+        ),
         keys=keys,
         output=OutputOptions(**output),
         dry_run=dry_run,
@@ -561,6 +579,20 @@ def train(ctx: click.Context, as_json: bool, config_file: str | None, **options:
     help="Fold the tree below this depth.  [default: no folding]",
 )
 @click.option(
+    "--variant",
+    metavar="NAME",
+    help="In a model folder, the weights of this variant (diffusers' "
+    "diffusion_pytorch_model.fp16.safetensors for fp16); default: the file without a variant, "
+    "else the only one.",
+)
+@click.option(
+    "--names-from",
+    metavar="MODEL_FOLDER",
+    type=click.Path(exists=True, path_type=str),
+    help="A diffusers EMAModel state dict: name its shadow_params after this model's "
+    "parameters, in order (shapes checked); a folder DST gets the model's config.",
+)
+@click.option(
     "--stats",
     is_flag=True,
     help="Read every tensor once: min, max, mean, std, NaN and inf counts (the table replaces "
@@ -574,6 +606,8 @@ def inspect(
     flat: bool,
     key_filter: str | None,
     depth: int | None,
+    variant: str | None,
+    names_from: str | None,
     stats: bool,
     as_json: bool,
     quiet: bool,
@@ -590,7 +624,7 @@ def inspect(
 
     if flat and depth:
         raise UsageError("--flat and --depth do not go together", "use one of them")
-    summary = summarize(path, select=select)
+    summary = summarize(path, select=select, variant=variant, names_from=names_from)
     values = None
     if stats:  # every tensor read once (the headers alone say nothing of the values)
         from ckptkit.stats import tensor_stats

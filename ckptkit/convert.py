@@ -74,6 +74,8 @@ class ReadOptions:
     trust: bool = False
     allow_globals: tuple[str, ...] = ()
     adapters: AdapterOptions = field(default_factory=AdapterOptions)
+    variant: str | None = None  # a model folder's weights of this variant (diffusers' fp16)
+    names_from: str | None = None  # the model a diffusers EMAModel's shadow_params belong to
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,8 @@ def convert(
     trust: bool = False,
     allow_globals: Iterable[str] = (),
     progress: bool = False,
+    variant: str | None = None,
+    names_from: str | Path | None = None,
 ) -> ConvertReport:
     """Convert a checkpoint's state dict to safetensors, a plain ``.pt`` state dict or a DCP
     folder.
@@ -228,6 +232,11 @@ def convert(
         trust: read ``src`` with torch's full unpickler (only for files you trust).
         allow_globals: pickle globals to admit beside torch's safe set (never imported).
         progress: show a progress bar on stderr.
+        variant: in a model folder, the weights of this variant (diffusers'
+            ``diffusion_pytorch_model.fp16.safetensors`` for ``"fp16"``).
+        names_from: the model folder a diffusers ``EMAModel`` state dict belongs to: its
+            ``shadow_params`` take the model's parameter names, in order, and a folder ``dst``
+            gets the model's config.
 
     Returns:
         The report: where the state dict was, the key plan, what was dropped, cast and written.
@@ -240,7 +249,14 @@ def convert(
     return convert_checkpoint(
         src,
         dst,
-        read=ReadOptions(select, ema, trust, tuple(allow_globals)),
+        read=ReadOptions(
+            select,
+            ema,
+            trust,
+            tuple(allow_globals),
+            variant=variant,
+            names_from=None if names_from is None else str(names_from),
+        ),
         keys=KeyRules(
             strip_wrappers,
             strip_module,
@@ -319,8 +335,9 @@ def convert_checkpoint(
     """:func:`convert` with its options grouped, as the CLI gives them: plan, write, report."""
     read, keys, output = read or ReadOptions(), keys or KeyRules(), output or OutputOptions()
     src, dst = Path(src), Path(dst)
-    if dst.is_dir() and output.to != "dcp":  # a model folder: save_pretrained's names
-        dst = dst / "model.safetensors"
+    into = dst if dst.is_dir() and output.to != "dcp" else None
+    if into is not None:  # a model folder: save_pretrained's names (the source's, once open)
+        dst = into / "model.safetensors"
     # A new name without a suffix: a model folder, when the source is one (checked once open).
     folder = dst if not dst.suffix and output.to is None and not dst.exists() else None
     fmt = "safetensors" if folder else output_format(dst, output.to)
@@ -333,6 +350,8 @@ def convert_checkpoint(
         trust=read.trust,
         allow_globals=read.allow_globals,
         ema=read.ema,
+        variant=read.variant,
+        names_from=read.names_from,
     ) as source:
         if source.format == "gguf":
             raise FormatError(
@@ -345,7 +364,9 @@ def convert_checkpoint(
         if folder is not None:
             if source.folder is None:
                 output_format(dst)  # the error that names the suffixes
-            dst = folder / "model.safetensors"
+            dst = folder / _weights_name(source)
+        elif into is not None:
+            dst = into / _weights_name(source)
         plan = _plan(source, src, dst, fmt, keys, output, target, shard_limit, folder)
         report = _report(source, plan, dry_run)
         if dry_run:
@@ -405,6 +426,17 @@ def _plan(
     entries = dict(source.entries())
     _refuse_special(src, entries, fmt)
     key_plan = keys.plan(entries)
+    if fmt != "torch":  # a JSON header (safetensors, DCP's metadata) holds UTF-8 text only
+        for new in key_plan.mapping.values():
+            if new is not None and not new.isascii():
+                try:
+                    new.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise FormatError(
+                        f"key '{new}' of {src} is not valid UTF-8 text, which a {fmt} header "
+                        "cannot hold",
+                        "rename it with --rename REGEX=REPL, or write a .pt output",
+                    ) from None
     match = _match_reference(key_plan, entries, Path(keys.match_to)) if keys.match_to else None
     items = []
     for old, new in key_plan.mapping.items():
@@ -430,7 +462,7 @@ def _plan(
     units = [(i.spec.key, i.spec.nbytes, aliases.get(i.spec.key, i.spec.key)) for i in items]
     shards = [[by_key[k] for k in shard] for shard in plan_shards(units, shard_limit)]
     if folder is not None and shard_limit is None and source.folder is not None:
-        shards = _shards_as_in(source.folder, items) or shards
+        shards = _shards_as_in(source, items) or shards
     return _Plan(
         src=src,
         dst=dst,
@@ -450,15 +482,22 @@ def _plan(
     )
 
 
-def _shards_as_in(folder: Path, items: list[Item]) -> list[list[Item]] | None:
-    """The items grouped as the source folder's shard index groups their keys (a sharded
-    model stays sharded the same way), or None for a folder with one weights file."""
-    from ckptkit.formats.folders.sharded import find_index, read_index
+def _weights_name(source: Source) -> str:
+    """The weights file name of a folder output: the source library's (diffusers'
+    ``diffusion_pytorch_model.safetensors``), else transformers' ``model.safetensors``."""
+    base = getattr(source, "base", None)  # a merge: its base's
+    return source.weights_name or getattr(base, "weights_name", None) or "model.safetensors"
 
-    index = find_index(folder)
-    if index is None:
+
+def _shards_as_in(source: Source, items: list[Item]) -> list[list[Item]] | None:
+    """The items grouped as the source's own shard index groups their keys (a sharded model
+    stays sharded the same way), or None for one weights file."""
+    from ckptkit.formats.folders.sharded import read_index
+
+    base = getattr(source, "base", source)  # a merge: its base's
+    if base.format != "sharded":
         return None
-    where, _ = read_index(index)
+    where, _ = read_index(base.path)  # a sharded source's path is its index
     names = sorted(set(where.values()))
     groups: dict[str, list[Item]] = {name: [] for name in names}
     for item in items:

@@ -217,6 +217,8 @@ def summary_lines(summary: Any) -> list[str]:
     )
     count = f"{len(summary.tensors)}, {summary.parameters:,} elements, {human_size(summary.nbytes)}"
     lines.append(f"tensors     {count}" + (f" ({by_dtype})" if by_dtype else ""))
+    if summary.ema_model:
+        lines += _ema_model_lines(summary.ema_model)
     if summary.adapter:
         return lines + adapter_lines(summary.adapter)
     if summary.wrappers:
@@ -261,7 +263,7 @@ def summary_lines(summary: Any) -> list[str]:
         if run.get("weights_sha256"):  # a DCP checkpoint's shards are not hashed whole
             lines.append(f"weights     sha256 {run['weights_sha256']}")
     for key, value in summary.extras.items():
-        if key != TRAINING_KEY:
+        if key != TRAINING_KEY and not summary.ema_model:  # an EMAModel's: in its line
             lines.append(f"also        {key} = {_short(value)}")
     for key, value in summary.metadata.items():
         if not key.startswith(NAMESPACE):
@@ -330,11 +332,56 @@ def adapter_lines(adapter: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _pipeline_lines(summary: Any) -> list[str]:
+    """A diffusers pipeline folder: its components, and how to take one."""
+    pipe = summary.pipeline
+    version = f", diffusers {pipe['diffusers_version']}" if pipe["diffusers_version"] else ""
+    lines = [
+        f"{summary.path}  ({summary.format}, {human_size(summary.file_size)} on disk)",
+        f"pipeline    {pipe['class']}{version}, {plural(len(pipe['components']), 'component')}",
+    ]
+    width = max((len(c["name"]) for c in pipe["components"]), default=0)
+    for c in pipe["components"]:
+        what, w = f"{c['name']:<{width}}  {c['class']} ({c['library']})", c["weights"]
+        if c.get("error"):
+            lines.append(f"component   {what}: {c['error']}")
+        elif w is None:
+            lines.append(f"component   {what}: no weights")
+        else:
+            dtypes = ", ".join(DTYPES[d].short if d in DTYPES else d for d in w["bytes_by_dtype"])
+            lines.append(
+                f"component   {what}: {w['file']}, {plural(w['tensors'], 'tensor')}, "
+                f"{w['parameters']:,} elements, {human_size(w['bytes'])} ({dtypes}), {w['verdict']}"
+            )
+    taken = [c["name"] for c in pipe["components"] if c["weights"]]
+    example = "unet" if "unet" in taken else (taken[0] if taken else "COMPONENT")
+    lines.append(
+        f"convert     `ckptkit convert {summary.path} OUT --select {example}` takes one component "
+        f"(`inspect --select {example}` shows it)"
+    )
+    return lines
+
+
+def _ema_model_lines(ema: dict[str, Any]) -> list[str]:
+    """A diffusers EMAModel state dict: its settings, and how its weights get names."""
+    settings = ", ".join(f"{k} {_short(v)}" for k, v in ema["settings"].items())
+    named = "no names" if ema["names_from"] is None else f"named after {ema['names_from']}"
+    return [
+        f"ema model   a diffusers EMAModel: {ema['shadow_params']} shadow parameters, {named} "
+        f"({settings})",
+        f"convert     `{ema['convert']}`" + (" maps them" if ema["names_from"] is None else ""),
+    ]
+
+
 @_terminal_safe
 def inspect_lines(
     summary: Any, *, flat: bool = False, depth: int | None = None, key_filter: str | None = None
 ) -> list[str]:
     """``inspect``'s text: the header facts, a blank line, then the tree or the flat list."""
+    if summary.pipeline:
+        return _pipeline_lines(summary)
+    if summary.ema_model and summary.ema_model["names_from"] is None:
+        flat = True  # positions, not names: the tree would fold them into long sets
     body = (
         flat_lines(summary, key_filter=key_filter)
         if flat

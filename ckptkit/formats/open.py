@@ -1,7 +1,8 @@
 """``open_source``: the one door to every reader, chosen by what the path holds.
 
-Folder layouts are tried first (DCP, every rank's files, DeepSpeed, a model folder, a sharded
-index), then a single file by its content. Nothing in the checkpoint runs; torch is imported only
+Folder layouts are tried first (a diffusers pipeline, a model folder by diffusers' names or a
+variant, DCP, every rank's files, DeepSpeed, a model folder, a sharded index), then a single file
+by its content. Nothing in the checkpoint runs; torch is imported only
 when a tensor is loaded.
 """
 
@@ -10,9 +11,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError
+from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError, UsageError
 from ckptkit.formats.base.source import Source
 from ckptkit.formats.files.readings import detect_format
+from ckptkit.formats.folders.diffusers import (
+    WEIGHTS_NAME,
+    Weights,
+    describe_weights,
+    is_index_name,
+    is_pipeline,
+    pipeline_component,
+    weights_in,
+)
 from ckptkit.formats.folders.layouts import (
     adapter_file_in,
     find_dcp,
@@ -32,7 +42,7 @@ def checkpoint_index(path: Path) -> Path | None:
 
     if path.is_dir():
         return find_index(path)
-    return path if path.name.endswith(".index.json") and path.is_file() else None
+    return path if is_index_name(path.name) and path.is_file() else None
 
 
 def open_source(
@@ -43,30 +53,64 @@ def open_source(
     allow_globals: Iterable[str] = (),
     check_safety: bool = True,
     ema: bool = False,
+    variant: str | None = None,
+    names_from: str | Path | None = None,
+    unnamed: bool = False,
 ) -> Source:
     """Open a checkpoint for reading, without executing any of its code.
 
     Args:
         path: a torch zip or legacy file, a safetensors file, a sharded checkpoint (its
-            ``*.index.json``, or the folder holding it), a model folder (``save_pretrained``,
-            Accelerate's ``save_state``), a DeepSpeed checkpoint folder, a DCP folder (or its
+            ``*.index.json``, or the folder holding it), a model folder (``save_pretrained``'s,
+            transformers' or diffusers', Accelerate's ``save_state``), a diffusers pipeline
+            folder (with ``select``), a DeepSpeed checkpoint folder, a DCP folder (or its
             ``.metadata``), or every rank's ``torch.save`` of a sharded model (a folder holding
             them, or a glob such as ``ckpt/model_rank*.pt``).
         select: dotted path of the state dict inside a training checkpoint (default: found);
-            in a folder, the model file (``model_1``); for DeepSpeed ``fp32`` or ``module``.
+            in a folder, the model file (``model_1``); in a diffusers pipeline folder, the
+            component (``unet``); for DeepSpeed ``fp32`` or ``module``.
         trust: load with torch's full unpickler, which can run code from the file.
         allow_globals: globals (``module.Name``) admitted beside torch's safe set; they are
             still never imported, only recorded. Names that execute or import are refused.
         check_safety: False reads a torch file whatever its safety verdict (for ``inspect``:
             the reading is static, nothing in the file runs).
         ema: take a training checkpoint's EMA copy of the weights (``state_dict_ema``...).
+        variant: in a model folder, the weights of this variant
+            (``diffusion_pytorch_model.fp16.safetensors`` for ``"fp16"``); by default the file
+            without a variant, else the only one.
+        names_from: the model (folder or file) a diffusers ``EMAModel`` state dict's
+            ``shadow_params`` belong to: they take its parameter names, in order.
+        unnamed: open an ``EMAModel`` state dict without ``names_from``, its tensors keyed by
+            position (``"0"``, ``"1"``...; ``inspect``) rather than refusing it.
 
     Raises:
         FormatError: the file is not a readable checkpoint.
         UnsafeCheckpointError: the pickle names globals outside the safe set.
-        SelectError: no state dict found, or ``select`` names none.
+        SelectError: no state dict found, or ``select`` names none; a pipeline folder without
+            ``select``; no ``variant`` of that name, or several and none chosen; an
+            ``EMAModel`` state dict without ``names_from``.
+        UsageError: ``variant`` for a file, ``names_from`` for anything but an ``EMAModel``.
     """
     path = Path(path)
+    if variant is not None and names_from is None and not path.is_dir():
+        raise UsageError(
+            f"--variant picks the weights of a model folder, and {path} is not a folder",
+            "drop --variant",
+            api_hint="drop variant=",
+        )
+    source = _open(path, select, trust, allow_globals, check_safety, ema, variant)
+    return _named(path, source, names_from, variant, unnamed)
+
+
+def _open(
+    path: Path,
+    select: str | None,
+    trust: bool,
+    allow_globals: Iterable[str],
+    check_safety: bool,
+    ema: bool,
+    variant: str | None,
+) -> Source:
     run = run_checkpoint(path, select)
     if run is not None:  # ckptkit train's --out folder: the checkpoint `latest` names
         checkpoint, why = run
@@ -76,19 +120,108 @@ def open_source(
             allow_globals=allow_globals,
             check_safety=check_safety,
             ema=ema,
+            unnamed=True,
         )
         source.selected_reason += f"; {checkpoint.name}, {why}"
         return source
-    folder = _open_folder(path, select, trust, allow_globals, ema)
+    folder = _open_folder(path, select, trust, allow_globals, ema, variant)
     if folder is not None:
         return folder
     return _open_file(path, select, trust, allow_globals, check_safety, ema)
 
 
+def _named(
+    path: Path, source: Source, names_from: str | Path | None, variant: str | None, unnamed: bool
+) -> Source:
+    """A diffusers EMAModel's shadow_params named after ``names_from``'s parameters; refused
+    without it (unless ``unnamed``); ``names_from`` refused for anything else."""
+    from ckptkit.formats.folders.diffusers import ShadowNamedSource
+
+    if source.unnamed and names_from is not None:
+        try:
+            return ShadowNamedSource(source, Path(names_from), opener=open_source, variant=variant)
+        except BaseException:
+            source.close()
+            raise
+    if source.unnamed and not unnamed:
+        count = len(source.keys())
+        source.close()
+        raise SelectError(
+            f"{source.path} is a diffusers EMAModel state dict: its {count} weights are "
+            "'shadow_params', a list without names",
+            "name them after the model it averages: --ema --names-from MODEL_FOLDER",
+            api_hint="name them after the model it averages: ema=True, names_from=MODEL_FOLDER",
+        )
+    if names_from is not None and not source.unnamed:
+        source.close()
+        raise UsageError(
+            f"--names-from names a diffusers EMAModel's shadow_params, and {path} holds "
+            "no EMAModel state dict",
+            "drop --names-from",
+            api_hint="drop names_from=",
+        )
+    return source
+
+
+def _open_diffusers(
+    path: Path,
+    select: str | None,
+    trust: bool,
+    allow_globals: Iterable[str],
+    variant: str | None,
+) -> Source | None:
+    """A diffusers pipeline's component, or a model folder's weights by their variant."""
+    if is_pipeline(path):
+        component = pipeline_component(path, select)
+        source = open_source(
+            component.folder, trust=trust, allow_globals=allow_globals, variant=variant
+        )
+        source.selected_reason = (
+            f"the '{component.name}' component ({component.cls}) of the diffusers pipeline: "
+            + source.selected_reason
+        )
+        return source
+    weights = weights_in(path, variant)
+    if weights is None:
+        return None
+    if select:
+        raise SelectError(
+            f"{path} is a model folder of one model ({weights.path.name})",
+            "drop --select (--variant picks another variant)",
+            api_hint="drop select= (variant= picks another variant)",
+        )
+    return _open_weights(path, weights, trust, allow_globals)
+
+
+def _open_weights(
+    path: Path, weights: Weights, trust: bool, allow_globals: Iterable[str]
+) -> Source:
+    source: Source
+    if weights.sharded:
+        from ckptkit.formats.folders.sharded import ShardedSource
+
+        source = ShardedSource(weights.path, opener=open_source, allow_globals=allow_globals)
+    else:
+        source = open_source(weights.path, trust=trust, allow_globals=allow_globals)
+    source.selected_reason = describe_weights(weights)
+    source.folder = path
+    source.weights_name = WEIGHTS_NAME if weights.diffusers else None
+    return source
+
+
 def _open_folder(
-    path: Path, select: str | None, trust: bool, allow_globals: Iterable[str], ema: bool
+    path: Path,
+    select: str | None,
+    trust: bool,
+    allow_globals: Iterable[str],
+    ema: bool,
+    variant: str | None,
 ) -> Source | None:
     """The reader of a folder layout ``path`` stands for, or None for a single file."""
+    if path.is_dir():
+        diffusers = _open_diffusers(path, select, trust, allow_globals, variant)
+        if diffusers is not None:
+            return diffusers
     dcp = find_dcp(path)
     if dcp is not None:  # torch.distributed.checkpoint (FSDP, Lightning's FSDP strategy)
         from ckptkit.formats.folders.dcp import DCPSource
@@ -150,6 +283,10 @@ def _open_file(
 ) -> Source:
     """The reader of one checkpoint file, chosen by its content."""
     kind = detect_format(path)
+    if kind == "gguf":
+        from ckptkit.formats.files.gguf import GGUFSource
+
+        return GGUFSource(path)
     if kind == "safetensors":
         from ckptkit.formats.files.safetensors import SafetensorsSource
 

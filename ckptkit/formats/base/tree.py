@@ -26,6 +26,8 @@ __all__ = [
     "is_module_value",
     "node_at",
     "map_leaves",
+    "ema_model_params",
+    "EMA_MODEL_PATH",
 ]
 
 # Where training code keeps the weights, most specific first. Each name is tried at the top
@@ -45,6 +47,13 @@ STATE_DICT_NAMES = (
 EMA_NAMES = ("ema", "model_ema", "ema_model", "ema_state_dict", "state_dict_ema", "shadow")
 
 IsTensor = Callable[[Any], bool]
+
+# diffusers' EMAModel.state_dict() (diffusers/training_utils.py): the averaged weights in
+# `shadow_params`, a list in the model's parameters() order without names, beside decay,
+# min_decay, optimization_step, update_after_step, use_ema_warmup, inv_gamma and power.
+EMA_MODEL_PATH = "shadow_params"
+_EMA_MODEL_KEYS = frozenset({EMA_MODEL_PATH, "decay", "optimization_step"})
+EMA_MODEL_WHY = "an EMA copy: a diffusers EMAModel's shadow_params, a list without names"
 
 
 @dataclass
@@ -85,6 +94,32 @@ class Selection:
     extras: dict[str, Any] = field(default_factory=dict)
     dropped: list[DroppedPart] = field(default_factory=list)
     candidates: list[Candidate] = field(default_factory=list)
+    unnamed: bool = False  # a diffusers EMAModel's shadow_params, keyed by position
+
+
+def ema_model_params(root: Any, is_tensor: IsTensor) -> list[Any] | None:
+    """The ``shadow_params`` of a diffusers ``EMAModel.state_dict()``, or None for anything
+    else."""
+    if not isinstance(root, Mapping) or not all(isinstance(k, str) for k in root):
+        return None
+    params = root.get(EMA_MODEL_PATH)
+    if not _EMA_MODEL_KEYS <= root.keys() or not isinstance(params, (list, tuple)):
+        return None
+    return list(params) if params and all(is_tensor(p) for p in params) else None
+
+
+def _ema_model_selection(root: Mapping[str, Any], params: list[Any]) -> Selection:
+    """An EMAModel's shadow_params keyed by position, its settings as extras."""
+    count = len(params)
+    return Selection(
+        state_dict={str(i): p for i, p in enumerate(params)},
+        path=EMA_MODEL_PATH,
+        reason=f"a diffusers EMAModel: {count} shadow parameters, no names; "
+        "convert --ema --names-from MODEL_FOLDER maps them",
+        extras={k: jsonable(v) for k, v in root.items() if k != EMA_MODEL_PATH},
+        candidates=[Candidate(EMA_MODEL_PATH, EMA_MODEL_WHY, count)],
+        unnamed=True,
+    )
 
 
 def candidates(root: Any, is_tensor: IsTensor) -> list[Candidate]:
@@ -92,6 +127,9 @@ def candidates(root: Any, is_tensor: IsTensor) -> list[Candidate]:
     top level or one level down, or the top level itself when it is a flat state dict."""
     if is_state_dict(root, is_tensor):
         return [Candidate("", "the file is a flat state dict", len(root))]
+    shadow = ema_model_params(root, is_tensor)
+    if shadow is not None:
+        return [Candidate(EMA_MODEL_PATH, EMA_MODEL_WHY, len(shadow))]
     if not isinstance(root, Mapping):
         return []
     found: list[Candidate] = []
@@ -269,6 +307,9 @@ def select_state_dict(
     Raises:
         SelectError: nothing that looks like a state dict, or ``select`` names no tensor map.
     """
+    shadow = ema_model_params(root, is_tensor)
+    if shadow is not None and select in (None, EMA_MODEL_PATH):  # ema or not: its only weights
+        return _ema_model_selection(root, shadow)
     options = candidates(root, is_tensor)
     emas = [c for c in options if c.is_ema]
     if ema and select is None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.files.safetensors import dcp_sharding_info
+from ckptkit.formats.folders.diffusers import WEIGHTS_STEM, is_index_name, part_kind
 from ckptkit.formats.folders.runs import CHECKPOINT_NAME, CHECKPOINT_STEM, is_run_folder
 
 __all__ = [
@@ -64,7 +65,7 @@ def folder_files(folder: Path) -> list[Path]:
         if p.is_file()
         and not p.name.startswith(".")
         and not p.name.endswith(_WEIGHT_SUFFIXES)
-        and not p.name.endswith(".index.json")
+        and not is_index_name(p.name)  # a variant's too (...index.fp16.json)
     )
 
 
@@ -152,6 +153,8 @@ def folder_parts(folder: Path) -> list[tuple[str, str]]:
         else _PARTS
     )
     files = sorted(p for p in folder.iterdir() if p.is_file())
+    if tag is None and any(p.name.startswith(WEIGHTS_STEM) for p in files):  # diffusers' names
+        return [(p.name, part_kind(p.name) or "other file") for p in files]
     if tag is not None and tag != folder:
         files += sorted(p for p in tag.iterdir() if p.is_file())
     out = []
