@@ -359,6 +359,13 @@ def convert_checkpoint(
                 "but does not convert it",
                 "convert it with llama.cpp's tools (gguf-py)",
             )
+        if not source.entries():
+            raise FormatError(
+                f"{src} {source.selected_reason}"
+                if source.selected_reason.startswith("holds no tensors")
+                else f"{src} holds no tensors ({source.selected_reason})",
+                "nothing to convert: `ckptkit inspect` shows what it holds",
+            )
         if check_outputs and not _is_merge(source):
             raise UsageError("--check-outputs checks merged adapters", "merge one, or drop it")
         if folder is not None:

@@ -85,7 +85,7 @@ BAD_INPUTS = [
         "folder.pt",
         lambda p: p.mkdir(),
         1,
-        "Error: folder.pt is a folder with no sharded index, model.safetensors, pytorch_model.bin, DeepSpeed or DCP checkpoint; give the checkpoint file inside it",
+        "Error: folder.pt is a folder with no sharded index, model.safetensors, pytorch_model.bin, diffusers, PEFT, DeepSpeed or DCP checkpoint; give a checkpoint file; it holds none ckptkit knows by its name",
     ),
     (
         "noise.bin",

@@ -281,6 +281,55 @@ def node_at(root: Any, dotted: str) -> Any:
     return _resolve(root, dotted)[1]
 
 
+def describe_object(value: Any) -> str:
+    """What a value read from a pickle is, in words: an object of a class (named, never
+    imported), a mapping or a list of plain values."""
+    name = getattr(value, "global_name", None)  # an object of a class the reader records
+    if isinstance(name, str):
+        return f"a {name.rsplit('.', 1)[-1]} object ({name})"
+    if isinstance(value, Mapping):
+        return f"a mapping of {len(value)} plain values"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} plain values"
+    return f"a {type(value).__name__} value"
+
+
+def _no_tensors(root: Any) -> Selection:
+    """A file without a single tensor (transformers' training_args.bin, a config): an empty
+    state dict, what it holds in words, and its fields as extras, so inspect shows them."""
+    fields = jsonable(root)
+    if isinstance(fields, dict):
+        fields.pop("__class__", None)
+    else:
+        fields = {"value": fields}
+    return Selection(
+        state_dict={}, path="", reason=f"holds no tensors: {describe_object(root)}", extras=fields
+    )
+
+
+def _mixed_state_dict(
+    root: Any, is_tensor: IsTensor, nbytes: Callable[[Any], int]
+) -> Selection | None:
+    """A top-level mapping of names to tensors with some plain values beside them
+    (``{"enc.weight": t, "epoch": 3, "dtype": torch.float16}``): its tensors are the state
+    dict, its other values extras, as a training checkpoint's are. None for anything else (a
+    value holding tensors of its own makes it a tree, which ``_find`` searches)."""
+    if not isinstance(root, Mapping) or not all(isinstance(k, str) for k in root):
+        return None
+    tensors = {k: v for k, v in root.items() if is_tensor(v)}
+    others = {k: v for k, v in root.items() if k not in tensors}
+    if not tensors or any(_tensors_in(v, is_tensor, nbytes)[0] for v in others.values()):
+        return None
+    names = ", ".join(sorted(others)[:6])
+    return Selection(
+        state_dict=tensors,
+        path="",
+        reason=f"the top level's tensors; its other values ({names}) kept as extras",
+        candidates=[],
+        extras={k: jsonable(v) for k, v in others.items()},
+    )
+
+
 def select_state_dict(
     root: Any,
     is_tensor: IsTensor,
@@ -310,6 +359,8 @@ def select_state_dict(
     shadow = ema_model_params(root, is_tensor)
     if shadow is not None and select in (None, EMA_MODEL_PATH):  # ema or not: its only weights
         return _ema_model_selection(root, shadow)
+    if select is None and not _tensors_in(root, is_tensor, nbytes)[0]:
+        return _no_tensors(root)
     options = candidates(root, is_tensor)
     emas = [c for c in options if c.is_ema]
     if ema and select is None:
@@ -324,6 +375,9 @@ def select_state_dict(
         path, reason = select, "chosen with --select"
     else:
         found = _find(root, is_tensor)
+        mixed = _mixed_state_dict(root, is_tensor, nbytes) if found is None else None
+        if mixed is not None:
+            return mixed
         if found is None:
             top = ", ".join(name for name, _ in _children(root)[:12]) or type(root).__name__
             raise SelectError(

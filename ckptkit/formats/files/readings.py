@@ -58,6 +58,18 @@ _READS = "ckptkit reads PyTorch files (torch.save: .pt .pth .bin .ckpt) and safe
 _STORAGE_MEMBER_PARTS = 2  # ".../data/<n>"
 
 
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar", ".pkl", ".gguf")
+
+
+def _checkpoint_files(folder: Path, limit: int = 8) -> list[str]:
+    """The files in a folder that may be checkpoints, by their suffix (skorch's params.pt...)."""
+    try:
+        names = sorted(p.name for p in folder.iterdir() if p.name.endswith(_CHECKPOINT_SUFFIXES))
+    except OSError:
+        return []
+    return names[:limit] + ([f"{len(names) - limit} more"] if len(names) > limit else [])
+
+
 def regular_file(path: Path) -> int:
     """Check that ``path`` is a readable regular file (symlinks followed); return its size.
 
@@ -71,11 +83,14 @@ def regular_file(path: Path) -> int:
     except OSError as exc:
         raise FormatError(f"cannot read {path}: {exc.strerror}") from None
     if stat.S_ISDIR(info.st_mode):
+        inside = _checkpoint_files(path)
         raise FormatError(
             # The folder layouts open_source knows (folders/layouts.py names the files).
             f"{path} is a folder with no sharded index, model.safetensors, pytorch_model.bin, "
-            "DeepSpeed or DCP checkpoint",
-            "give the checkpoint file inside it",
+            "diffusers, PEFT, DeepSpeed or DCP checkpoint",
+            f"give the checkpoint file inside it ({', '.join(inside)})"
+            if inside
+            else "give a checkpoint file; it holds none ckptkit knows by its name",
         )
     if not stat.S_ISREG(info.st_mode):
         kind = "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device or socket"
