@@ -76,3 +76,36 @@ def test_a_folder_of_no_known_layout_lists_its_checkpoint_files(tmp_path, run):
     assert result.exit_code == 1
     (line,) = result.stderr.splitlines()
     assert line.endswith("give the checkpoint file inside it (optimizer.pt, params.pt)")
+
+
+@pytest.mark.slow
+def test_a_skorch_checkpoint_folder(tmp_path, run):
+    """skorch's own save_params: the folder error names params.pt, which converts."""
+    skorch = pytest.importorskip("skorch")
+
+    torch.manual_seed(0)
+    net = skorch.NeuralNetClassifier(
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
+        max_epochs=1,
+        batch_size=8,
+        train_split=None,
+        verbose=0,
+    )
+    x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    net.fit(x, y)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    net.save_params(
+        f_params=folder / "params.pt",
+        f_optimizer=folder / "optimizer.pt",
+        f_history=folder / "history.json",
+    )
+    result = run("convert", folder, "out.safetensors")
+    assert result.exit_code == 1
+    assert "give the checkpoint file inside it (optimizer.pt, params.pt)" in result.stderr
+    ok = run("convert", folder / "params.pt", "out.safetensors")
+    assert ok.exit_code == 0, ok.output
+    written = load_file(tmp_path / "out.safetensors")
+    want = net.module_.state_dict()
+    assert set(written) == set(want)
+    assert all(torch.equal(written[k], v) for k, v in want.items())
