@@ -379,18 +379,26 @@ def collapse(rows: list[tuple[str, Any]]) -> list[tuple[tuple[str, ...], Any, in
     parts took 60 MB).
     """
     # (the text between numeric parts, value) -> [positions, one set of numbers per place]
-    groups: dict[tuple[tuple[str, ...], Any], tuple[list[int], list[set[int]]]] = {}
+    groups: dict[tuple[tuple[str, ...], int], tuple[list[int], list[set[int]]]] = {}
+    # Values are compared once per object (a dataclass hashes in Python), by id after that
+    # (``rows`` keeps every value alive, so no id is reused).
+    same: dict[Any, Any] = {}
+    ids: dict[int, int] = {}
     split = _NUMERIC_PART.split
     for position, (key, value) in enumerate(rows):
+        look = ids.get(id(value))
+        if look is None:
+            look = ids[id(value)] = id(same.setdefault(value, value))
         pieces = split(key)  # text, number, text, number, ..., text
-        group = groups.get((tuple(pieces[::2]), value))
+        group = groups.get((tuple(pieces[::2]), look))
         if group is None:
-            group = groups[(tuple(pieces[::2]), value)] = ([], [set() for _ in pieces[1::2]])
+            group = groups[(tuple(pieces[::2]), look)] = ([], [set() for _ in pieces[1::2]])
         group[0].append(position)
         for numbers, number in zip(group[1], pieces[1::2], strict=True):
             numbers.add(int(number))
     out: list[tuple[int, tuple[str, ...], Any, int]] = []
-    for (_, value), (positions, places) in groups.items():
+    for positions, places in groups.values():
+        value = rows[positions[0]][1]
         combos = 1
         for numbers in places:
             combos *= len(numbers)

@@ -89,3 +89,17 @@ def test_adapters_bench_quick_runs_and_reports_every_way():
     assert len(checks) == 3
     for name in ("bf16 base, fp32 adapter (peft's defaults)", "fp32 base, fp32 adapter"):
         assert checks[name]["bit_equal"] == checks[name]["tensors"]
+
+
+@pytest.mark.slow
+def test_scale_bench_quick_runs_and_reports_every_way():
+    results = quick("scale.py")
+    counts = results["counts"]
+    for n in counts:
+        pt, st = results[f"{n} tensors, pt"], results[f"{n} tensors, safetensors"]
+        assert {"ckptkit inspect", "ckptkit scan", "torch.load(mmap=True)"} <= set(pt) & set(st)
+        assert len(pt) == 6 and len(st) == 6
+        assert all(r["wall_s"] > 0 and r["peak_rss_bytes"] > 0 for r in [*pt.values()])
+    sharded = results[f"{results['shards']} shards, {counts[-1]} keys"]
+    assert "ckptkit inspect" in sharded and len(sharded) == 4
+    assert len(results["deflated storage"]) == 4 and results["deflated_bytes"] > 0

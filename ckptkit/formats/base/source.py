@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +35,7 @@ KINDS = {
 KEPT_IN_TORCH = frozenset({"sparse", "quantized", "packed params", "value", "tensor subclass"})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: 100 bytes less each, for 100,000 tensors
 class TensorInfo:
     """What a header says about one tensor: enough to plan a conversion without its data.
 
@@ -131,6 +131,12 @@ class Source(ABC):
         layout such as DeepSpeed's partitions), or None as for :meth:`byte_span`."""
         span = self.byte_span(key)
         return None if span is None else [span]
+
+    def stream(self, key: str, piece: int) -> Iterator[bytearray] | None:
+        """A tensor that can only be read by decompressing it (a deflated zip member), as its
+        bytes in order, ``piece`` bytes at a time (the last one shorter), so memory holds a
+        piece, not the tensor; None for any other tensor (:meth:`load` it)."""
+        return None
 
     def files(self) -> list[Path]:
         """Every file this Source reads."""

@@ -8,14 +8,15 @@ dtype, shape and ``data_offsets`` relative to the data section), then the tensor
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.base.dtypes import DTYPES, TensorSpec, from_safetensors, nbytes
+from ckptkit.formats.base.dtypes import DTYPES, DType, TensorSpec, from_safetensors, nbytes
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tensors import as_bytes, dtype_name
 from ckptkit.formats.io.bytecopy import preallocate, write_all
@@ -66,7 +67,9 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """Read a safetensors header and check it as strictly as the safetensors library does.
 
     Returns:
-        (header, offset of the data section).
+        (header, offset of the data section). Each tensor's entry is a :class:`HeaderEntry`, a
+        read-only mapping of ``dtype``, ``shape`` and ``data_offsets`` as the JSON gives them,
+        kept compact (a 100,000-tensor header would take 60 MB as plain dicts and lists).
 
     Raises:
         FormatError: not a safetensors file, or one that is truncated or inconsistent.
@@ -82,8 +85,78 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         f.seek(8)
         text = f.read(length)
     header = _parse_header(path, text)
+    del text
     _check_layout(path, header, size - 8 - length)
     return header, 8 + length
+
+
+class HeaderEntry(Mapping[str, Any]):
+    """One tensor's header entry, read-only: ``entry["dtype"]`` (the safetensors code),
+    ``entry["shape"]`` and ``entry["data_offsets"]`` (lists, as in the JSON); ``dtype`` (the
+    torch name), ``shape`` (a tuple), ``begin`` and ``end`` as attributes."""
+
+    __slots__ = ("_dtype", "shape", "begin", "end")
+    _FIELDS = ("dtype", "shape", "data_offsets")
+
+    def __init__(self, dtype: DType, shape: tuple[int, ...], begin: int, end: int) -> None:
+        self._dtype, self.shape, self.begin, self.end = dtype, shape, begin, end
+
+    @property
+    def dtype(self) -> str:
+        return self._dtype.name
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "dtype":
+            return self._dtype.safetensors
+        if name == "shape":
+            return list(self.shape)
+        if name == "data_offsets":
+            return [self.begin, self.end]
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._FIELDS)
+
+    def __len__(self) -> int:
+        return 3
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+def _compact(obj: dict[str, Any]) -> Any:
+    """``json.loads``' object hook: a well-formed tensor entry becomes a :class:`HeaderEntry`
+    as soon as it is parsed (the dicts and lists of 100,000 entries never exist together);
+    anything else stays a dict, for :func:`_check_layout` to name what is wrong with it."""
+    if len(obj) != 3:
+        return obj
+    try:
+        code, shape, offsets = obj["dtype"], obj["shape"], obj["data_offsets"]
+    except KeyError:
+        return obj
+    dtype = _BY_CODE.get(code) if type(code) is str else None
+    if dtype is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+        return obj
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end < _COUNT_END:
+        return obj  # end < begin too: the slow path says it as it always has
+    for n in shape:
+        if type(n) is not int or not 0 <= n < _COUNT_END:
+            return obj
+    return HeaderEntry(dtype, _shape(shape), begin, end)
+
+
+_COUNT_END = 2**64
+_BY_CODE = {d.safetensors: d for d in DTYPES.values() if d.safetensors}
+_SHAPES: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _shape(dims: list[int]) -> tuple[int, ...]:
+    """A shape tuple, one object per distinct shape (checkpoints repeat a few shapes)."""
+    shape = tuple(dims)
+    if len(_SHAPES) > 4096:
+        _SHAPES.clear()
+    return _SHAPES.setdefault(shape, shape)
 
 
 def _damaged(path: Path, what: str) -> FormatError:
@@ -96,12 +169,18 @@ def _reject_constant(name: str) -> None:
 
 def _parse_header(path: Path, text: bytes) -> dict[str, Any]:
     try:
-        header = json.loads(text.decode("utf-8"), parse_constant=_reject_constant)
+        header = json.loads(
+            text.decode("utf-8"), parse_constant=_reject_constant, object_hook=_compact
+        )
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise _damaged(path, "not valid JSON") from None
+    if isinstance(header, HeaderEntry):  # the top level itself looked like one entry
+        header = dict(header)
     if not isinstance(header, dict):
         raise _damaged(path, "not a JSON object")
     metadata = header.get("__metadata__")
+    if isinstance(metadata, HeaderEntry):
+        raise _damaged(path, "__metadata__ must map strings to strings")
     if metadata is not None and not (
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
@@ -120,6 +199,14 @@ def _check_layout(path: Path, header: dict[str, Any], data_size: int) -> None:
     for key, entry in header.items():
         if key == "__metadata__":
             continue
+        if type(entry) is HeaderEntry:  # well-formed (see _compact): only sizes to check
+            begin, end = entry.begin, entry.end
+            if end < begin or end - begin != math.prod(entry.shape) * entry._dtype.itemsize:
+                raise _damaged(
+                    path, f"tensor '{key}' spans {end - begin} bytes, not its dtype x shape"
+                )
+            spans.append((begin, end, key))
+            continue
         try:
             dtype = from_safetensors(entry["dtype"])
             shape, offsets = entry["shape"], entry["data_offsets"]
@@ -137,8 +224,9 @@ def _check_layout(path: Path, header: dict[str, Any], data_size: int) -> None:
         if end < begin or end - begin != nbytes(dtype.name, tuple(shape)):
             raise _damaged(path, f"tensor '{key}' spans {end - begin} bytes, not its dtype x shape")
         spans.append((begin, end, key))
+    spans.sort()
     position = 0
-    for begin, end, key in sorted(spans):
+    for begin, end, key in spans:
         if begin != position:
             raise _damaged(path, f"tensor '{key}' starts at {begin}, not {position}")
         position = end
@@ -167,30 +255,30 @@ class SafetensorsSource(Source):
         self.selected_reason = "a safetensors file is a state dict"
         self.meta = CheckpointMeta.from_header(metadata)
         self.extras = dict(self.meta.extras)
-        self._header = header
         self._handle: Any = None
         self._ties = tied_names(self.metadata, header.keys())
         # Names the file records as ties but does not store: read as their target.
         self._virtual = {a: t for a, t in self._ties.items() if a not in header}
+        # What the header says of each tensor, once, in file order (the entries of 100,000
+        # tensors are asked for several times by inspect and convert).
+        self._infos: dict[str, TensorInfo] = {}
+        for key, entry in sorted(header.items(), key=_begin):
+            self._infos[key] = _info(entry)
+        del header
+        self._entries: list[tuple[str, TensorInfo]] = []
+        followers: dict[str, list[str]] = {}
+        for alias, target in self._virtual.items():
+            followers.setdefault(target, []).append(alias)
+        for key, info in self._infos.items():
+            self._entries.append((key, info))
+            # A recorded tie that is not stored comes right after its target, as one tensor.
+            self._entries.extend((alias, info) for alias in followers.get(key, ()))
 
     def entries(self) -> list[tuple[str, TensorInfo]]:
-        def offset(item: tuple[str, Any]) -> int:
-            return item[1]["data_offsets"][0]
-
-        out = []
-        for key, e in sorted(self._header.items(), key=offset):
-            info = TensorInfo(
-                from_safetensors(e["dtype"]).name,
-                tuple(e["shape"]),
-                byte_range=(e["data_offsets"][0], e["data_offsets"][1]),
-            )
-            out.append((key, info))
-            # A recorded tie that is not stored comes right after its target, as one tensor.
-            out.extend((alias, info) for alias, target in self._virtual.items() if target == key)
-        return out
+        return list(self._entries)
 
     def byte_span(self, key: str) -> tuple[Path, int, int] | None:
-        begin, end = self._header[self._virtual.get(key, key)]["data_offsets"]
+        begin, end = self._infos[self._virtual.get(key, key)].byte_range
         return self.path, self._data_start + begin, end - begin
 
     def aliases(self) -> dict[str, str]:
@@ -206,6 +294,20 @@ class SafetensorsSource(Source):
 
     def close(self) -> None:
         self._handle = None
+
+
+def _begin(item: tuple[str, Any]) -> int:
+    entry = item[1]
+    return entry.begin if type(entry) is HeaderEntry else entry["data_offsets"][0]
+
+
+def _info(entry: Any) -> TensorInfo:
+    """A checked header entry as a TensorInfo (a dict: one with fields beyond the three)."""
+    if type(entry) is HeaderEntry:
+        return TensorInfo(entry.dtype, entry.shape, byte_range=(entry.begin, entry.end))
+    begin, end = entry["data_offsets"]
+    shape = tuple(entry["shape"])
+    return TensorInfo(from_safetensors(entry["dtype"]).name, shape, byte_range=(begin, end))
 
 
 def _is_dcp_shard(path: Path, metadata: Mapping[str, str]) -> bool:
@@ -243,8 +345,11 @@ def tied_names(metadata: Mapping[str, str], stored: Iterable[str]) -> dict[str, 
 
 
 def header_bytes(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
-    """The length prefix and JSON header for tensors written back to back in ``specs`` order."""
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    """The length prefix and JSON header for tensors written back to back in ``specs`` order.
+
+    The text is ``json.dumps`` of the header dict (compact separators), written entry by entry:
+    the dicts and lists of 100,000 entries are never built."""
+    parts = ['"__metadata__":' + json.dumps(metadata, separators=(",", ":"))] if metadata else []
     offset = 0
     for spec in specs:
         code = DTYPES[spec.dtype].safetensors
@@ -253,13 +358,15 @@ def header_bytes(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
                 f"tensor '{spec.key}' has dtype {spec.dtype}, which safetensors cannot store",
                 "write a .pt file instead",
             )
-        header[spec.key] = {
-            "dtype": code,
-            "shape": list(spec.shape),
-            "data_offsets": [offset, offset + spec.nbytes],
-        }
-        offset += spec.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
+        size = spec.nbytes
+        shape = ",".join(map(str, spec.shape))
+        parts.append(
+            f'{json.dumps(spec.key)}:{{"dtype":"{code}","shape":[{shape}],'
+            f'"data_offsets":[{offset},{offset + size}]}}'
+        )
+        offset += size
+    text = ("{" + ",".join(parts) + "}").encode()
+    del parts
     text += b" " * (-len(text) % 8)  # pad so the data section starts 8-byte aligned
     return struct.pack("<Q", len(text)) + text
 

@@ -8,7 +8,8 @@ own Source, headers first; tensors are read from their shard when asked for.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,7 @@ class ShardedSource(Source):
         self.selected_reason = "a sharded checkpoint's weight_map"
         self.shards: dict[str, Source] = {}
         self._where: dict[str, Source] = {}
+        self._entries: list[tuple[str, TensorInfo]] | None = None
         try:
             for name in sorted(set(weight_map.values())):  # model-00001-of-... first
                 if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
@@ -63,10 +65,13 @@ class ShardedSource(Source):
                 if not shard_path.exists():
                     raise FormatError(f"shard {name} named by {index} is missing", "copy it there")
                 self.shards[name] = opener(shard_path, allow_globals=allow_globals)
+            # Each shard's keys once, as a set: a lookup per index key, not a list per lookup.
+            held = {name: set(shard.keys()) for name, shard in self.shards.items()}
             for key, name in weight_map.items():
-                if key not in self.shards[name].keys():
+                if key not in held[name]:
                     raise FormatError(f"{index} puts '{key}' in {name}, which does not hold it")
                 self._where[key] = self.shards[name]
+            del held
             for shard in self.shards.values():  # ties a shard records beside what it stores
                 for alias, target in shard.aliases().items():
                     if alias not in self._where and self._where.get(target) is shard:
@@ -78,26 +83,17 @@ class ShardedSource(Source):
         self.globals = sorted({g for shard in self.shards.values() for g in shard.globals})
 
     def entries(self) -> list[tuple[str, TensorInfo]]:
-        out = []
-        for name, shard in self.shards.items():
-            for key, info in shard.entries():
-                if key in self._where and self._where[key] is shard:
-                    storage = f"{name}:{info.storage}" if info.storage is not None else None
-                    out.append(
-                        (
-                            key,
-                            TensorInfo(
-                                info.dtype,
-                                info.shape,
-                                storage,
-                                info.byte_range,
-                                info.contiguous,
-                                info.kind,
-                                info.detail,
-                            ),
-                        )
-                    )
-        return out
+        if self._entries is None:  # made once: inspect, convert and diff each ask several times
+            out = []
+            where = self._where
+            for name, shard in self.shards.items():
+                for key, info in shard.entries():
+                    if where.get(key) is shard:
+                        if info.storage is not None:  # storages are per shard: name them so
+                            info = replace(info, storage=f"{name}:{info.storage}")
+                        out.append((key, info))
+            self._entries = out
+        return list(self._entries)
 
     def aliases(self) -> dict[str, str]:
         # Ties are only ever kept within one shard.
@@ -111,6 +107,9 @@ class ShardedSource(Source):
 
     def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:
         return self._where[key].byte_pieces(key)
+
+    def stream(self, key: str, piece: int) -> Iterator[bytearray] | None:
+        return self._where[key].stream(key, piece)
 
     def files(self) -> list[Path]:
         return [self.path] + [f for shard in self.shards.values() for f in shard.files()]

@@ -9,7 +9,10 @@ module-level object, so nothing one file does survives into the next.
 
 Both the safety scan and the readers use this one parse, so the verdict and the data read can
 never disagree. Bounded: the memo is a dict (a huge memo index costs nothing), the objects built
-are budgeted (a pickle bomb stops with :class:`PickleDamaged`), and nothing here recurses.
+are budgeted in proportion to the bytes read (a pickle bomb stops with :class:`PickleDamaged` as
+soon as what it builds outgrows its size, while a state dict of 100,000 tensors reads whole), and
+nothing here recurses. Memo entries no later opcode can read are counted but not kept, so what a
+pickle builds and drops (the argument tuples of each tensor torch rebuilds) is freed at once.
 Stdlib only.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import _compat_pickle
 import codecs
 import mmap
+import re
 import struct
 import sys
 from collections import OrderedDict
@@ -34,13 +38,19 @@ __all__ = [
     "PickleRun",
     "run_pickle",
     "python3_name",
-    "MAX_OBJECT_BYTES",
+    "BASE_OBJECT_BYTES",
+    "OBJECT_BYTES_PER_BYTE",
     "FRAME_PROBLEM",
     "PickleData",
 ]
 
-#: What the objects a pickle builds may cost, estimated, before it counts as a bomb.
-MAX_OBJECT_BYTES = 128 * 1024 * 1024
+#: What the objects a pickle builds may cost, estimated, before it counts as a bomb: this much,
+#: plus OBJECT_BYTES_PER_BYTE for every byte of the pickle read so far. The estimate of a torch
+#: state dict's pickle is 8 to 14 bytes a byte (short keys: the most); a list of empty lists
+#: ("]]]]...") costs 56 a byte and stops within BASE_OBJECT_BYTES / 32 bytes, and a bomb of a few
+#: bytes (a memo index of 4G, a list appended to itself) never gets past the base.
+BASE_OBJECT_BYTES = 32 * 1024 * 1024
+OBJECT_BYTES_PER_BYTE = 24
 _HIGHEST_PROTOCOL = 5
 
 
@@ -176,6 +186,22 @@ def _attribute_of_global(target: Global, args: tuple[Any, ...], kwargs: Any) -> 
     return f"{owner.name}.{attribute}"
 
 
+class _FullMemo(Exception):  # noqa: N818 - a signal, not an error
+    """An opcode read a memo entry that was counted but not kept: run again, keeping all."""
+
+
+# Memo indices below this are kept always (BINPUT's one-byte indices, read by BINGET); above it,
+# only those a LONG_BINGET or GET somewhere ahead may read (see ``_Machine.search``).
+_ALWAYS_KEPT = 256
+_U32 = struct.Struct("<I")
+# Where a LONG_BINGET or GET may start (every byte that could be one: overlapping matches).
+_LONG_GET = re.compile(rb"j(?=(.{4}))", re.DOTALL)
+_TEXT_GET = re.compile(rb"g(?=([^\n]{1,64})\n)")
+_LOOK_AHEAD = 8 * 1024 * 1024  # bytes searched past an index for its readers, at the least
+_MAX_READERS = 1 << 18  # more candidate readers than this (crafted bytes): keep every entry
+_BITMAP_LIMIT = 1 << 26  # counted indices below this in a bitmap (8 MB at most), above in a set
+
+
 class _Machine:
     def __init__(
         self,
@@ -185,19 +211,33 @@ class _Machine:
         persistent_load: Callable[[Any], Any] | None,
         budget: int,
         file_mode: bool,
+        per_byte: int = OBJECT_BYTES_PER_BYTE,
+        keep_all: bool = False,
     ) -> None:
         # Read through find() and slices that give bytes: bytes and memory maps do; a memoryview
         # or bytearray is copied once to bytes.
         self.data: bytes | mmap.mmap = data if isinstance(data, (bytes, mmap.mmap)) else bytes(data)
         self.pos, self.size = pos, len(data)
+        self.start = pos
         self.file_mode = file_mode
         self.calls, self.persistent_load = calls, persistent_load
-        self.budget = budget
+        self.budget, self.per_byte = budget, per_byte
+        self.spent = 0
+        self.allowed = budget  # what may be spent at the last check; it grows with self.pos
         self.run = PickleRun()
         self.stack: list[Any] = []
         self.marks: list[int] = []
         self.memo: dict[int, Any] = {}
         self.frame_end = -1
+        # Memo entries no reader can reach are counted (MEMOIZE numbers entries by their count)
+        # but not kept; reading one anyway (an index found nowhere ahead) runs the pickle again
+        # with every entry kept, so the result is always the one a full memo gives.
+        self.keep_all = keep_all
+        self.memo_len = 0
+        self.counted = bytearray()  # bit per index: counted, not kept
+        self.counted_high: set[int] = set()
+        self.readers: set[int] = set()  # indices a LONG_BINGET or GET ahead may read
+        self.searched = pos  # readers are known for the bytes before this
 
     # -- reading --------------------------------------------------------------------------
     def fail(self, reason: str) -> PickleDamaged:
@@ -218,6 +258,22 @@ class _Machine:
         self.pos = end
         return self.data[start:end]
 
+    def byte(self) -> int:
+        """One byte of argument (``read(1)[0]``, without a slice where no frame is near)."""
+        pos = self.pos
+        if self.frame_end < 0 and pos < self.size:
+            self.pos = pos + 1
+            return self.data[pos]
+        return self.read(1)[0]
+
+    def u32(self) -> int:
+        """A 4-byte little-endian argument (LONG_BINPUT's, BINUNICODE's length...)."""
+        pos = self.pos
+        if self.frame_end < 0 and pos + 4 <= self.size:
+            self.pos = pos + 4
+            return int(_U32.unpack_from(self.data, pos)[0])
+        return int.from_bytes(self.read(4), "little")
+
     def readline(self) -> bytes:
         # find() on the buffer itself: copying a window per line would be quadratic.
         end = self.data.find(b"\n", self.pos, self.pos + 65536)
@@ -228,17 +284,27 @@ class _Machine:
         return self.read(end + 1 - self.pos)[:-1]
 
     def cost(self, nbytes: int) -> None:
-        self.budget -= nbytes
-        if self.budget < 0:
+        self.spent += nbytes
+        if self.spent > self.allowed:
+            self.over_budget()
+
+    def over_budget(self) -> None:
+        """What was spent passed the allowance last computed: compute it for the bytes read by
+        now, and stop the pickle if it is still past it."""
+        read = self.pos - self.start
+        self.allowed = self.budget + self.per_byte * read
+        if self.spent > self.allowed:
             raise self.fail(
-                f"the objects it builds exceed {MAX_OBJECT_BYTES >> 20} MiB (a pickle bomb?)"
+                f"the objects it builds outgrow its size (an estimated {self.spent >> 20} MiB "
+                f"from {read} bytes; {self.budget >> 20} MiB and {self.per_byte} bytes a byte "
+                "are allowed; a pickle bomb?)"
             )
 
     # -- the stack ------------------------------------------------------------------------
     def push(self, value: Any, nbytes: int = 32) -> None:
-        self.budget -= nbytes  # cost(), inlined: this is the hottest call
-        if self.budget < 0:
-            self.cost(0)
+        self.spent += nbytes  # cost(), inlined: this is the hottest call
+        if self.spent > self.allowed:
+            self.over_budget()
         self.stack.append(value)
 
     def pop(self) -> Any:
@@ -258,6 +324,87 @@ class _Machine:
         items = self.stack[start:]
         del self.stack[start:]
         return items
+
+    # -- the memo -------------------------------------------------------------------------
+    def search(self, end: int) -> None:
+        """Note the memo indices LONG_BINGET and GET arguments in ``data[searched:end]`` name:
+        a memo entry past the first ``_ALWAYS_KEPT`` is kept when one of them, in the next
+        ``_LOOK_AHEAD`` bytes or more, names it (a superset of its readers: such bytes count
+        inside strings too)."""
+        begin = max(self.start, self.searched - 70)  # an argument cut by the last boundary
+        readers = self.readers
+        for match in _LONG_GET.finditer(self.data, begin, end):
+            readers.add(int.from_bytes(match[1], "little"))
+            if len(readers) > _MAX_READERS:
+                return self.keep_everything()
+        for match in _TEXT_GET.finditer(self.data, begin, end):
+            try:
+                readers.add(int(match[1], 0))
+            except ValueError:
+                continue
+            if len(readers) > _MAX_READERS:
+                return self.keep_everything()
+        self.searched = end
+
+    def keep_everything(self) -> None:
+        """Bytes made to look like a multitude of readers: the memo keeps every entry from now
+        on (each one budgeted), and the candidates are dropped."""
+        self.keep_all = True
+        self.readers = set()
+        self.searched = self.size
+
+    def put(self, index: int) -> None:
+        stack = self.stack
+        if len(stack) <= (self.marks[-1] if self.marks else 0) or index < 0:
+            raise self.fail("negative PUT argument" if index < 0 else "unpickling stack underflow")
+        if index >= _ALWAYS_KEPT and not self.keep_all:
+            if self.pos + _LOOK_AHEAD > self.searched and self.searched < self.size:
+                self.search(min(self.pos + 2 * _LOOK_AHEAD, self.size))
+            if index not in self.readers:  # no reader ahead: counted, not kept
+                self.count(index)
+                return
+        self.spent += 72
+        if self.spent > self.allowed:
+            self.over_budget()
+        memo = self.memo
+        if index not in memo and (index < _ALWAYS_KEPT or not self.is_counted(index)):
+            self.memo_len += 1
+        memo[index] = stack[-1]
+
+    def count(self, index: int) -> None:
+        """A memo entry no reader can reach: counted once (what MEMOIZE numbers by), not kept."""
+        if index < _BITMAP_LIMIT:
+            byte, bit = index >> 3, 1 << (index & 7)
+            counted = self.counted
+            if byte >= len(counted):
+                counted.extend(bytes(byte + 1 - len(counted) + 4096))
+            elif counted[byte] & bit:
+                return
+            counted[byte] |= bit
+            self.spent += 8
+        elif index in self.counted_high:
+            return
+        else:
+            self.counted_high.add(index)
+            self.spent += 72
+        if self.spent > self.allowed:
+            self.over_budget()
+        self.memo_len += 1
+
+    def is_counted(self, index: int) -> bool:
+        if index < _BITMAP_LIMIT:
+            byte = index >> 3
+            return byte < len(self.counted) and bool(self.counted[byte] >> (index & 7) & 1)
+        return index in self.counted_high
+
+    def get(self, index: int) -> None:
+        memo = self.memo
+        if index in memo:
+            self.push(memo[index], 8)
+        elif self.is_counted(index):
+            raise _FullMemo
+        else:
+            raise self.fail(f"memo value not found at index {index}")
 
     # -- globals and calls ----------------------------------------------------------------
     def name_global(self, module: str, name: str) -> Global:
@@ -299,24 +446,29 @@ class _Machine:
 
     # -- the loop -------------------------------------------------------------------------
     def execute(self) -> Any:
-        ops = _OPS
-        run = self.run
-        while True:
-            if self.pos >= self.size:
-                raise self.fail("pickle exhausted before seeing STOP")
-            code = self.data[self.pos]
-            if self.frame_end >= 0 and self.pos == self.frame_end:
-                self.frame_end = -1
-            self.pos += 1
-            op = ops.get(code)
-            if op is None:
-                raise self.fail(f"invalid opcode {code:#04x}")
-            run.opcodes += 1
-            if op is _stop:
-                value = self.pop()
-                run.end = self.pos
-                return value
-            op(self)
+        ops = _OP_TABLE
+        data, size = self.data, self.size
+        count = 0
+        try:
+            while True:
+                pos = self.pos
+                if pos >= size:
+                    raise self.fail("pickle exhausted before seeing STOP")
+                code = data[pos]
+                if pos == self.frame_end:
+                    self.frame_end = -1
+                self.pos = pos + 1
+                op = ops[code]
+                if op is None:
+                    raise self.fail(f"invalid opcode {code:#04x}")
+                count += 1
+                if op is _stop:
+                    value = self.pop()
+                    self.run.end = self.pos
+                    return value
+                op(self)
+        finally:
+            self.run.opcodes += count
 
 
 def _int_of(text: bytes, m: _Machine) -> int:
@@ -386,11 +538,16 @@ def _binint(m: _Machine) -> None:
 
 
 def _binint1(m: _Machine) -> None:
-    m.push(m.read(1)[0])
+    pos = m.pos
+    if m.frame_end < 0 and pos < m.size:
+        m.pos = pos + 1
+        m.push(m.data[pos])
+    else:
+        m.push(m.read(1)[0])
 
 
 def _binint2(m: _Machine) -> None:
-    m.push(struct.unpack("<H", m.read(2))[0])
+    m.push(int.from_bytes(m.read(2), "little"))
 
 
 def _long1(m: _Machine) -> None:
@@ -467,11 +624,11 @@ def _unicode(m: _Machine) -> None:
 
 
 def _binunicode(m: _Machine) -> None:
-    _unicode_of(m, m.read(struct.unpack("<I", m.read(4))[0]), "utf-8")
+    _unicode_of(m, m.read(m.u32()), "utf-8")
 
 
 def _short_binunicode(m: _Machine) -> None:
-    _unicode_of(m, m.read(m.read(1)[0]), "utf-8")
+    _unicode_of(m, m.read(m.byte()), "utf-8")
 
 
 def _binunicode8(m: _Machine) -> None:
@@ -538,8 +695,12 @@ def _tuple(m: _Machine) -> None:
 
 def _tuple_n(n: int) -> Callable[[_Machine], None]:
     def op(m: _Machine) -> None:
-        items = [m.pop() for _ in range(n)][::-1]
-        m.push(tuple(items), 40 + 8 * n)
+        stack = m.stack
+        if len(stack) - n < (m.marks[-1] if m.marks else 0):
+            raise m.fail("unpickling stack underflow")
+        items = tuple(stack[-n:])
+        del stack[-n:]
+        m.push(items, 40 + 8 * n)
 
     return op
 
@@ -729,45 +890,37 @@ def _persistent(m: _Machine, pid: Any) -> None:
         raise m.fail(f"bad persistent id ({exc})") from exc
 
 
-def _memo_get(m: _Machine, index: int) -> None:
-    if index not in m.memo:
-        raise m.fail(f"memo value not found at index {index}")
-    m.push(m.memo[index], 8)
-
-
 def _get(m: _Machine) -> None:
-    _memo_get(m, _int_of(m.readline(), m))
+    m.get(_int_of(m.readline(), m))
 
 
 def _binget(m: _Machine) -> None:
-    _memo_get(m, m.read(1)[0])
+    m.get(m.byte())
 
 
 def _long_binget(m: _Machine) -> None:
-    _memo_get(m, struct.unpack("<I", m.read(4))[0])
-
-
-def _memo_put(m: _Machine, index: int) -> None:
-    if index < 0:
-        raise m.fail("negative PUT argument")
-    m.cost(72)
-    m.memo[index] = m.top()
+    m.get(m.u32())
 
 
 def _put(m: _Machine) -> None:
-    _memo_put(m, _int_of(m.readline(), m))
+    m.put(_int_of(m.readline(), m))
 
 
 def _binput(m: _Machine) -> None:
-    _memo_put(m, m.read(1)[0])
+    m.put(m.byte())
 
 
 def _long_binput(m: _Machine) -> None:
-    _memo_put(m, struct.unpack("<I", m.read(4))[0])
+    pos = m.pos
+    if m.frame_end < 0 and pos + 4 <= m.size:
+        m.pos = pos + 4
+        m.put(_U32.unpack_from(m.data, pos)[0])
+    else:
+        m.put(int.from_bytes(m.read(4), "little"))
 
 
 def _memoize(m: _Machine) -> None:
-    _memo_put(m, len(m.memo))
+    m.put(m.memo_len)
 
 
 # A table, several opcodes a line in the protocols' order (0 and 1; 2 from "\x80"; 3's "B" and
@@ -791,6 +944,7 @@ _OPS: dict[int, Callable[[_Machine], None]] = {
         "\x98": _readonly_buffer,
     }.items()
 }  # fmt: skip
+_OP_TABLE: list[Callable[[_Machine], None] | None] = [_OPS.get(code) for code in range(256)]
 
 
 def run_pickle(
@@ -799,7 +953,8 @@ def run_pickle(
     *,
     calls: Mapping[str, Handler] | None = None,
     persistent_load: Callable[[Any], Any] | None = None,
-    budget: int = MAX_OBJECT_BYTES,
+    budget: int = BASE_OBJECT_BYTES,
+    per_byte: int = OBJECT_BYTES_PER_BYTE,
     file_mode: bool = False,
 ) -> PickleRun:
     """Read one pickle from ``data[start:]`` statically; never raises on bad input.
@@ -811,7 +966,8 @@ def run_pickle(
             other call becomes an :class:`Opaque` record and is listed in ``calls``.
         persistent_load: interprets persistent ids (None: they make the pickle damaged, as
             they do for plain ``pickle.load``).
-        budget: estimated bytes the objects built may cost.
+        budget: estimated bytes the objects built may cost whatever the pickle's size...
+        per_byte: ...and how many more for each byte of the pickle read so far.
         file_mode: read as the C unpickler reads a file (``torch.load``, ``pickle.load``)
             rather than bytes (``pickle.loads``); the two differ only where an opcode crosses
             the end of a FRAME, which ``run.problems`` reports either way.
@@ -820,7 +976,25 @@ def run_pickle(
         The run: the root object (None when damaged), globals, calls, problems, damage, and
         where the pickle ended.
     """
-    machine = _Machine(data, start, calls or {}, persistent_load, budget, file_mode)
+    try:
+        return _run(data, start, calls, persistent_load, budget, per_byte, file_mode, False)
+    except _FullMemo:  # a memo entry not kept was read after all: again, keeping every one
+        return _run(data, start, calls, persistent_load, budget, per_byte, file_mode, True)
+
+
+def _run(
+    data: PickleData,
+    start: int,
+    calls: Mapping[str, Handler] | None,
+    persistent_load: Callable[[Any], Any] | None,
+    budget: int,
+    per_byte: int,
+    file_mode: bool,
+    keep_all: bool,
+) -> PickleRun:
+    machine = _Machine(
+        data, start, calls or {}, persistent_load, budget, file_mode, per_byte, keep_all
+    )
     try:
         machine.run.root = machine.execute()
     except PickleDamaged as exc:

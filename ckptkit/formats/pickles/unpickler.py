@@ -50,7 +50,7 @@ __all__ = [
 OpaqueObject = Opaque
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageRef:
     """One storage record of a torch file: its key (zip member or legacy id) and its size."""
 
@@ -69,7 +69,7 @@ class StorageRef:
         return self.numel * self.itemsize
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorStub:
     """A tensor as the pickle describes it: a strided view into a storage. ``offset`` and
     ``stride`` count elements of ``dtype``."""
@@ -102,11 +102,12 @@ class TensorStub:
     def byte_range(self) -> tuple[int, int]:
         """The [start, end) bytes of the storage this view touches (empty for zero elements)."""
         itemsize = DTYPES[self.dtype].itemsize
-        start = self.offset * itemsize
-        if self.numel == 0:
-            return start, start
-        last = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
-        return start, (last + 1) * itemsize
+        start = last = self.offset
+        for n, s in zip(self.shape, self.stride, strict=True):
+            if n == 0:
+                return start * itemsize, start * itemsize
+            last += (n - 1) * s
+        return start * itemsize, (last + 1) * itemsize
 
 
 @dataclass
@@ -178,8 +179,11 @@ def _rebuild_qtensor(
 
 
 def _dims(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, tuple) or not all(type(v) is int and v >= 0 for v in value):
+    if type(value) is not tuple and not isinstance(value, tuple):
         raise ValueError(f"{what} must be a tuple of non-negative integers, not {value!r}")
+    for v in value:
+        if type(v) is not int or v < 0:
+            raise ValueError(f"{what} must be a tuple of non-negative integers, not {value!r}")
     if len(value) > 64:
         raise ValueError(f"{what} has {len(value)} dimensions")
     return value
@@ -193,7 +197,18 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> TensorS
     shape, strides = _dims(size, "shape"), _dims(stride, "stride")
     if len(shape) != len(strides):
         raise ValueError("shape and stride differ in length")
-    return TensorStub(storage, storage_offset, shape, strides, storage.dtype)
+    return TensorStub(storage, storage_offset, _shared(shape), _shared(strides), storage.dtype)
+
+
+_SHARED: dict[Any, Any] = {}
+
+
+def _shared(value: Any) -> Any:
+    """One object per distinct shape, stride or name: a state dict of 100,000 tensors repeats
+    a few dozen (each tuple of its own took 60 bytes more per tensor)."""
+    if len(_SHARED) > 4096:
+        _SHARED.clear()
+    return _SHARED.setdefault(value, value)
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, *_ignored):
@@ -519,9 +534,9 @@ class _StorageLoader:
         if type(numel) is not int or numel < 0 or not isinstance(key, (str, int)):
             raise ValueError(f"storage record {pid[2:5]!r}")
         kind = storage_type.name.rsplit(".", 1)[-1] if isinstance(storage_type, Global) else ""
-        ref = StorageRef(str(key), dtype, numel, str(location), kind)
+        ref = StorageRef(str(key), dtype, numel, _shared(str(location)), _shared(kind))
         known = self.storages.setdefault(ref.key, ref)
-        if known != ref:
+        if known is not ref and known != ref:
             raise ValueError(f"storage '{ref.key}' described twice, differently")
         return known
 
