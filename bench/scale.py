@@ -148,12 +148,21 @@ def main() -> None:
     parser.add_argument("--deflated-gib", type=float, default=1.0, help="the deflated storage")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", type=Path, help="where to write (default: a temp dir)")
+    parser.add_argument(
+        "--only",
+        choices=["many", "sharded", "deflated"],
+        action="append",
+        help="run only these parts (repeatable; default: all)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
+    parts = set(args.only or ["many", "sharded", "deflated"])
     counts = [1_000, 4_000] if args.quick else args.tensors
     shards = 16 if args.quick else args.shards
     deflated = 16 * 2**20 if args.quick else int(args.deflated_gib * 2**30)
     repeat = 1 if args.quick else args.repeat
+    keys = counts[-1]  # the sharded folder holds as many keys as the largest file tensors
+    sharded_name = f"{shards} shards, {keys} keys"
     results: dict = {
         "counts": counts,
         "shards": shards,
@@ -164,82 +173,80 @@ def main() -> None:
         folder = Path(tmp)
         out = folder / "out"
         outputs = (out.with_suffix(".safetensors"), out.with_suffix(".pt"))
-        for n in counts:
+        for n in counts if "many" in parts else []:
             pt, st = folder / f"many-{n}.pt", folder / f"many-{n}.safetensors"
             make(MAKE_MANY, n, pt, st)
             for kind, ways in many_ways(pt, st, out).items():
                 name = f"{n} tensors, {kind}"
                 results[name] = run_ways(ways, repeat, outputs, (pt, st))
                 results["file_bytes"][name] = (pt if kind == "pt" else st).stat().st_size
-            if n != counts[-1]:
+            if n != keys:
                 pt.unlink()
                 st.unlink()
-        # A sharded folder of as many keys as the largest count; its .pt twin the reference.
-        keys, sharded = counts[-1], folder / "sharded"
-        make(MAKE_SHARDED, sharded, shards, keys)
-        files = tuple(sorted(sharded.iterdir()))
-        results[f"{shards} shards, {keys} keys"] = run_ways(
-            {
-                "ckptkit inspect": ckptkit("inspect", sharded),
-                "ckptkit convert to one .safetensors (verified)": ckptkit(
-                    "convert", sharded, out.with_suffix(".safetensors"), "--force", "-q"
-                ),
-                "safe_open of every shard (keys and shapes)": python(
-                    SAFE_OPEN_SHARDS.format(folder=str(sharded))
-                ),
-                f"torch.load(mmap=True) ({keys}-tensor .pt)": torch_load(
-                    folder / f"many-{keys}.pt", mmap=True
-                ),
-            },
-            repeat,
-            outputs,
-            files,
-        )
-        defl = folder / "deflated.pt"
-        make(MAKE_DEFLATED, defl, deflated)
-        (folder / "deflated.pt.plain").unlink()
-        results["deflated storage"] = run_ways(
-            {
-                "ckptkit convert to .safetensors (verified)": ckptkit(
-                    "convert", defl, out.with_suffix(".safetensors"), "--force", "-q"
-                ),
-                "ckptkit convert to .pt (verified)": ckptkit(
-                    "convert", defl, out.with_suffix(".pt"), "--force", "-q"
-                ),
-                "torch.load (full; mmap cannot read it)": torch_load(defl, mmap=False),
-                "import torch (alone)": python("import torch"),
-            },
-            repeat,
-            outputs,
-            (defl,),
-        )
+        if "sharded" in parts:
+            reference = folder / f"many-{keys}.pt"
+            if not reference.exists():  # the .pt of as many tensors, torch.load's to read
+                make(MAKE_MANY, keys, reference, folder / "unused.safetensors")
+            sharded = folder / "sharded"
+            make(MAKE_SHARDED, sharded, shards, keys)
+            results[sharded_name] = run_ways(
+                {
+                    "ckptkit inspect": ckptkit("inspect", sharded),
+                    "ckptkit convert to one .safetensors (verified)": ckptkit(
+                        "convert", sharded, out.with_suffix(".safetensors"), "--force", "-q"
+                    ),
+                    "safe_open of every shard (keys and shapes)": python(
+                        SAFE_OPEN_SHARDS.format(folder=str(sharded))
+                    ),
+                    f"torch.load(mmap=True) ({keys}-tensor .pt)": torch_load(reference, mmap=True),
+                },
+                repeat,
+                outputs,
+                tuple(sorted(sharded.iterdir())),
+            )
+        if "deflated" in parts:
+            defl = folder / "deflated.pt"
+            make(MAKE_DEFLATED, defl, deflated)
+            (folder / "deflated.pt.plain").unlink()
+            results["deflated storage"] = run_ways(
+                {
+                    "ckptkit convert to .safetensors (verified)": ckptkit(
+                        "convert", defl, out.with_suffix(".safetensors"), "--force", "-q"
+                    ),
+                    "ckptkit convert to .pt (verified)": ckptkit(
+                        "convert", defl, out.with_suffix(".pt"), "--force", "-q"
+                    ),
+                    "torch.load (full; mmap cannot read it)": torch_load(defl, mmap=False),
+                    "import torch (alone)": python("import torch"),
+                },
+                repeat,
+                outputs,
+                (defl,),
+            )
     if args.json:
         print(json.dumps(results, indent=2))
         return
     print(f"repeats: {repeat}, {os.cpu_count()} cores\n")
-    for n in counts:
-        for kind in ("pt", "safetensors"):
-            name = f"{n} tensors, {kind}"
-            mb = results["file_bytes"][name] / 1e6
-            print(
-                table(f"{name} ({mb:.1f} MB)", results[name], "torch.load(mmap=True)"), end="\n\n"
-            )
-    keys = counts[-1]
-    print(
-        table(
-            f"sharded folder: {shards} shards, {keys} keys",
-            results[f"{shards} shards, {keys} keys"],
-            f"torch.load(mmap=True) ({keys}-tensor .pt)",
-        ),
-        end="\n\n",
-    )
-    print(
-        table(
-            f"a torch zip whose {deflated / 2**20:.0f} MiB storage is deflated",
-            results["deflated storage"],
-            "torch.load (full; mmap cannot read it)",
+    for name, nbytes in results["file_bytes"].items():
+        title = f"{name} ({nbytes / 1e6:.1f} MB)"
+        print(table(title, results[name], "torch.load(mmap=True)"), end="\n\n")
+    if sharded_name in results:
+        print(
+            table(
+                f"sharded folder: {sharded_name}",
+                results[sharded_name],
+                f"torch.load(mmap=True) ({keys}-tensor .pt)",
+            ),
+            end="\n\n",
         )
-    )
+    if "deflated storage" in results:
+        print(
+            table(
+                f"a torch zip whose {deflated / 2**20:.0f} MiB storage is deflated",
+                results["deflated storage"],
+                "torch.load (full; mmap cannot read it)",
+            )
+        )
 
 
 if __name__ == "__main__":
