@@ -69,7 +69,8 @@ def test_a_folder_without_weights_says_so(run, tmp_path):
     assert result.exit_code == 1
     assert result.stderr == (
         "Error: empty is a folder with no sharded index, model.safetensors, "
-        "pytorch_model.bin, DeepSpeed or DCP checkpoint; give the checkpoint file inside it\n"
+        "pytorch_model.bin, diffusers, PEFT, DeepSpeed or DCP checkpoint; give a checkpoint "
+        "file; it holds none ckptkit knows by its name\n"
     )
 
 
