@@ -49,6 +49,20 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the re
 quiet_option = click.option(
     "-q", "--quiet", is_flag=True, help="Print nothing; the exit code tells."
 )
+variant_option = click.option(
+    "--variant",
+    metavar="NAME",
+    help="In a model folder, the weights of this variant (diffusers' "
+    "diffusion_pytorch_model.fp16.safetensors for fp16); default: the file without a variant, "
+    "else the only one.",
+)
+names_from_option = click.option(
+    "--names-from",
+    metavar="MODEL_FOLDER",
+    type=click.Path(exists=True, path_type=str),
+    help="A diffusers EMAModel state dict: name its shadow_params after this model's "
+    "parameters, in order (shapes checked); a folder DST gets the model's config.",
+)
 allow_global_option = click.option(
     "--allow-global",
     multiple=True,
@@ -236,20 +250,8 @@ def cli() -> None:
     type=click.Choice(["safetensors", "pt", "dcp"]),
     help="Output format (default: DST's suffix); dcp writes a torch.distributed.checkpoint folder.",
 )
-@click.option(
-    "--variant",
-    metavar="NAME",
-    help="In a model folder, the weights of this variant (diffusers' "
-    "diffusion_pytorch_model.fp16.safetensors for fp16); default: the file without a variant, "
-    "else the only one.",
-)
-@click.option(
-    "--names-from",
-    metavar="MODEL_FOLDER",
-    type=click.Path(exists=True, path_type=str),
-    help="A diffusers EMAModel state dict: name its shadow_params after this model's "
-    "parameters, in order (shapes checked); a folder DST gets the model's config.",
-)
+@variant_option
+@names_from_option
 @click.option(
     "--base",
     metavar="PATH",
@@ -578,20 +580,8 @@ def train(ctx: click.Context, as_json: bool, config_file: str | None, **options:
     type=click.IntRange(min=1),
     help="Fold the tree below this depth.  [default: no folding]",
 )
-@click.option(
-    "--variant",
-    metavar="NAME",
-    help="In a model folder, the weights of this variant (diffusers' "
-    "diffusion_pytorch_model.fp16.safetensors for fp16); default: the file without a variant, "
-    "else the only one.",
-)
-@click.option(
-    "--names-from",
-    metavar="MODEL_FOLDER",
-    type=click.Path(exists=True, path_type=str),
-    help="A diffusers EMAModel state dict: name its shadow_params after this model's "
-    "parameters, in order (shapes checked); a folder DST gets the model's config.",
-)
+@variant_option
+@names_from_option
 @click.option(
     "--stats",
     is_flag=True,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.adapters import adapter_options, open_merged
 from ckptkit.errors import KeyMatchError
+from ckptkit.formats.base.source import Source
 from ckptkit.keys import (
     KeyMatch,
     build_plan,
@@ -23,6 +24,24 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["load_state_dict", "load_into", "LoadReport"]
+
+
+def _open(
+    path: str | Path,
+    select: str | None,
+    trust: bool,
+    allow_globals: Iterable[str],
+    base: str | Path | None,
+    adapters: Iterable[str | Path | tuple[str | Path, float]],
+) -> Source:
+    """The checkpoint to load, with adapters merged in where asked (or where it is one)."""
+    return open_merged(
+        path,
+        adapter_options(base, adapters),
+        select=select,
+        trust=trust,
+        allow_globals=allow_globals,
+    )
 
 
 def load_state_dict(
@@ -52,13 +71,7 @@ def load_state_dict(
         Key -> CPU tensor; tensors of torch files are memory-mapped views (copy-on-write),
         merged tensors are new ones.
     """
-    opened = open_merged(
-        path,
-        adapter_options(base, adapters),
-        select=select,
-        trust=trust,
-        allow_globals=allow_globals,
-    )
+    opened = _open(path, select, trust, allow_globals, base, adapters)
     with opened as source:
         keys = source.keys()
         plan = build_plan(keys, strip_wrappers=strip_wrappers)
@@ -146,13 +159,7 @@ def load_into(
         KeyMatchError: with ``strict``, listing missing, unexpected and mismatched keys.
     """
     target = model.state_dict()
-    opened = open_merged(
-        path,
-        adapter_options(base, adapters),
-        select=select,
-        trust=trust,
-        allow_globals=allow_globals,
-    )
+    opened = _open(path, select, trust, allow_globals, base, adapters)
     with opened as source:
         entries = dict(source.entries())
         # Wrappers inside the checkpoint's keys (blocks compiled one by one) that the model

@@ -15,7 +15,7 @@ from typing import Any
 from ckptkit.adapters.adapter import Adapter, AdapterError, Target
 from ckptkit.adapters.base_model import find_base
 from ckptkit.adapters.kohya import is_kohya, read_kohya
-from ckptkit.adapters.peft import CONFIG, WEIGHTS, adapter_from_tensors, is_peft_folder, read_config
+from ckptkit.adapters.peft import CONFIG, WEIGHTS, adapter_from_tensors, read_config
 from ckptkit.adapters.wrapped import (
     REFUSAL_HINT,
     config_from_options,
@@ -104,11 +104,7 @@ def read_adapter(path: str | Path, *, weight: float = 1.0) -> Adapter:
         AdapterError: ``path`` holds no adapter ckptkit merges.
     """
     path = Path(path)
-    source = (
-        open_source(path / next(w for w in WEIGHTS if (path / w).is_file()))
-        if (is_peft_folder(path))
-        else open_source(path)
-    )
+    source = open_source(path)  # a PEFT folder opens as its adapter_model file
     try:
         adapter = adapter_of(source)
         if adapter is None:

@@ -20,13 +20,30 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Change", "LowRank", "BiasDelta", "Replace", "TokenRows", "Tensors", "merge_rows"]
+__all__ = [
+    "conv_of",
+    "Change",
+    "LowRank",
+    "BiasDelta",
+    "Replace",
+    "TokenRows",
+    "Tensors",
+    "merge_rows",
+]
 
 # An adapter's tensors by key, as fp32 on the CPU.
 Tensors = Callable[[str], "torch.Tensor"]
 
 # Output rows per block: about 16 MiB of fp32 temporaries for a 4096-wide weight.
 BLOCK_ELEMENTS = 4 * 1024 * 1024
+
+
+def conv_of(weight: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The convolution a weight of this many dimensions belongs to (conv1d, 2d or 3d)."""
+    import torch
+
+    functional = torch.nn.functional
+    return {3: functional.conv1d, 4: functional.conv2d}.get(weight.dim(), functional.conv3d)
 
 
 @dataclass(frozen=True)
@@ -73,7 +90,6 @@ class LowRank(Change):
 
     def delta(self, start: int, stop: int, tensors: Tensors) -> torch.Tensor:
         """Rows ``start:stop`` of ``scale * B @ A`` in the base's layout, flattened to 2-D."""
-        import torch
 
         a, b = tensors(self.a), tensors(self.b)
         if self.layout == "linear":  # (B @ A) * scale, as peft: the product, then the scale
@@ -84,9 +100,7 @@ class LowRank(Change):
         if a.dim() == 4 and a.shape[2:] == (1, 1):  # 1x1 Conv2d: a matrix product, as in peft
             product = out.flatten(1) @ a.flatten(1)
         else:  # k x k: compose the two convolutions
-            functional = torch.nn.functional
-            conv = {3: functional.conv1d, 4: functional.conv2d}.get(a.dim(), functional.conv3d)
-            product = conv(a.transpose(0, 1), out).transpose(0, 1).flatten(1)
+            product = conv_of(a)(a.transpose(0, 1), out).transpose(0, 1).flatten(1)
         return product.mul_(self.scale)
 
     def norm_sq(self, tensors: Tensors) -> float:

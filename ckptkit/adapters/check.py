@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.adapters.changes import BiasDelta, LowRank, Tensors
+from ckptkit.adapters.changes import BiasDelta, LowRank, Tensors, conv_of
 
 if TYPE_CHECKING:
     import torch
@@ -45,30 +45,23 @@ class OutputCheck:
 
 def _forward(layout: str, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The base layer's output for input ``x``, weight in ``layout``."""
-    import torch
-
-    functional = torch.nn.functional
     if layout == "linear":
         return x @ weight.T
     if layout == "linear_t":
         return x @ weight
     if layout == "embedding":
         return weight[x]
-    conv = {3: functional.conv1d, 4: functional.conv2d}.get(weight.dim(), functional.conv3d)
-    return conv(x, weight)
+    return conv_of(weight)(x, weight)
 
 
 def _low_rank_path(change: LowRank, tensors: Tensors, x: torch.Tensor) -> torch.Tensor:
     """``scale * B(A(x))``, as the unmerged adapter computes it."""
-    import torch
-
     a, b = tensors(change.a), tensors(change.b)
     if change.layout in ("linear", "linear_t"):
         return (x @ a.T) @ b.T * change.scale
     if change.layout == "embedding":
         return a.T[x] @ b.T * change.scale
-    functional = torch.nn.functional
-    conv = {3: functional.conv1d, 4: functional.conv2d}.get(a.dim(), functional.conv3d)
+    conv = conv_of(a)
     return conv(conv(x, a), b) * change.scale
 
 

@@ -17,11 +17,12 @@ from typing import Any
 
 from ckptkit.adapters.adapter import Adapter, AdapterError, Target
 from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.formats.folders.layouts import ADAPTER_FILES
 
-__all__ = ["CONFIG", "WEIGHTS", "is_peft_folder", "read_peft", "adapter_from_tensors", "PREFIX"]
+__all__ = ["CONFIG", "WEIGHTS", "read_config", "adapter_from_tensors", "PREFIX"]
 
 CONFIG = "adapter_config.json"
-WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+WEIGHTS = ADAPTER_FILES  # the folder's weights, as open_source finds them
 PREFIX = "base_model.model."  # PeftModel's own wrapper around the base model
 
 # Config fields that make an adapter something other than a plain LoRA merge, and why.
@@ -42,15 +43,6 @@ _PARTS = re.compile(
     r"(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_B\.bias|lora_embedding_A|"
     r"lora_embedding_B|lora_magnitude_vector|token_adapter\.trainable_tokens_delta)"
 )
-
-
-def is_peft_folder(path: Path) -> bool:
-    """Whether ``path`` is a PEFT adapter folder (its config and weights by peft's names)."""
-    return (
-        path.is_dir()
-        and (path / CONFIG).is_file()
-        and any((path / name).is_file() for name in WEIGHTS)
-    )
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -83,25 +75,18 @@ def read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def read_peft(folder: Path, opener: Any) -> Adapter:
-    """Open a PEFT adapter folder: its config and its weights' headers."""
-    config = read_config(folder / CONFIG)
-    weights = next(folder / name for name in WEIGHTS if (folder / name).is_file())
-    source = opener(weights)
-    try:
-        return adapter_from_tensors(folder, source, config, kind="PEFT LoRA")
-    except BaseException:
-        source.close()
-        raise
+def _matches(pattern: str, module: str) -> bool:
+    """Whether a config's pattern names a module, as peft's ``get_pattern_key`` matches: the
+    pattern matches the end of the module path."""
+    return re.match(rf"(.*\.)?({pattern})$", module) is not None
 
 
 def _pattern(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """``rank_pattern`` / ``alpha_pattern``'s value for a module, as peft's ``get_pattern_key``
-    matches them: the first pattern that matches the end of the module path."""
-    for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
-            return value
-    return default
+    """``rank_pattern`` / ``alpha_pattern``'s value for a module: the first pattern's that
+    matches."""
+    return next(
+        (value for pattern, value in patterns.items() if _matches(pattern, module)), default
+    )
 
 
 def _token_indices(config: dict[str, Any], module: str, path: Path) -> tuple[int, ...]:
@@ -112,7 +97,7 @@ def _token_indices(config: dict[str, Any], module: str, path: Path) -> tuple[int
         return tuple(int(i) for i in spec)
     if isinstance(spec, dict):
         for pattern, indices in spec.items():
-            if re.match(rf"(.*\.)?({pattern})$", module):
+            if _matches(pattern, module):
                 return tuple(int(i) for i in indices)
     raise AdapterError(
         f"{path} holds trainable tokens for {module}, but its config names no indices for it "

@@ -599,9 +599,9 @@ def _modules_as_state_dicts(root: Any) -> Any:
             return obj.state_dict()
         if depth > 32 or not isinstance(obj, (dict, list, tuple)):
             return obj
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        items = list(obj.items() if isinstance(obj, dict) else enumerate(obj))
         new = {k: plain(v, depth + 1) for k, v in items}
-        if all(new[k] is v for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj))):
+        if all(new[k] is v for k, v in items):
             return obj  # nothing changed: kept as it is (a state dict keeps its _metadata)
         return new if isinstance(obj, dict) else list(new.values())
 
