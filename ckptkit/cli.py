@@ -721,6 +721,20 @@ def plot(runs: tuple[str, ...], out: str, force: bool, log_y: bool | None, as_js
 @click.option("--keys-only", is_flag=True, help="Compare keys, shapes and dtypes; read no data.")
 @click.option("--select-a", metavar="DOTTED.PATH", help="Where A's state dict is.")
 @click.option("--select-b", metavar="DOTTED.PATH", help="Where B's state dict is.")
+@click.option("--variant-a", metavar="NAME", help="A model folder A's weights variant (fp16).")
+@click.option("--variant-b", metavar="NAME", help="A model folder B's weights variant (fp16).")
+@click.option(
+    "--names-from-a",
+    metavar="MODEL_FOLDER",
+    type=click.Path(exists=True, path_type=str),
+    help="A is a diffusers EMAModel state dict: name its shadow_params after this model.",
+)
+@click.option(
+    "--names-from-b",
+    metavar="MODEL_FOLDER",
+    type=click.Path(exists=True, path_type=str),
+    help="B is a diffusers EMAModel state dict: name its shadow_params after this model.",
+)
 @allow_global_option
 @json_option
 @quiet_option
@@ -732,6 +746,10 @@ def diff(
     keys_only: bool,
     select_a: str | None,
     select_b: str | None,
+    variant_a: str | None,
+    variant_b: str | None,
+    names_from_a: str | None,
+    names_from_b: str | None,
     allow_global: tuple[str, ...],
     as_json: bool,
     quiet: bool,
@@ -756,6 +774,10 @@ def diff(
             keys_only=keys_only,
             select_a=select_a,
             select_b=select_b,
+            variant_a=variant_a,
+            variant_b=variant_b,
+            names_from_a=names_from_a,
+            names_from_b=names_from_b,
             allow_globals=allow_global,
             progress=_progress(quiet or as_json),
         )

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptkit.errors import CkptkitError
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.open import open_source
@@ -136,6 +137,10 @@ def diff(
     keys_only: bool = False,
     select_a: str | None = None,
     select_b: str | None = None,
+    variant_a: str | None = None,
+    variant_b: str | None = None,
+    names_from_a: str | Path | None = None,
+    names_from_b: str | Path | None = None,
     allow_globals: Iterable[str] = (),
     progress: bool = False,
 ) -> DiffReport:
@@ -149,6 +154,9 @@ def diff(
             bit-exact.
         keys_only: compare keys, shapes and dtypes from the headers; read no tensor.
         select_a, select_b: where each state dict is inside a training checkpoint.
+        variant_a, variant_b: in a model folder, the weights of this variant (``fp16``).
+        names_from_a, names_from_b: the model a diffusers ``EMAModel`` state dict's
+            ``shadow_params`` are named after, in order.
         allow_globals: pickle globals to admit beside torch's safe set.
         progress: show a progress bar (bytes of both sides) on stderr.
 
@@ -158,8 +166,8 @@ def diff(
         so memory stays flat on any size.
     """
     with (
-        open_source(a, select=select_a, allow_globals=allow_globals) as src_a,
-        open_source(b, select=select_b, allow_globals=allow_globals) as src_b,
+        _open_side("a", a, select_a, variant_a, names_from_a, allow_globals) as src_a,
+        _open_side("b", b, select_b, variant_b, names_from_b, allow_globals) as src_b,
         _Reader() as reader,
         contextlib.ExitStack() as stack,
     ):
@@ -190,6 +198,32 @@ def diff(
                 if bar is not None:
                     bar.update(ia.nbytes + ib.nbytes)
     return report
+
+
+def _open_side(
+    side: str,
+    path: str | Path,
+    select: str | None,
+    variant: str | None,
+    names_from: str | Path | None,
+    allow_globals: Iterable[str],
+) -> Source:
+    """One side, its errors' fixes in diff's words (``--names-from-a``, not convert's
+    ``--ema --names-from``)."""
+    try:
+        return open_source(
+            path, select=select, variant=variant, names_from=names_from, allow_globals=allow_globals
+        )
+    except CkptkitError as exc:
+        if exc.hint and "--names-from" in exc.hint:
+            exc.hint = exc.hint.replace("--ema --names-from", "--names-from").replace(
+                "--names-from", f"--names-from-{side}"
+            )
+            if exc.api_hint:
+                exc.api_hint = exc.api_hint.replace("ema=True, ", "").replace(
+                    "names_from=", f"names_from_{side}="
+                )
+        raise
 
 
 def _aligned_keys(
@@ -259,9 +293,6 @@ class _Reader:
     ) -> Iterator[Any]:
         """The tensor's elements in order, ``PIECE`` at a time, as 1-D NumPy arrays (given the
         module) or tensors."""
-        if span is None:  # strided or compressed: through the reader, a row block at a time
-            yield from _flat_pieces(source.load(key))
-            return
         if np is not None:
             make = functools.partial(np.frombuffer, dtype=_NUMPY_DTYPES[info.dtype])
         else:
@@ -270,8 +301,17 @@ class _Reader:
             from ckptkit.formats.base.tensors import torch_dtype
 
             make = functools.partial(torch.frombuffer, dtype=torch_dtype(info.dtype))
-        path, offset, length = span
         step = PIECE * DTYPES[info.dtype].itemsize
+        if span is None:
+            # Compressed (a deflated zip member): decompressed a piece at a time, never whole.
+            chunks = source.stream(key, step)
+            if chunks is not None:
+                yield from map(make, chunks)
+                return
+            # Strided: through the reader, a row block at a time.
+            yield from _flat_pieces(source.load(key))
+            return
+        path, offset, length = span
         for start in range(0, length, step):
             # A buffer each: pieces may be compared on two threads at once.
             view = bytearray(min(step, length - start))

@@ -90,6 +90,10 @@ def _describe(prefix: str) -> str:
 
 def _outer_wrapper(keys: list[str]) -> Wrapper | None:
     for wrapper in WRAPPERS:
+        # The first key that is not the wrapper's own rules most wrappers out at once.
+        first = next((k for k in keys if k not in wrapper.own_keys), None)
+        if first is None or not first.startswith(wrapper.prefix):
+            continue
         body = [k for k in keys if k not in wrapper.own_keys]
         if body and all(k.startswith(wrapper.prefix) and k != wrapper.prefix for k in body):
             return wrapper

@@ -33,6 +33,8 @@ def _open(
     allow_globals: Iterable[str],
     base: str | Path | None,
     adapters: Iterable[str | Path | tuple[str | Path, float]],
+    variant: str | None,
+    names_from: str | Path | None,
 ) -> Source:
     """The checkpoint to load, with adapters merged in where asked (or where it is one)."""
     return open_merged(
@@ -41,6 +43,8 @@ def _open(
         select=select,
         trust=trust,
         allow_globals=allow_globals,
+        variant=variant,
+        names_from=names_from,
     )
 
 
@@ -53,6 +57,8 @@ def load_state_dict(
     allow_globals: Iterable[str] = (),
     base: str | Path | None = None,
     adapters: Iterable[str | Path | tuple[str | Path, float]] = (),
+    variant: str | None = None,
+    names_from: str | Path | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read the state dict of any checkpoint ckptkit reads, safely.
 
@@ -66,12 +72,15 @@ def load_state_dict(
         base: the base model an adapter ``path`` is merged into (default: the one it names).
         adapters: LoRA adapters to merge into ``path``, in order (``PATH``, ``"PATH:WEIGHT"``
             or ``(PATH, WEIGHT)``).
+        variant: in a model folder, the weights of this variant (diffusers' ``fp16``).
+        names_from: the model a diffusers ``EMAModel`` state dict's ``shadow_params`` are named
+            after, in order.
 
     Returns:
         Key -> CPU tensor; tensors of torch files are memory-mapped views (copy-on-write),
         merged tensors are new ones.
     """
-    opened = _open(path, select, trust, allow_globals, base, adapters)
+    opened = _open(path, select, trust, allow_globals, base, adapters, variant, names_from)
     with opened as source:
         keys = source.keys()
         plan = build_plan(keys, strip_wrappers=strip_wrappers)
@@ -135,6 +144,8 @@ def load_into(
     allow_globals: Iterable[str] = (),
     base: str | Path | None = None,
     adapters: Iterable[str | Path | tuple[str | Path, float]] = (),
+    variant: str | None = None,
+    names_from: str | Path | None = None,
 ) -> LoadReport:
     """Load a checkpoint into ``model``, mapping wrapper prefixes on either side automatically.
 
@@ -151,6 +162,9 @@ def load_into(
         allow_globals: pickle globals to admit beside torch's safe set.
         base: the base model an adapter ``path`` is merged into (default: the one it names).
         adapters: LoRA adapters to merge into ``path`` first, in order.
+        variant: in a model folder, the weights of this variant (diffusers' ``fp16``).
+        names_from: the model a diffusers ``EMAModel`` state dict's ``shadow_params`` are named
+            after, in order.
 
     Returns:
         The prefix change used, the number of tensors loaded, and what did not fit.
@@ -159,7 +173,7 @@ def load_into(
         KeyMatchError: with ``strict``, listing missing, unexpected and mismatched keys.
     """
     target = model.state_dict()
-    opened = _open(path, select, trust, allow_globals, base, adapters)
+    opened = _open(path, select, trust, allow_globals, base, adapters, variant, names_from)
     with opened as source:
         entries = dict(source.entries())
         # Wrappers inside the checkpoint's keys (blocks compiled one by one) that the model

@@ -141,15 +141,26 @@ def tree_lines(
     """Tensors as a tree by module path, repeated layers folded, subtrees past ``depth`` summed."""
     from ckptkit.summary import collapse, keep
 
-    rows = [(k, i) for k, i in summary.tensors if keep(k, key_filter)]
-    # Fold on what a tensor looks like, not on where its bytes live.
-    looks = {
-        k: TensorInfo(
-            i.dtype, i.shape, contiguous=i.contiguous, kind=i.kind, detail=i.detail, stored=i.stored
-        )
-        for k, i in rows
-    }
-    folded = collapse([(k, looks[k]) for k, _ in rows])
+    # Fold on what a tensor looks like, not on where its bytes live: one TensorInfo per look
+    # (100,000 experts have a handful), so collapse compares objects it has seen by identity.
+    looks: dict[tuple[Any, ...], TensorInfo] = {}
+    rows = []
+    for key, i in summary.tensors:
+        if key_filter is not None and not keep(key, key_filter):
+            continue
+        look = (i.dtype, i.shape, i.contiguous, i.kind, i.detail, i.stored)
+        info = looks.get(look)
+        if info is None:
+            info = looks[look] = TensorInfo(
+                i.dtype,
+                i.shape,
+                contiguous=i.contiguous,
+                kind=i.kind,
+                detail=i.detail,
+                stored=i.stored,
+            )
+        rows.append((key, info))
+    folded = collapse(rows)
     root: dict[str, Any] = {}
     for parts, info, count in folded:
         node = root

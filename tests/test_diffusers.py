@@ -364,6 +364,27 @@ def test_the_cli_names_from_flag(run, tmp_path):
     assert not (tmp_path / "bad.safetensors").exists()
 
 
+def test_diff_and_load_take_a_variant_and_names_for_shadow_params(run):
+    # fp16 against the fp32 file of one folder: every tensor retyped, equal within fp16's step
+    report = ckptkit.diff(HERE / "vae_variants", HERE / "vae_variants", variant_a="fp16")
+    assert not report.equal and len(report.retyped) == report.common == 92
+    assert ckptkit.diff(
+        HERE / "vae_variants", HERE / "vae_variants", atol=1e-2, variant_a="fp16"
+    ).equal
+    # an EMAModel state dict named after its model equals what EMAModel.save_pretrained wrote
+    assert ckptkit.diff(EMA, HERE / "unet_ema", names_from_a=HERE / "unet_bin").equal
+    result = run("diff", HERE / "unet_ema", EMA, "--names-from-b", HERE / "unet_bin", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["common"] == 208
+    result = run("diff", HERE / "vae_variants", HERE / "vae_fp16", "--variant-a", "fp16", "-q")
+    assert result.exit_code in (0, 1), result.stderr  # compared, not refused
+    _one_error_line(run("diff", HERE / "unet_ema", EMA), "shadow_params", "--names-from-b MODEL")
+    state = ckptkit.load_state_dict(HERE / "vae_variants", variant="fp16")
+    assert {t.dtype for t in state.values()} == {torch.float16}
+    named = ckptkit.load_state_dict(EMA, names_from=HERE / "unet_bin")
+    assert sorted(named) == sorted(_state(HERE / "unet_ema"))
+
+
 # ------------------------------------------------- loaded back by diffusers (slow: its import)
 
 

@@ -285,6 +285,17 @@ def test_a_deflated_storage_comes_in_pieces(deflated):
         assert plain.stream("big", 4096) is None  # stored: copied, or mapped, as it lies
 
 
+def test_diff_reads_a_deflated_storage_in_pieces(deflated, tmp_path):
+    changed = dict(STATE, big=STATE["big"].clone())
+    changed["big"][12_345] += 1.0
+    other = tmp_path / "changed.pt"
+    torch.save(changed, other)
+    report = ckptkit.diff(deflated, other)
+    assert [d.key for d in report.different] == ["big"]
+    assert report.different[0].differing == 1
+    assert ckptkit.diff(deflated, deflated.with_name("plain.pt")).equal
+
+
 @pytest.mark.parametrize("damage", ["crc", "data"])
 @pytest.mark.parametrize("command", ["convert", "diff"])
 def test_a_damaged_deflated_member_is_one_error(deflated, run, tmp_path, damage, command):
@@ -334,6 +345,10 @@ def test_a_deflated_storage_is_never_whole_in_memory(tmp_path):
     with open(tmp_path / "out.safetensors", "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         assert json.loads(f.read(n))["big"]["shape"] == [64 * 2**20]
+    # diff decompresses it a piece at a time too, against the copy it was converted to
+    code_, said, _, peak_mb = run_measured(["diff", src, "out.safetensors"], tmp_path, 300)
+    assert code_ == 0, said
+    assert peak_mb - base_mb < 96, f"diff: {peak_mb:.0f} MB at the peak, {base_mb:.0f} importing"
 
 
 # -- exact results, made differently -------------------------------------------------------
