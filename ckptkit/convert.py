@@ -30,6 +30,7 @@ from ckptkit.formats.io.atomic import (
     check_folder_output,
     check_output,
 )
+from ckptkit.formats.io.remote import as_path, is_url
 from ckptkit.formats.open import open_source
 from ckptkit.formats.output import output_format
 from ckptkit.formats.output.copier import Copier, Item
@@ -334,7 +335,12 @@ def convert_checkpoint(
 ) -> ConvertReport:
     """:func:`convert` with its options grouped, as the CLI gives them: plan, write, report."""
     read, keys, output = read or ReadOptions(), keys or KeyRules(), output or OutputOptions()
-    src, dst = Path(src), Path(dst)
+    if is_url(str(dst)):
+        raise UsageError(
+            f"{dst}: writing to a URL is not built yet; ckptkit reads from URLs",
+            "write to a local path, then upload it",
+        )
+    src, dst = as_path(src), Path(dst)
     into = dst if dst.is_dir() and output.to != "dcp" else None
     if into is not None:  # a model folder: save_pretrained's names (the source's, once open)
         dst = into / "model.safetensors"

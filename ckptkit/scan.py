@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import CkptkitError, FormatError
-from ckptkit.formats.files.readings import Reading, readings
+from ckptkit.formats.files.readings import Reading, readings, remote_readings
 from ckptkit.formats.folders.layouts import folder_parts
+from ckptkit.formats.io.rangefile import RangeFile
+from ckptkit.formats.io.remote import RemotePath, as_path, is_url, open_remote
 from ckptkit.formats.pickles.safe_globals import safe_globals
 from ckptkit.formats.pickles.verdicts import (
     DAMAGED,
@@ -109,6 +111,8 @@ def scan(path: str | Path, *, allow_globals: Iterable[str] = ()) -> ScanReport:
         UsageError: a dangerous name in ``allow_globals``.
     """
     allowed = check_allowed(allow_globals)
+    if is_url(path):
+        return _scan_url(RemotePath(str(path)), allowed)
     found = readings(path)
     if not found:
         raise FormatError(
@@ -118,13 +122,27 @@ def scan(path: str | Path, *, allow_globals: Iterable[str] = ()) -> ScanReport:
     return report_of(path, found, allowed)
 
 
+def _scan_url(url: RemotePath, allowed: frozenset[str]) -> ScanReport:
+    """A file at a URL, scanned through ranged reads (a torch zip's directory and pickles; a
+    safetensors file's header)."""
+    with RangeFile(open_remote(url)) as raw:
+        return report_of(url, remote_readings(url, raw), allowed, raw=raw)
+
+
 def report_of(
-    path: str | Path, found: list[Reading], allowed: frozenset[str] = frozenset()
+    path: str | Path | RemotePath,
+    found: list[Reading],
+    allowed: frozenset[str] = frozenset(),
+    *,
+    structure_checked: bool = False,
+    raw: Any = None,
 ) -> ScanReport:
-    """The report for readings already made (a reader's own, so nothing is parsed twice)."""
+    """The report for readings already made (a reader's own, so nothing is parsed twice);
+    ``structure_checked``: a reader has already read the file's structure (a safetensors
+    header) whole, so it is not read again. ``raw``: the file at a URL (a RangeFile)."""
     report = ScanReport(str(path), found[0].kind, found, allowed)
-    if found[0].damaged is None:
-        found[0].damaged = _structure_damage(Path(path), found)
+    if found[0].damaged is None and not structure_checked:
+        found[0].damaged = _structure_damage(as_path(str(path)), found, raw)
     if len(found) > 1:
         ways = "; ".join(f"{r.reader} reads {_article(r.kind)}" for r in found)
         report.problems.append(f"polyglot: loaders disagree on what this file is ({ways})")
@@ -171,7 +189,7 @@ def overall_verdict(reports: Iterable[ScanReport]) -> str:
     return "error" if "error" in verdicts else worst_of(verdicts)
 
 
-def _structure_damage(path: Path, found: list[Reading]) -> str | None:
+def _structure_damage(path: Any, found: list[Reading], raw: Any = None) -> str | None:
     """Damage a loader would hit beyond the pickles: storages, tensor extents, headers."""
     kind = found[0].kind
     if kind in ("safetensors", "gguf"):  # data only: a header that reads is all there is
@@ -179,13 +197,16 @@ def _structure_damage(path: Path, found: list[Reading]) -> str | None:
         from ckptkit.formats.files.safetensors import read_header
 
         try:
-            (read_header if kind == "safetensors" else read_gguf_header)(path)
+            if kind == "safetensors":
+                read_header(path, raw)
+            else:
+                read_gguf_header(path)
         except FormatError as exc:
             return exc.message
         return None
     from ckptkit.formats.files.torchfile import structure_damage
 
-    return structure_damage(path, found)
+    return structure_damage(path, found, raw)
 
 
 def _article(kind: str) -> str:

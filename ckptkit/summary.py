@@ -12,17 +12,21 @@ import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ckptkit.adapters import describe
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tree import EMA_MODEL_WHY, Candidate, DroppedPart
+from ckptkit.formats.files.readings import readings as find_readings
+from ckptkit.formats.files.readings import remote_readings
 from ckptkit.formats.folders.diffusers import is_pipeline
+from ckptkit.formats.io.remote import RemotePath, is_url
 from ckptkit.formats.open import open_source
 from ckptkit.keys import WRAPPERS, Wrapper, build_plan, detect_wrappers
 from ckptkit.meta import NAMESPACE, CheckpointMeta, training_of
-from ckptkit.scan import ScanReport, report_of, scan
+from ckptkit.scan import ScanReport, report_of
 
 __all__ = ["summarize", "Summary", "collapse", "keep"]
 
@@ -65,17 +69,17 @@ class Summary:
     # they are named (``names_from``).
     ema_model: dict[str, Any] | None = None
 
-    @property
+    @cached_property  # the views ask more than once; 100,000 tensors make it count
     def parameters(self) -> int:
         """Elements in all tensors of the state dict (parameters and buffers)."""
         return sum(info.numel for _, info in self.tensors)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         aliases = self.aliases
         return sum(info.nbytes for key, info in self.tensors if key not in aliases)
 
-    @property
+    @cached_property
     def bytes_by_dtype(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
         for key, info in self.tensors:
@@ -83,7 +87,7 @@ class Summary:
                 out[info.dtype] += info.nbytes
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
-    @property
+    @cached_property
     def common_prefix(self) -> str | None:
         """A first name every key shares once wrappers are stripped (Lightning's ``model.``),
         which ``--strip-prefix`` removes; None when the keys do not all share one."""
@@ -93,7 +97,7 @@ class Summary:
             return None
         return heads.pop() + "."
 
-    @property
+    @cached_property
     def non_contiguous(self) -> list[str]:
         return [key for key, info in self.tensors if not info.contiguous]
 
@@ -172,8 +176,10 @@ def summarize(
     Raises:
         CkptkitError: the file cannot be read as a checkpoint.
     """
-    path = Path(path)
-    if select is None and names_from is None and is_pipeline(path):
+    remote = is_url(path)
+    # A URL stands where a Path would (name, suffix, parent): never opened as a local file.
+    path = cast(Path, RemotePath(str(path))) if remote else Path(path)
+    if not remote and select is None and names_from is None and is_pipeline(path):
         return _pipeline(path, variant)
     # Reading is static, so an unsafe file can be shown too; its verdict comes from the same
     # parse the reader made.
@@ -205,7 +211,7 @@ def summarize(
             safety=safety,
             candidates=list(source.candidates),
             parts=_folder_parts(source.folder or path, safety)  # a pipeline's component's
-            if path.is_dir() and source.format != "sharded"
+            if not remote and path.is_dir() and source.format != "sharded"
             else [],
             shards={
                 name: shard.path.stat().st_size
@@ -223,10 +229,15 @@ def _safety(source: Source) -> ScanReport | None:
     inner = getattr(source, "inner", None)  # an EMAModel's shadow_params under their names
     if not readings and inner is not None:
         readings = getattr(inner, "readings", None)
+    raw = getattr(source, "remote_file", None)  # a file at a URL: read through it
     if readings:
-        return report_of(source.path, readings)
-    if source.format == "safetensors":
-        return scan(source.path)  # the file itself (path may be its model folder)
+        return report_of(source.path, readings, raw=raw)
+    if source.format == "safetensors":  # the file itself (path may be its model folder)
+        # The source has read and checked its header: the verdict needs no second parse.
+        found = find_readings(source.path) if raw is None else remote_readings(source.path, raw)
+        return report_of(
+            source.path, found, structure_checked=found[0].kind == "safetensors", raw=raw
+        )
     return None
 
 
@@ -320,6 +331,9 @@ def _folder_parts(folder: Path, opened: ScanReport | None) -> list[dict[str, Any
 
 
 def _size_on_disk(source: Any) -> int:
+    raw = getattr(source, "remote_file", None)
+    if raw is not None:  # a file at a URL: its size came with the first read
+        return int(raw.remote.size)
     return sum(os.path.getsize(path) for path in source.files())
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError, UsageError
 from ckptkit.formats.base.source import Source
-from ckptkit.formats.files.readings import detect_format
+from ckptkit.formats.files.readings import detect_format, remote_kind
 from ckptkit.formats.folders.diffusers import (
     WEIGHTS_NAME,
     Weights,
@@ -32,6 +32,8 @@ from ckptkit.formats.folders.layouts import (
 )
 from ckptkit.formats.folders.rank_files import find_rank_files
 from ckptkit.formats.folders.runs import run_checkpoint
+from ckptkit.formats.io.rangefile import RangeFile
+from ckptkit.formats.io.remote import RemotePath, is_url, open_remote
 
 __all__ = ["open_source", "checkpoint_index"]
 
@@ -91,6 +93,12 @@ def open_source(
             ``EMAModel`` state dict without ``names_from``.
         UsageError: ``variant`` for a file, ``names_from`` for anything but an ``EMAModel``.
     """
+    if is_url(path):
+        url = RemotePath(str(path))
+        if variant is not None:
+            raise UsageError(f"--variant picks the weights of a model folder, and {url} is a file")
+        source = _open_url(url, select, trust, allow_globals, check_safety, ema)
+        return _named(url, source, names_from, variant, unnamed)  # type: ignore[arg-type]
     path = Path(path)
     if variant is not None and names_from is None and not path.is_dir():
         raise UsageError(
@@ -271,6 +279,48 @@ def _open_folder(
         sharded.folder = index.parent
         return sharded
     return None
+
+
+def _open_url(
+    url: RemotePath,
+    select: str | None,
+    trust: bool,
+    allow_globals: Iterable[str],
+    check_safety: bool,
+    ema: bool,
+) -> Source:
+    """The reader of one checkpoint file at a URL: its headers read with ranged requests,
+    its tensors fetched when they are loaded."""
+    if trust:
+        raise UsageError(
+            f"--trust runs torch's full unpickler, which reads {url} from a local disk",
+            "download it first, or drop --trust",
+        )
+    raw = RangeFile(open_remote(url))
+    try:
+        kind = remote_kind(url, raw)
+        if kind == "gguf":
+            raise FormatError(
+                f"{url} is a GGUF file; ckptkit describes local GGUF files",
+                "download it and give the local copy",
+            )
+        if kind == "safetensors":
+            from ckptkit.formats.files.safetensors import SafetensorsSource
+
+            return SafetensorsSource(url, select=select, raw=raw)  # type: ignore[arg-type]
+        from ckptkit.formats.files.torchfile import TorchFileSource
+
+        return TorchFileSource(
+            url,  # type: ignore[arg-type]
+            select=select,
+            allow_globals=allow_globals,
+            check_safety=check_safety,
+            ema=ema,
+            raw=raw,
+        )
+    except BaseException:
+        raw.close()
+        raise
 
 
 def _open_file(

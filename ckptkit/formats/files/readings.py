@@ -25,8 +25,10 @@ import tarfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckptkit.errors import FormatError, MissingFileError
+from ckptkit.formats.files.torchzip import ZipDamage, ZipIndex
 from ckptkit.formats.pickles.machine import PickleRun
 from ckptkit.formats.pickles.unpickler import PickleScan
 from ckptkit.formats.pickles.verdicts import PickleFindings, scan_pickle
@@ -157,10 +159,10 @@ def detect_format(path: str | Path) -> str:
 
 
 def _zip_kind(path: Path) -> str:
-    try:
-        with zipfile.ZipFile(path) as zf:
-            names = zf.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+    try:  # the compact directory parse (zipfile's builds 100,000 ZipInfo objects)
+        with open(path, "rb") as raw:
+            names = ZipIndex(raw).other_names()  # all but numbered storages: enough here
+    except (ZipDamage, OSError, ValueError, EOFError, struct.error) as exc:
         raise FormatError(f"{path} is a truncated or damaged zip file", "copy it again") from exc
     if any(n.endswith("constants.pkl") or "/code/" in n for n in names):
         raise FormatError(
@@ -221,6 +223,52 @@ def readings(path: str | Path) -> list[Reading]:
         with open(path, "rb") as raw:
             found.append(_zip_reading(raw, "zip", "Python's zipfile (at the end)"))
     return found
+
+
+# A zip's end: its end-of-directory records and, in most checkpoints, the whole directory
+# and the small members torch writes last (``version``), fetched in the first request.
+REMOTE_TAIL = 256 * 1024
+
+
+def remote_readings(path: object, raw: Any) -> list[Reading]:
+    """The readings of a file at a URL, through ``raw`` (a RangeFile): a torch zip's (its
+    directory and pickles, a few ranged requests), or a safetensors or GGUF file's.
+
+    Raises:
+        FormatError: any other kind of file: a legacy torch file or a plain pickle is read
+            whole by its loader (and mapped by ckptkit), so it must be downloaded first.
+    """
+    kind = remote_kind(path, raw)
+    if kind == "torch-zip":
+        raw.prefetch_tail(REMOTE_TAIL)
+        return [_zip_reading(raw, "torch-zip", "torch.load")]
+    if kind == "safetensors":
+        return [Reading("safetensors", "safetensors loaders")]
+    return [Reading("gguf", "llama.cpp's GGUF loaders")]
+
+
+def remote_kind(path: object, raw: Any) -> str:
+    """A file at a URL by its first bytes: ``torch-zip``, ``safetensors`` or ``gguf``.
+
+    Raises:
+        FormatError: empty, or another kind (see :func:`remote_readings`).
+    """
+    head = raw.pread(0, 16)
+    size = raw.remote.size
+    if head.startswith(ZIP_MAGIC):
+        return "torch-zip"
+    if _looks_like_safetensors(head, size):
+        return "safetensors"
+    if head.startswith(b"GGUF"):
+        return "gguf"
+    if size == 0:
+        raise FormatError(
+            f"{path} is empty (0 bytes)", "the save was interrupted; use an earlier copy"
+        )
+    raise FormatError(
+        f"{path} is not a torch zip, safetensors or GGUF file, the kinds ckptkit reads at a URL",
+        "download it and give the local copy (a legacy torch file or a pickle is read whole)",
+    )
 
 
 def starts_as_pickle(head: bytes) -> bool:

@@ -7,6 +7,7 @@ dtype, shape and ``data_offsets`` relative to the data section), then the tensor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import FormatError
 from ckptkit.formats.base.dtypes import DTYPES, DType, TensorSpec, from_safetensors, nbytes
 from ckptkit.formats.base.source import Source, TensorInfo
-from ckptkit.formats.base.tensors import as_bytes, dtype_name
+from ckptkit.formats.base.tensors import as_bytes, dtype_name, from_buffer
 from ckptkit.formats.io.bytecopy import preallocate, write_all
 from ckptkit.meta import NAMESPACE, CheckpointMeta
 
@@ -63,7 +64,7 @@ def dcp_sharding_info(path: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
+def read_header(path: Path, raw: Any = None) -> tuple[dict[str, Any], int]:
     """Read a safetensors header and check it as strictly as the safetensors library does.
 
     Returns:
@@ -71,10 +72,14 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
         read-only mapping of ``dtype``, ``shape`` and ``data_offsets`` as the JSON gives them,
         kept compact (a 100,000-tensor header would take 60 MB as plain dicts and lists).
 
+    ``raw``: the file at a URL (a RangeFile: the first read brings most headers whole, a
+    second the rest); None reads the local file ``path``.
+
     Raises:
         FormatError: not a safetensors file, or one that is truncated or inconsistent.
     """
-    with open(path, "rb") as f:
+    with open(path, "rb") if raw is None else contextlib.nullcontext(raw) as f:
+        f.seek(0)
         head = f.read(8)
         size = f.seek(0, 2)
         if len(head) < 8:
@@ -239,8 +244,9 @@ def _check_layout(path: Path, header: dict[str, Any], data_size: int) -> None:
 class SafetensorsSource(Source):
     """A single safetensors file; tensors come memory-mapped through ``safe_open``."""
 
-    def __init__(self, path: Path, *, select: str | None = None) -> None:
-        header, self._data_start = read_header(path)
+    def __init__(self, path: Path, *, select: str | None = None, raw: Any = None) -> None:
+        header, self._data_start = read_header(path, raw)
+        self.remote_file = raw  # the file at a URL (a RangeFile); None on a local disk
         metadata = header.pop("__metadata__", None) or {}
         super().__init__(path=path, format="safetensors", metadata=dict(metadata))
         if _is_dcp_shard(path, metadata):
@@ -278,6 +284,8 @@ class SafetensorsSource(Source):
         return list(self._entries)
 
     def byte_span(self, key: str) -> tuple[Path, int, int] | None:
+        if self.remote_file is not None:  # not in a local file: loaded (fetched) instead
+            return None
         begin, end = self._infos[self._virtual.get(key, key)].byte_range
         return self.path, self._data_start + begin, end - begin
 
@@ -286,14 +294,28 @@ class SafetensorsSource(Source):
         return dict(self._ties)
 
     def load(self, key: str) -> torch.Tensor:
+        if self.remote_file is not None:
+            return self._fetch(key)
         if self._handle is None:
             from safetensors import safe_open
 
             self._handle = safe_open(str(self.path), framework="pt", device="cpu")
         return self._handle.get_tensor(self._virtual.get(key, key))
 
+    def _fetch(self, key: str) -> torch.Tensor:
+        """A tensor of a file at a URL, its bytes fetched in one ranged read."""
+        info = self._infos[self._virtual.get(key, key)]
+        begin, end = info.byte_range
+        data = bytearray(end - begin)
+        self.remote_file.seek(self._data_start + begin)
+        if self.remote_file.readinto(data) != len(data):
+            raise FormatError(f"{self.path} is truncated", "copy it again")
+        return from_buffer(data, 0, len(data), info.dtype).reshape(info.shape)
+
     def close(self) -> None:
         self._handle = None
+        if self.remote_file is not None:
+            self.remote_file.close()
 
 
 def _begin(item: tuple[str, Any]) -> int:

@@ -27,8 +27,9 @@ from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tensors import dtype_name, from_buffer, torch_dtype
 from ckptkit.formats.base.tree import node_at, nodes, select_state_dict
-from ckptkit.formats.files.readings import LEGACY_MAGIC, Reading, readings
+from ckptkit.formats.files.readings import LEGACY_MAGIC, Reading, readings, remote_readings
 from ckptkit.formats.files.torchzip import INFLATE_PIECE, ZipDamage, ZipIndex
+from ckptkit.formats.io.rangefile import RangeFile
 from ckptkit.formats.pickles.safe_globals import safe_globals
 from ckptkit.formats.pickles.unpickler import (
     DATA_GLOBALS,
@@ -56,10 +57,13 @@ class ZipLayout:
     """Where each storage's bytes sit inside a torch zip file (the central directory read with
     ``ZipIndex``: compact, and fast for 100,000 storages)."""
 
+    remote = False  # a file at a URL (read through a RangeFile), not on a local disk
+
     def __init__(self, path: Path, raw: Any) -> None:
         self.path, self.raw = path, raw
+        self.remote = isinstance(raw, RangeFile)
         try:
-            self.index = ZipIndex(raw)
+            self.index = ZipIndex(raw, locate_all=not self.remote)
         except (ZipDamage, OSError, ValueError, EOFError, struct.error) as exc:
             raise FormatError(f"{path} is a damaged zip file ({exc})", "copy it again") from None
         self.size = self.index.size
@@ -119,6 +123,17 @@ class ZipLayout:
             raise FormatError(f"{self.path} is truncated", "copy or download it again")
         return offset
 
+    def check(self, ref: StorageRef) -> None:
+        """Raise when a storage cannot lie inside the file: its local header read, or for a
+        remote file (a request a header) its directory entry checked alone (its local header
+        is read, and checked, when its bytes are)."""
+        if not self.remote:
+            self.data_offset(ref)
+            return
+        member = self._member(ref)
+        if not self.index.fits(member, f"{self.prefix}data/{ref.key}"):
+            raise FormatError(f"{self.path} is truncated", "copy or download it again")
+
     def storage(self, ref: StorageRef) -> torch.Tensor:
         offset = self.data_offset(ref)
         if offset is None:  # decompressed piece by piece into the one buffer it fills
@@ -160,6 +175,12 @@ class ZipLayout:
             yield out
 
     def map(self, offset: int, ref: StorageRef) -> torch.Tensor:
+        if self.remote:  # fetched in one ranged read (its length checked by the reader)
+            data = bytearray(ref.nbytes)
+            self.raw.seek(offset)
+            if self.raw.readinto(data) != ref.nbytes:
+                raise FormatError(f"{self.path} is truncated", "copy or download it again")
+            return from_buffer(data, 0, ref.nbytes, ref.dtype)
         if offset + ref.nbytes > len(self.mm):
             raise FormatError(f"{self.path} is truncated", "copy or download it again")
         return from_buffer(self.mm, offset, ref.nbytes, ref.dtype)
@@ -235,7 +256,7 @@ def _stub_nbytes(value: Any) -> int:
 
 
 def checked_reading(
-    path: Path, allowed: Iterable[str] = (), *, check_safety: bool = True
+    path: Path, allowed: Iterable[str] = (), *, check_safety: bool = True, raw: Any = None
 ) -> tuple[Reading, list[Reading]]:
     """The reading ``torch.load`` makes of a torch file, refused unless every reading of the
     file is safe (globals admitted by ``allowed`` aside), unambiguous and whole. Returns it and
@@ -247,7 +268,7 @@ def checked_reading(
             writes, or a polyglot.
         FormatError: a damaged file.
     """
-    found = readings(path)
+    found = readings(path) if raw is None else remote_readings(path, raw)
     if not found:
         raise FormatError(f"{path} is not a recognised checkpoint")
     safe = safe_globals() | DATA_GLOBALS | set(allowed)
@@ -275,15 +296,17 @@ def checked_reading(
 
 
 def scan_torch_file(
-    path: Path, allowed: Iterable[str] = (), *, check_safety: bool = True
+    path: Path, allowed: Iterable[str] = (), *, check_safety: bool = True, raw: Any = None
 ) -> tuple[PickleScan, ZipLayout, Any, list[Reading]]:
-    """Check a torch file and read its pickle statically.
+    """Check a torch file and read its pickle statically (``raw``: the file at a URL, a
+    RangeFile; None: the local file ``path``).
 
     Returns:
         The main pickle's scan, the storage layout, the open file, and every reading.
     """
-    reading, found = checked_reading(path, allowed, check_safety=check_safety)
-    raw = open(path, "rb")  # noqa: SIM115 - owned by the Source, closed in close()
+    reading, found = checked_reading(path, allowed, check_safety=check_safety, raw=raw)
+    if raw is None:
+        raw = open(path, "rb")  # noqa: SIM115 - owned by the Source, closed in close()
     try:
         layout, scan = _layout_for(path, raw, reading)
     except BaseException:
@@ -323,12 +346,13 @@ def _check_extents(
         if storage.key not in checked:
             checked.add(storage.key)
             if storage.nbytes:
-                layout.data_offset(storage)  # raises when it does not fit
+                layout.check(storage)  # raises when it does not fit
 
 
-def structure_damage(path: Path, found: list[Reading]) -> str | None:
+def structure_damage(path: Path, found: list[Reading], raw: Any = None) -> str | None:
     """What is damaged in a torch file beyond its pickles (storages that do not fit the file,
-    tensors past their storage), from readings already made; None when whole."""
+    tensors past their storage), from readings already made; None when whole. ``raw``: the
+    file at a URL (a RangeFile), None for the local ``path``."""
     reading = found[0]
     if reading.kind not in ("torch-zip", "torch-legacy") or reading.damaged:
         return None
@@ -338,7 +362,7 @@ def structure_damage(path: Path, found: list[Reading]) -> str | None:
     if whole is not None and whole() is reading:  # its Source checked every tensor on opening
         return None
     try:
-        with open(path, "rb") as raw:
+        with open(path, "rb") if raw is None else contextlib.nullcontext(raw) as raw:
             layout, main = _layout_for(path, raw, reading)
             stubs = (n for n in nodes(main.root) if isinstance(n, TensorStub))
             _check_extents(path, layout, ((None, stub) for stub in stubs))
@@ -384,11 +408,13 @@ class TorchFileSource(Source):
         allow_globals: Iterable[str] = (),
         check_safety: bool = True,
         ema: bool = False,
+        raw: RangeFile | None = None,
     ) -> None:
         allowed = check_allowed(allow_globals)
         scan, self._layout, self._raw, self.readings = scan_torch_file(
-            path, allowed, check_safety=check_safety
+            path, allowed, check_safety=check_safety, raw=raw
         )
+        self.remote_file = raw  # the file at a URL; None on a local disk
         fmt = "torch-legacy" if isinstance(self._layout, _LegacyLayout) else "torch-zip"
         super().__init__(path=path, format=fmt, globals=list(scan.globals))
         self.scan = scan
@@ -482,6 +508,8 @@ class TorchFileSource(Source):
         stub = self._stubs[key]
         if not isinstance(stub, TensorStub) or not stub.is_contiguous:
             return None
+        if self._layout.remote:  # not in a local file: loaded (fetched) instead
+            return None
         base = self._layout.data_offset(stub.storage)
         if base is None:
             return None
@@ -500,7 +528,7 @@ class TorchFileSource(Source):
         ref = stub.storage
         if ref.key in self._bases:
             base = self._bases[ref.key]
-        elif self._layout.compressed(ref):  # decompressed anew each time, never kept
+        elif self._layout.compressed(ref) or self._layout.remote:  # read anew, never kept
             base = self._layout.storage(ref)
         else:  # a view of the memory map
             base = self._bases[ref.key] = self._layout.storage(ref)

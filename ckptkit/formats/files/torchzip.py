@@ -337,8 +337,11 @@ class ZipIndex:
         ZipDamage: a central directory ``zipfile`` would not read either.
     """
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, *, locate_all: bool = True) -> None:
         self.raw = raw
+        # Local: every local header read in one pass the first time one is needed. Remote
+        # (a RangeFile): each when its member is read, as one request costs what a pass does.
+        self.locate_all = locate_all
         self.size = raw.seek(0, 2)
         cd_size, cd_offset, concat = _end_record(raw)
         if cd_offset + concat < 0:
@@ -430,13 +433,36 @@ class ZipIndex:
             ZipDamage: its local header lies past the end, or is not one.
         """
         if not self._located:
-            self._locate()
+            if self.locate_all:
+                self._locate()
+            elif self.data[member] == _NOT_READ:
+                self.data[member] = self._local_data(self.header[member])
         offset = self.data[member]
         if offset == _PAST_END:
             raise ZipDamage("lies past the end")
         if offset < 0:
             raise ZipDamage("bad zip entry")
         return offset
+
+    def _local_data(self, start: int) -> int:
+        """Where the data after one local header starts (or why there is none)."""
+        if not 0 <= start <= self.size - _LOCAL_READ.size:
+            return _PAST_END
+        self.raw.seek(start)
+        head = self.raw.read(_LOCAL_READ.size)
+        if len(head) < _LOCAL_READ.size:
+            return _BAD_HEADER
+        sig, _, name_len, extra_len = _LOCAL_READ.unpack(head)
+        return (
+            start + _LOCAL_READ.size + name_len + extra_len if sig == b"PK\x03\x04" else _BAD_HEADER
+        )
+
+    def fits(self, member: int, name: str) -> bool:
+        """Whether a member can lie inside the file, by its directory entry alone (its local
+        header, which a remote file would need a request each to read, assumed as long as
+        the directory's name with no extra field)."""
+        least = self.header[member] + _LOCAL_READ.size + len(name.encode()) + self.packed[member]
+        return 0 <= self.header[member] and least <= self.size
 
     def _locate(self) -> None:
         """Every member's data offset from its local header, reading the file in windows of

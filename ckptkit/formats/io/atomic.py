@@ -36,7 +36,8 @@ def check_output(dst: Path, *, force: bool, inputs: Iterable[Path] = ()) -> None
         OutputError: with the fix in its hint.
     """
     for src in inputs:
-        if dst.exists() and src.exists() and os.path.samefile(dst, src):
+        local = isinstance(src, Path)  # a URL (RemotePath) is never the local dst
+        if local and dst.exists() and src.exists() and os.path.samefile(dst, src):
             raise OutputError(f"output {dst} is the input file", "write to a new path")
     if dst.is_dir():
         raise OutputError(f"output {dst} is a folder", "give a file name")

@@ -1,0 +1,274 @@
+"""Checkpoints at URLs: bytes read with range requests, never the whole object.
+
+``is_url`` tells a URL (``s3://``, ``gs://``, ``az://``, ``hf://``, ``http(s)://``,
+``memory://``...) from a local path; ``open_remote`` gives a :class:`Remote`, which reads byte
+ranges and counts what it asked for. HTTP(S) goes through a small client of its own (the
+standard library's ``http.client``): the first ranged answer carries the object's size in its
+``Content-Range``, so a safetensors header costs one or two requests and no ``HEAD``. Every
+other scheme goes through fsspec, its back-end installed as an extra (``torch-ckptkit[s3]``).
+
+Transient failures (timeouts, dropped connections, 5xx, 429) are retried with exponential
+backoff; a range that comes back short is a failure too. What still fails after the last try is
+one :class:`RemoteError` naming the URL.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+from ckptkit.errors import CkptkitError, MissingFileError, UsageError
+
+__all__ = [
+    "Remote",
+    "RemoteError",
+    "RemotePath",
+    "as_path",
+    "is_url",
+    "open_remote",
+    "TRIES",
+]
+
+# The extra that installs each scheme's fsspec back-end.
+EXTRAS = {
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gcs",
+    "gcs": "gcs",
+    "az": "azure",
+    "abfs": "azure",
+    "abfss": "azure",
+    "adl": "azure",
+    "hf": "hf",
+}
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+TRIES = int(os.environ.get("CKPTKIT_REMOTE_TRIES", "5"))
+BACKOFF_S = float(os.environ.get("CKPTKIT_REMOTE_BACKOFF", "0.2"))
+TIMEOUT_S = float(os.environ.get("CKPTKIT_REMOTE_TIMEOUT", "60"))
+
+
+class RemoteError(CkptkitError):
+    """A remote object that could not be read (after retries), or a URL that cannot be used."""
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` is a URL (``scheme://...``) rather than a local path; ``file://`` is
+    a URL too (fsspec reads it)."""
+    return isinstance(path, str | RemotePath) and bool(_URL.match(str(path)))
+
+
+def as_path(path: str | os.PathLike[str]) -> Path:
+    """A local path as a :class:`~pathlib.Path`; a URL as a :class:`RemotePath` standing where
+    a Path would (typed as one: code that must tell them apart asks :func:`is_url`)."""
+    return cast(Path, RemotePath(str(path))) if is_url(str(path)) else Path(path)
+
+
+class RemotePath:
+    """A URL where a :class:`pathlib.Path` would be: ``name``, ``suffix``, ``parent``, ``/``
+    and ``str`` as a path gives them. No ``__fspath__``: nothing can open it as a local file by
+    mistake."""
+
+    __slots__ = ("url",)
+
+    def __init__(self, url: str | RemotePath) -> None:
+        self.url = str(url).rstrip("/") if str(url).count("/") > 3 else str(url)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"RemotePath({self.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and other.url == self.url
+
+    def __hash__(self) -> int:
+        return hash(self.url)
+
+    @property
+    def scheme(self) -> str:
+        return self.url.split("://", 1)[0].lower()
+
+    @property
+    def name(self) -> str:
+        rest = self.url.split("://", 1)[1]
+        return rest.rsplit("/", 1)[-1] if "/" in rest else ""
+
+    @property
+    def suffix(self) -> str:
+        name = self.name
+        dot = name.rfind(".")
+        return name[dot:] if 0 < dot < len(name) - 1 else ""
+
+    @property
+    def parent(self) -> RemotePath:
+        head, _, _ = self.url.rpartition("/")
+        return RemotePath(head) if "://" in head and not head.endswith(":/") else self
+
+    def __truediv__(self, name: str) -> RemotePath:
+        return RemotePath(f"{self.url}/{name}")
+
+    def with_name(self, name: str) -> RemotePath:
+        return self.parent / name
+
+
+@dataclass
+class Traffic:
+    """What a :class:`Remote` asked for: requests made (tries included) and bytes received."""
+
+    requests: int = 0
+    bytes: int = 0
+    retries: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, nbytes: int, *, retry: bool = False) -> None:
+        with self.lock:
+            self.requests += 1
+            self.bytes += nbytes
+            self.retries += retry
+
+
+class Remote(ABC):
+    """One remote object: its size and ranged reads, retried, counted in ``traffic``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.traffic = Traffic()
+        self._size: int | None = None
+
+    @property
+    def size(self) -> int:
+        if self._size is None:
+            self._size = self._retried(self._stat, "read the size of")
+        return self._size
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` (clipped to the object), in one request (retried)."""
+        end = min(end, self.size) if self._size is not None else end
+        if end <= start:
+            return b""
+        return self._retried(lambda: self._checked(start, end), f"read bytes {start}-{end} of")
+
+    def tail(self, count: int) -> tuple[int, bytes]:
+        """The last ``count`` bytes (fewer when the object is smaller) and where they start."""
+        start = max(0, self.size - count)
+        return start, self.read(start, self.size)
+
+    def _checked(self, start: int, end: int) -> bytes:
+        data = self._range(start, end)
+        want = min(end, self.size) - start
+        if len(data) != want:  # a dropped connection or a server that cut the body short
+            raise _Transient(f"{len(data)} of {want} bytes came back")
+        return data
+
+    def _retried(self, call: Any, what: str) -> Any:
+        delay = BACKOFF_S
+        for attempt in range(TRIES):
+            try:
+                return call()
+            except _Transient as exc:
+                if attempt == TRIES - 1:
+                    raise RemoteError(
+                        f"could not {what} {self.url} after {TRIES} tries ({exc})",
+                        "check the URL and the network, then run it again",
+                    ) from None
+                self.traffic.retries += 1
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    @abstractmethod
+    def _stat(self) -> int:
+        """The object's size (raises _Transient on a failure worth retrying)."""
+
+    @abstractmethod
+    def _range(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` in one request (raises _Transient to retry)."""
+
+    def close(self) -> None:  # noqa: B027 - back-ends without connections need not override it
+        """Release connections."""
+
+
+class _Transient(Exception):
+    """A failure a retry may cure: a timeout, a dropped connection, a 5xx or a short body."""
+
+
+def open_remote(url: str | RemotePath) -> Remote:
+    """The remote object at ``url``.
+
+    Raises:
+        UsageError: a scheme whose fsspec back-end is not installed (naming the extra).
+        MissingFileError: no object at the URL.
+    """
+    url = str(url)
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in ("http", "https"):
+        from ckptkit.formats.io.http import HttpRemote
+
+        return HttpRemote(url)
+    return FsspecRemote(url)
+
+
+class FsspecRemote(Remote):
+    """Any fsspec URL: ``fs.size`` once, ``fs.cat_file(path, start, end)`` for each range."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.fs, self.path = filesystem(url)
+
+    def _stat(self) -> int:
+        try:
+            self.traffic.add(0)
+            info = self.fs.info(self.path)
+        except FileNotFoundError:
+            raise MissingFileError(self.url) from None
+        except _TRANSIENT as exc:
+            raise _Transient(f"{type(exc).__name__}: {exc}") from None
+        if info.get("type") == "directory":
+            raise UsageError(f"{self.url} is a folder", "give the checkpoint file inside it")
+        return int(info["size"])
+
+    def _range(self, start: int, end: int) -> bytes:
+        try:
+            data = self.fs.cat_file(self.path, start=start, end=end)
+        except FileNotFoundError:
+            raise MissingFileError(self.url) from None
+        except _TRANSIENT as exc:
+            self.traffic.add(0)
+            raise _Transient(f"{type(exc).__name__}: {exc}") from None
+        self.traffic.add(len(data))
+        return bytes(data)
+
+
+# What fsspec back-ends raise for a failure worth retrying: timeouts and connection errors
+# (OSError covers both, and s3fs maps 5xx answers to OSError subclasses).
+_TRANSIENT: tuple[type[BaseException], ...] = (OSError, TimeoutError)
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """fsspec's filesystem for ``url`` and the path inside it.
+
+    Raises:
+        UsageError: the scheme is unknown, or its back-end is not installed (naming the extra).
+    """
+    import fsspec  # type: ignore[import-untyped]
+
+    scheme = url.split("://", 1)[0].lower()
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as exc:
+        extra = EXTRAS.get(scheme)
+        hint = (
+            f"pip install 'torch-ckptkit[{extra}]'"
+            if extra
+            else f"install the fsspec back-end for {scheme}:// ({exc})"
+        )
+        raise UsageError(f"{url}: reading {scheme}:// URLs needs a package", hint) from None
+    except ValueError as exc:  # "Protocol not known"
+        raise UsageError(f"{url}: {exc}", "give a local path or a URL fsspec knows") from None
