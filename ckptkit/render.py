@@ -205,7 +205,13 @@ def _render(node: dict[str, Any], level: int, depth: int | None, lines: list[str
 @_terminal_safe
 def summary_lines(summary: Any) -> list[str]:
     """The header of the default view: one fact a line."""
-    lines = [f"{summary.path}  ({summary.format}, {human_size(summary.file_size)} on disk)"]
+    where = "at the URL" if summary.fetched is not None else "on disk"
+    lines = [f"{summary.path}  ({summary.format}, {human_size(summary.file_size)} {where})"]
+    if summary.fetched is not None:
+        lines.append(
+            f"fetched     {plural(summary.fetched['requests'], 'ranged request')}, "
+            f"{human_size(summary.fetched['bytes'])} (headers only)"
+        )
     if summary.shards:
         lines.append(f"shards      {len(summary.shards)}: {', '.join(summary.shards)}")
     width = max((len(p["name"]) for p in summary.parts), default=0)

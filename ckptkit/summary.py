@@ -68,6 +68,8 @@ class Summary:
     # A diffusers EMAModel state dict: how many shadow parameters, their settings, and whether
     # they are named (``names_from``).
     ema_model: dict[str, Any] | None = None
+    # A file at a URL: the ranged requests made to read its headers, and the bytes they brought.
+    fetched: dict[str, int] | None = None
 
     @cached_property  # the views ask more than once; 100,000 tensors make it count
     def parameters(self) -> int:
@@ -142,6 +144,7 @@ class Summary:
             "adapter": self.adapter,
             "pipeline": self.pipeline,
             "ema_model": self.ema_model,
+            "fetched": self.fetched,
             "tensors": [
                 {"key": key, **info.to_dict(), "contiguous": info.contiguous}
                 for key, info in self.tensors
@@ -220,6 +223,10 @@ def summarize(
             adapter=describe(source),
             ema_model=_ema_model(source, path, names_from),
         )
+        raw = getattr(source, "remote_file", None)
+        if raw is not None:  # what reading the headers (and the verdict) cost, after both
+            traffic = raw.remote.traffic
+            summary.fetched = {"requests": traffic.requests, "bytes": traffic.bytes}
     return summary
 
 

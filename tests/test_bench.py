@@ -10,21 +10,51 @@ import pytest
 from helpers import ROOT
 
 
-def quick(script: str, *args: str) -> dict:
-    """``bench/SCRIPT --quick --json``'s results, the run checked to have ended well."""
-    proc = subprocess.run(
-        [sys.executable, f"bench/{script}", "--quick", "--json", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+# Every quick run the tests below read, started together when the first of them runs (each is
+# mostly child processes importing torch: run side by side they take half the time).
+RUNS = [
+    ("run.py",),
+    ("dcp.py",),
+    ("train.py",),
+    ("save.py", "--mode", "single"),
+    ("save.py", "--mode", "fsdp"),
+    ("adapters.py",),
+    ("scale.py",),
+]
+
+
+@pytest.fixture(scope="module")
+def started():
+    procs = {
+        run: subprocess.Popen(
+            [sys.executable, f"bench/{run[0]}", "--quick", "--json", *run[1:]],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for run in RUNS
+    }
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture
+def quick(started):
+    def results(script: str, *args: str) -> dict:
+        """``bench/SCRIPT --quick --json``'s results, the run checked to have ended well."""
+        out, err = started[(script, *args)].communicate(timeout=600)
+        assert started[(script, *args)].returncode == 0, err
+        return json.loads(out)
+
+    return results
 
 
 @pytest.mark.slow
-def test_bench_quick_runs_and_reports_every_way():
+def test_bench_quick_runs_and_reports_every_way(quick):
     results = quick("run.py")
     ways = results["inspect"]
     assert set(ways) == {
@@ -46,7 +76,7 @@ def test_bench_quick_runs_and_reports_every_way():
 
 
 @pytest.mark.slow
-def test_dcp_bench_quick_runs_and_reports_every_way():
+def test_dcp_bench_quick_runs_and_reports_every_way(quick):
     results = quick("dcp.py")
     anchors = {"cp of the model's bytes", "cp, then sync of the file"}
     assert set(results["to safetensors"]) == {
@@ -65,7 +95,7 @@ def test_dcp_bench_quick_runs_and_reports_every_way():
 
 
 @pytest.mark.slow
-def test_train_and_save_benches_quick_run_and_report_every_way():
+def test_train_and_save_benches_quick_run_and_report_every_way(quick):
     ways = quick("train.py")
     assert len(ways) == 5 and all(r["loop_samples_per_s"] > 0 for r in ways.values())
     for mode in ("single", "fsdp"):
@@ -75,7 +105,7 @@ def test_train_and_save_benches_quick_run_and_report_every_way():
 
 
 @pytest.mark.slow
-def test_adapters_bench_quick_runs_and_reports_every_way():
+def test_adapters_bench_quick_runs_and_reports_every_way(quick):
     results = quick("adapters.py")
     assert set(results["merge"]) == {
         "ckptkit convert --base (verified)",
@@ -92,7 +122,7 @@ def test_adapters_bench_quick_runs_and_reports_every_way():
 
 
 @pytest.mark.slow
-def test_scale_bench_quick_runs_and_reports_every_way():
+def test_scale_bench_quick_runs_and_reports_every_way(quick):
     results = quick("scale.py")
     counts = results["counts"]
     for n in counts:

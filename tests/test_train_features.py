@@ -262,31 +262,33 @@ def test_a_resumed_run_continues_each_rank_s_random_stream(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)  # the workers import the model from here
     common = {
         "model": "dropout_models:dropout_model",
-        "epochs": 2,
+        "epochs": 1,
         "mode": mode,
         "nproc_per_node": 2,
         "lr_schedule": "constant",
     }
     straight = model_of(run(tmp_path, "straight", **common))
-    stopped = run(tmp_path, "cut", max_steps=20, **common)
-    assert stopped.stopped == "max_steps" and stopped.steps == 20  # mid-way through epoch 1
+    stopped = run(tmp_path, "cut", max_steps=10, **common)
+    assert stopped.stopped == "max_steps" and stopped.steps == 10  # mid-way through the epoch
     resumed = run(tmp_path, "cut", resume="auto", **common)
-    assert resumed.steps == 64
+    assert resumed.steps == 32
     assert bit_equal(model_of(resumed), straight)
 
-    checkpoint = tmp_path / "cut" / "ckpt-epoch0000-step00000020.pt"
+    checkpoint = tmp_path / "cut" / "ckpt-epoch0000-step00000010.pt"
     payload = torch.load(checkpoint, weights_only=True)
     world = 2 if mode == "ddp" else 1
     assert len(payload["rng"]) == world  # one stream per rank
     if world == 2:
         assert not torch.equal(payload["rng"][0]["torch"], payload["rng"][1]["torch"])
-    variants = {"without": {k: v for k, v in payload.items() if k != "rng"}}
-    if world == 2:
-        variants["swapped"] = {**payload, "rng": payload["rng"][::-1]}
+    # Without the states (single; DDP restores them the same way), or with the ranks' swapped.
+    if world == 1:
+        variants = {"without": {k: v for k, v in payload.items() if k != "rng"}}
+    else:
+        variants = {"swapped": {**payload, "rng": payload["rng"][::-1]}}
     for name, changed in variants.items():
         torch.save(changed, tmp_path / f"{name}.pt")
         other = run(tmp_path, name, resume=str(tmp_path / f"{name}.pt"), **common)
-        assert other.steps == 64
+        assert other.steps == 32
         assert not bit_equal(model_of(other), straight), name
 
 

@@ -14,13 +14,13 @@ import re
 import threading
 import urllib.parse
 
-from ckptkit.errors import MissingFileError
+from ckptkit.errors import CkptkitError, MissingFileError
 from ckptkit.formats.io.remote import TIMEOUT_S, Remote, RemoteError, _Transient
 
 __all__ = ["HttpRemote"]
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
-_FIRST_READ = 64 * 1024  # what the size costs when it is asked before any read
+_FIRST_READ = 256 * 1024  # what the size costs when asked before any read (RangeFile's readahead)
 
 
 class HttpRemote(Remote):
@@ -112,6 +112,8 @@ class HttpRemote(Remote):
                     f"{self.url} answered HTTP {status} {response.reason}",
                     "check the URL and its access rights",
                 )
+        except CkptkitError:  # a 404 (a FileNotFoundError, but not one to retry) or a 403
+            raise
         except (OSError, http.client.HTTPException) as exc:  # timeouts and dropped connections
             self._drop()
             self.traffic.add(0)

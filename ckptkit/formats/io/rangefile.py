@@ -17,7 +17,9 @@ from ckptkit.formats.io.remote import Remote
 __all__ = ["RangeFile", "READAHEAD"]
 
 READAHEAD = 256 * 1024
-CACHE_BYTES = 256 * 1024 * 1024
+# Headers only: a 100,000-tensor zip's directory and pickle are 25 MB. Reads of tensor data
+# larger than READAHEAD go around the cache, so memory holds what is being read, not all of it.
+CACHE_BYTES = 64 * 1024 * 1024
 
 
 class RangeFile(io.RawIOBase):
@@ -93,7 +95,10 @@ class RangeFile(io.RawIOBase):
             if at >= end:
                 break
         if at < end:
-            pieces.append(self._fetch(at, end, ahead=True))
+            if end - at > self._readahead:  # tensor data: read as asked, not kept
+                pieces.append(self.remote.read(at, end))
+            else:
+                pieces.append(self._fetch(at, end, ahead=True))
         data = b"".join(pieces)
         return data[: end - start]
 
@@ -125,5 +130,7 @@ class RangeFile(io.RawIOBase):
             total -= len(self._blocks.pop(begin))
 
     def close(self) -> None:
+        """Drop the cache and close the remote's connections (the file owns its remote)."""
         self._blocks.clear()
+        self.remote.close()
         super().close()

@@ -228,6 +228,10 @@ class FsspecRemote(Remote):
             info = self.fs.info(self.path)
         except FileNotFoundError:
             raise MissingFileError(self.url) from None
+        except PermissionError as exc:
+            raise RemoteError(
+                f"{self.url}: access denied ({exc})", "check the credentials"
+            ) from None
         except _TRANSIENT as exc:
             raise _Transient(f"{type(exc).__name__}: {exc}") from None
         if info.get("type") == "directory":
@@ -239,6 +243,10 @@ class FsspecRemote(Remote):
             data = self.fs.cat_file(self.path, start=start, end=end)
         except FileNotFoundError:
             raise MissingFileError(self.url) from None
+        except PermissionError as exc:
+            raise RemoteError(
+                f"{self.url}: access denied ({exc})", "check the credentials"
+            ) from None
         except _TRANSIENT as exc:
             self.traffic.add(0)
             raise _Transient(f"{type(exc).__name__}: {exc}") from None

@@ -1,0 +1,254 @@
+"""Checkpoints at URLs: read with ranged requests against real servers on 127.0.0.1 (the range
+HTTP server of servers.py, moto's S3 through s3fs) and fsspec's memory:// file system; requests
+and bytes counted by the servers themselves; faults injected by the server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import servers
+import torch
+from helpers import FIXTURE_DIR, ROOT
+from safetensors.torch import load_file, save_file
+
+import ckptkit
+import ckptkit.formats.io.remote as remote_module
+from ckptkit.errors import CkptkitError, UsageError
+from ckptkit.formats.io.rangefile import RangeFile
+from ckptkit.formats.io.remote import RemotePath, as_path, is_url, open_remote
+
+range_server = servers.range_server
+s3_server = servers.s3_server
+s3 = servers.s3
+s3_env = servers.s3_env
+
+STATE = {
+    f"module.layers.{i}.{name}": torch.randn(64, 64, generator=torch.Generator().manual_seed(i)).to(
+        dtype
+    )
+    for i in range(24)
+    for name, dtype in (("w.weight", torch.float32), ("v.weight", torch.bfloat16))
+}
+
+
+@pytest.fixture
+def files(tmp_path):
+    """The same tensors as safetensors, as a training checkpoint (torch zip), and DDP-style."""
+    save_file(STATE, tmp_path / "m.safetensors", metadata={"format": "pt"})
+    torch.save({"model": STATE, "epoch": 3}, tmp_path / "m.pt")
+    return tmp_path
+
+
+@pytest.fixture
+def fast_retries(monkeypatch):
+    monkeypatch.setattr(remote_module, "BACKOFF_S", 0.01)
+
+
+def one_error(result, *needles):
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------ URLs
+
+
+def test_a_url_stands_where_a_path_would():
+    url = RemotePath("s3://bucket/run/model.safetensors")
+    assert (url.name, url.suffix, url.scheme) == ("model.safetensors", ".safetensors", "s3")
+    assert str(url.parent) == "s3://bucket/run" and str(url.parent / "x.json") == (
+        "s3://bucket/run/x.json"
+    )
+    assert is_url("https://h/x.pt") and is_url("memory://a") and not is_url("a/b.pt")
+    assert not is_url("C:/x.pt") and str(as_path("s3://b/k")) == "s3://b/k"
+    assert not hasattr(url, "__fspath__")  # never opened as a local file by mistake
+
+
+def test_a_missing_back_end_names_its_extra(run):
+    # gcsfs is not installed here: the scheme's extra is named, nothing else is tried
+    pytest.importorskip("fsspec")
+    try:
+        import gcsfs  # noqa: F401
+
+        pytest.skip("gcsfs is installed")
+    except ImportError:
+        pass
+    one_error(run("inspect", "gs://bucket/model.safetensors"), "torch-ckptkit[gcs]")
+
+
+# -------------------------------------------------------------------- over HTTP
+
+
+def test_inspect_of_a_safetensors_url_is_one_request(files, range_server, run):
+    result = run("inspect", range_server.url("m.safetensors"), "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    local = ckptkit.summarize(files / "m.safetensors").to_dict()
+    assert doc["tensors"] == local["tensors"] and doc["file_size"] == local["file_size"]
+    assert doc["safety"]["verdict"] == "safe"
+    requests = range_server.requests
+    assert len(requests) == 1 and requests[0].range == "bytes=0-262143"  # header inside
+    assert doc["fetched"] == {"requests": 1, "bytes": range_server.bytes_sent}
+
+
+def test_a_header_past_the_first_read_costs_a_second_request(tmp_path, range_server):
+    many = {f"block.{i}.weight": torch.zeros(1) for i in range(6000)}  # a 300 kB header
+    save_file(many, tmp_path / "wide.safetensors")
+    summary = ckptkit.summarize(range_server.url("wide.safetensors"))
+    assert len(summary.tensors) == 6000
+    assert len(range_server.requests) == 2 and summary.fetched["requests"] == 2
+
+
+def test_inspect_and_scan_of_a_torch_zip_url_are_two_requests(files, range_server, run):
+    result = run("inspect", range_server.url("m.pt"))
+    assert result.exit_code == 0, result.stderr
+    assert "state dict  'model'" in result.stdout and "safe:" in result.stdout
+    assert "fetched     2 ranged requests" in result.stdout
+    size = (files / "m.pt").stat().st_size
+    requests = range_server.requests
+    assert len(requests) == 2 and requests[1].range.endswith(f"-{size - 1}")  # the directory
+    range_server.reset()
+    result = run("scan", range_server.url("m.pt"), "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["verdict"] == "safe"
+    assert len(range_server.requests) == 2
+    # the headers are a small part of a file of tensors
+    assert range_server.bytes_sent < size
+
+
+def test_a_large_checkpoint_is_inspected_from_a_sliver_of_its_bytes(tmp_path, range_server):
+    big = {f"w{i}": torch.zeros(1024, 1024) for i in range(8)}  # 32 MiB of tensors
+    torch.save(big, tmp_path / "big.pt")
+    save_file(big, tmp_path / "big.safetensors")
+    for name in ("big.pt", "big.safetensors"):
+        range_server.reset()
+        summary = ckptkit.summarize(range_server.url(name))
+        assert summary.nbytes == 32 * 2**20
+        assert range_server.bytes_sent < 0.02 * (tmp_path / name).stat().st_size
+        assert len(range_server.requests) <= 3
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt"])
+def test_convert_from_a_url_writes_what_a_local_convert_writes(files, range_server, run, name):
+    result = run("convert", range_server.url(name), "remote.safetensors", "--strip-wrappers")
+    assert result.exit_code == 0, result.stderr
+    run("convert", files / name, "local.safetensors", "--strip-wrappers")
+    assert (files / "remote.safetensors").read_bytes() == (files / "local.safetensors").read_bytes()
+    out = load_file(files / "remote.safetensors")
+    assert out.keys() == {k.removeprefix("module.") for k in STATE}
+    for key, tensor in STATE.items():
+        assert torch.equal(out[key.removeprefix("module.")], tensor)
+
+
+def test_diff_and_load_read_a_url(files, range_server):
+    url = range_server.url("m.pt")
+    assert ckptkit.diff(url, files / "m.safetensors").equal
+    state = ckptkit.load_state_dict(url, strip_wrappers=True)
+    assert torch.equal(state["layers.3.v.weight"], STATE["module.layers.3.v.weight"])
+
+
+def test_retries_ride_out_503s_and_dropped_connections(files, range_server, fast_retries):
+    range_server.fail("503", times=2)
+    range_server.fail("drop", times=1)
+    report = ckptkit.convert(range_server.url("m.safetensors"), files / "out.safetensors")
+    assert report.verified
+    statuses = [r.status for r in range_server.requests]
+    assert statuses[:2] == [503, 503] and range_server.requests[2].fault == "drop"
+    assert load_file(files / "out.safetensors").keys() == STATE.keys()
+
+
+def test_a_server_that_keeps_failing_ends_in_one_error_and_no_output(
+    files, range_server, run, fast_retries
+):
+    range_server.fail("503", times=100)
+    line = one_error(run("convert", range_server.url("m.pt"), "out.safetensors"), "m.pt")
+    assert "tries" in line and "503" in line
+    assert not (files / "out.safetensors").exists()
+    assert len(range_server.requests) == remote_module.TRIES
+
+
+def test_a_missing_url_and_unreadable_kinds_are_one_error_line(tmp_path, range_server, run):
+    one_error(run("inspect", range_server.url("nope.pt")), "nope.pt does not exist")
+    assert len(range_server.requests) == 1  # a 404 is an answer, not a failure to retry
+    (tmp_path / "legacy.pt").write_bytes((FIXTURE_DIR / "legacy_dp.pt").read_bytes())
+    one_error(run("inspect", range_server.url("legacy.pt")), "download it")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    one_error(run("scan", range_server.url("empty.pt")), "empty")
+
+
+def test_trust_and_writing_to_a_url_are_refused_plainly(files, range_server, run):
+    one_error(run("convert", range_server.url("m.pt"), "o.pt", "--trust"), "--trust")
+    one_error(run("convert", files / "m.pt", range_server.url("o.safetensors")), "URL")
+
+
+def test_the_command_line_reads_a_url_in_a_subprocess(files, range_server):
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "inspect", range_server.url("m.safetensors"), "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["fetched"]["requests"] == 1
+
+
+# ------------------------------------------------------------------------ RangeFile
+
+
+def test_a_range_file_reads_like_a_local_file(files, range_server):
+    local = (files / "m.pt").read_bytes()
+    with RangeFile(open_remote(range_server.url("m.pt")), readahead=4096) as raw:
+        assert raw.read(10) == local[:10]
+        raw.seek(-100, 2)
+        assert raw.read() == local[-100:]
+        raw.seek(5000)
+        buffer = bytearray(20_000)
+        assert raw.readinto(buffer) == 20_000 and bytes(buffer) == local[5000:25_000]
+        assert raw.pread(len(local) - 3, 10) == local[-3:]  # clipped at the end
+        before = len(range_server.requests)
+        assert raw.pread(2, 8) == local[2:10]  # cached: no request
+        assert len(range_server.requests) == before
+
+
+# ----------------------------------------------------------------------- memory:// and S3
+
+
+def test_memory_urls_are_read_through_fsspec(files):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/remote-test/m.pt", (files / "m.pt").read_bytes())
+    try:
+        summary = ckptkit.summarize("memory://remote-test/m.pt")
+        assert summary.selected == "model" and summary.fetched["requests"] <= 3
+        assert ckptkit.scan("memory://remote-test/m.pt").verdict == "safe"
+    finally:
+        fs.rm("/remote-test", recursive=True)
+
+
+def test_s3_urls_inspect_and_convert_against_moto(files, s3_env, run):
+    bucket = s3_env.bucket("ckpts")
+    s3_env.fs.put(str(files / "m.pt"), f"{bucket}/run/m.pt")
+    s3_env.fs.put(str(files / "m.safetensors"), f"{bucket}/run/m.safetensors")
+    result = run("inspect", "s3://ckpts/run/m.safetensors", "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert len(doc["tensors"]) == len(STATE) and doc["fetched"]["requests"] <= 2  # size + 1
+    result = run("convert", "s3://ckpts/run/m.pt", "out.safetensors", "--strip-wrappers")
+    assert result.exit_code == 0, result.stderr
+    out = load_file(files / "out.safetensors")
+    assert all(torch.equal(out[k.removeprefix("module.")], v) for k, v in STATE.items())
+    one_error(run("inspect", "s3://ckpts/run/missing.pt"), "does not exist")
+
+
+def test_library_errors_are_ckptkit_errors(range_server):
+    with pytest.raises(CkptkitError):
+        ckptkit.summarize(range_server.url("nothing-here.safetensors"))
+    with pytest.raises(UsageError):
+        ckptkit.convert("memory://x/y.pt", "memory://x/z.safetensors")
