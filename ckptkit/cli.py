@@ -300,6 +300,14 @@ def cli() -> None:
     "Its classes are imported as `python` run here would (the current folder first); a "
     "pickled nn.Module gives its state_dict().",
 )
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 64),
+    default=8,
+    show_default=True,
+    help="Ranged requests in flight when SRC is a URL (s3://, https://...); memory holds about "
+    "WORKERS + 1 requests of 8 MiB. Local files ignore it.",
+)
 @json_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, no report.")
 def convert(
@@ -321,6 +329,7 @@ def convert(
     dry_run: bool,
     force: bool,
     no_verify: bool,
+    workers: int,
     as_json: bool,
     quiet: bool,
     **output: Any,
@@ -337,6 +346,7 @@ def convert(
     ckptkit convert big.pt out/model.safetensors --dtype bf16 --max-shard-size 5GB
     ckptkit convert my-lora/ merged/ --base base-model/
     ckptkit convert base-model/ merged/ --adapter style.safetensors:0.8 --adapter fix/
+    ckptkit convert s3://bucket/run/model.pt model.safetensors --workers 16
     """
     from ckptkit.adapters import AdapterOptions, parse_adapter_arg
     from ckptkit.convert import OutputOptions, ReadOptions, convert_checkpoint
@@ -353,7 +363,14 @@ def convert(
         src,
         dst,
         read=ReadOptions(
-            select, ema, trust, allow_global, merge, variant=variant, names_from=names_from
+            select,
+            ema,
+            trust,
+            allow_global,
+            merge,
+            variant=variant,
+            names_from=names_from,
+            workers=workers,
         ),
         keys=keys,
         output=OutputOptions(**output),

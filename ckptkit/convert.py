@@ -77,6 +77,7 @@ class ReadOptions:
     adapters: AdapterOptions = field(default_factory=AdapterOptions)
     variant: str | None = None  # a model folder's weights of this variant (diffusers' fp16)
     names_from: str | None = None  # the model a diffusers EMAModel's shadow_params belong to
+    workers: int = 8  # ranged requests in flight for a source at a URL (local files: unused)
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,7 @@ def convert(
     progress: bool = False,
     variant: str | None = None,
     names_from: str | Path | None = None,
+    workers: int = 8,
 ) -> ConvertReport:
     """Convert a checkpoint's state dict to safetensors, a plain ``.pt`` state dict or a DCP
     folder.
@@ -238,6 +240,8 @@ def convert(
         names_from: the model folder a diffusers ``EMAModel`` state dict belongs to: its
             ``shadow_params`` take the model's parameter names, in order, and a folder ``dst``
             gets the model's config.
+        workers: ranged requests in flight when ``src`` is a URL (``s3://``, ``https://``...);
+            memory holds about ``workers + 1`` requests of 8 MiB.
 
     Returns:
         The report: where the state dict was, the key plan, what was dropped, cast and written.
@@ -257,6 +261,7 @@ def convert(
             tuple(allow_globals),
             variant=variant,
             names_from=None if names_from is None else str(names_from),
+            workers=workers,
         ),
         keys=KeyRules(
             strip_wrappers,
@@ -393,7 +398,16 @@ def convert_checkpoint(
             for path in [] if folder else plan.outputs:
                 check = check_folder_output if fmt == "dcp" else check_output
                 check(path, force=force, inputs=[src])
-            _write(source, plan, report, header, force=force, verify=verify, progress=progress)
+            _write(
+                source,
+                plan,
+                report,
+                header,
+                force=force,
+                verify=verify,
+                progress=progress,
+                workers=read.workers,
+            )
         _merge_report(source, report, check_outputs)
         if folder is not None:
             return report
@@ -575,13 +589,18 @@ def _write(
     force: bool,
     verify: bool,
     progress: bool,
+    workers: int = 8,
 ) -> None:
     """Write every output to a temp path, verify it, and only then put them all in place."""
     # The bar counts the output's bytes: with verify, a tensor counts half when it is written and
     # half when it is checked, so the bar neither stalls at the end nor counts past the size.
     bar = progress_bar(report.nbytes, "convert") if progress else None
     share = 0.5 if verify else 1.0
-    copier = Copier(source, progress=lambda nbytes: bar.update(nbytes * share) if bar else None)
+    copier = Copier(
+        source,
+        progress=lambda nbytes: bar.update(nbytes * share) if bar else None,
+        workers=workers,
+    )
     writer = writer_for(
         plan.fmt, copier, aliases=plan.aliases, header=header, special=plan.special, verify=verify
     )

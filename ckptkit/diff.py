@@ -254,7 +254,7 @@ def _compare_tensor(
     """One tensor of each side: equal bytes when the dtypes agree, else compared a piece at a
     time in the wider type."""
     (src_a, old_a, ia), (src_b, old_b, ib) = a, b
-    span_a, span_b = src_a.byte_span(old_a), src_b.byte_span(old_b)
+    span_a, span_b = src_a.local_span(old_a), src_b.local_span(old_b)
     if ia.dtype == ib.dtype and reader.same_bytes(span_a, span_b):
         return TensorDiff(key, "equal")
     # NumPy where it can (imports in 0.06 s; torch takes a second and 200 MB).

@@ -106,7 +106,7 @@ class _Accumulator:
 def _pieces_from_file(np: Any, source: Source, key: str, info: TensorInfo) -> Iterator[Any]:
     """A tensor's values from its byte range, ``PIECE`` elements at a time (None: not laid out
     as it is in a file, or a dtype NumPy does not read)."""
-    span = source.byte_span(key)
+    span = source.local_span(key)
     if span is None or info.dtype not in _NUMPY:
         raise LookupError(key)
     path, offset, length = span

@@ -9,7 +9,6 @@ import sys
 import pytest
 from helpers import ROOT
 
-
 # Every quick run the tests below read, started together when the first of them runs (each is
 # mostly child processes importing torch: run side by side they take half the time).
 RUNS = [

@@ -126,11 +126,22 @@ class Source(ABC):
         length), or None when they must go through torch (strided, compressed, ...)."""
         return None
 
+    def local_span(self, key: str) -> tuple[Path, int, int] | None:
+        """:meth:`byte_span` when its file is on a local disk (mapped, compared in place);
+        None for a file at a URL, whose bytes come through :meth:`load`."""
+        span = self.byte_span(key)
+        return span if span is not None and isinstance(span[0], Path) else None
+
     def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:
         """A tensor's bytes as ranges of files whose concatenation is the tensor (a sharded
         layout such as DeepSpeed's partitions), or None as for :meth:`byte_span`."""
         span = self.byte_span(key)
         return None if span is None else [span]
+
+    def expected_crc(self, key: str) -> int | None:
+        """The CRC-32 a file records for exactly this tensor's bytes (a torch zip's member that
+        holds the whole tensor), to check bytes fetched from a URL against; None when none."""
+        return None
 
     def stream(self, key: str, piece: int) -> Iterator[bytearray] | None:
         """A tensor that can only be read by decompressing it (a deflated zip member), as its

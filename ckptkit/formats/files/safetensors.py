@@ -284,8 +284,6 @@ class SafetensorsSource(Source):
         return list(self._entries)
 
     def byte_span(self, key: str) -> tuple[Path, int, int] | None:
-        if self.remote_file is not None:  # not in a local file: loaded (fetched) instead
-            return None
         begin, end = self._infos[self._virtual.get(key, key)].byte_range
         return self.path, self._data_start + begin, end - begin
 

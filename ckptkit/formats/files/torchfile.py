@@ -123,6 +123,28 @@ class ZipLayout:
             raise FormatError(f"{self.path} is truncated", "copy or download it again")
         return offset
 
+    def locate_storages(self, workers: int = 8) -> None:
+        """A file at a URL: every member's data offset, the local headers fetched ``workers``
+        windows at a time (see ``ZipIndex.locate_all_remote``); once, before tensors are copied."""
+        if self.remote and not self.index.located:
+            from concurrent.futures import ThreadPoolExecutor
+
+            remote = self.raw.remote
+            with ThreadPoolExecutor(workers, thread_name_prefix="ckptkit-fetch") as pool:
+                self.index.locate_all_remote(
+                    lambda windows: list(pool.map(lambda w: remote.read(*w), windows))
+                )
+
+    def member_crc(self, ref: StorageRef) -> int | None:
+        """The CRC-32 the directory records for a stored storage's member."""
+        member = self._member(ref)
+        if (
+            self.index.method[member] != zipfile.ZIP_STORED
+            or self.index.length[member] != ref.nbytes
+        ):
+            return None
+        return self.index.crc[member]
+
     def check(self, ref: StorageRef) -> None:
         """Raise when a storage cannot lie inside the file: its local header read, or for a
         remote file (a request a header) its directory entry checked alone (its local header
@@ -508,8 +530,7 @@ class TorchFileSource(Source):
         stub = self._stubs[key]
         if not isinstance(stub, TensorStub) or not stub.is_contiguous:
             return None
-        if self._layout.remote:  # not in a local file: loaded (fetched) instead
-            return None
+        self._layout.locate_storages()  # a file at a URL: every header, in a few requests
         base = self._layout.data_offset(stub.storage)
         if base is None:
             return None
@@ -517,6 +538,14 @@ class TorchFileSource(Source):
         if stub.numel and end > stub.storage.nbytes:
             raise FormatError(f"{self.path} is damaged: tensor '{key}' runs past its storage")
         return self.path, base + start, stub.nbytes
+
+    def expected_crc(self, key: str) -> int | None:
+        stub = self._stubs[key]
+        if not self._layout.remote or not isinstance(stub, TensorStub):
+            return None  # a local file's copied bytes are compared with the file itself
+        if stub.byte_range() != (0, stub.storage.nbytes) or not stub.is_contiguous:
+            return None  # a view of part of its storage: the member's CRC covers more
+        return self._layout.member_crc(stub.storage)
 
     def load(self, key: str) -> torch.Tensor:
         stub = self._stubs[key]

@@ -274,6 +274,9 @@ _CENTRAL_READ = struct.Struct("<4s4B4HL2L5H2L")  # as zipfile unpacks a central 
 _LOCAL_READ = struct.Struct("<4s22sHH")  # signature, fixed fields, name length, extra length
 _MAX_EXTRACT_VERSION = 63  # zipfile refuses members that need a later version
 _WINDOW = 64 * 1024  # local headers are read in windows of this many bytes
+# ...of a file at a URL: headers closer than this share a request; a far one costs _LOCAL_MAX.
+_REMOTE_WINDOW = 256 * 1024
+_LOCAL_MAX = 1024  # a local header with its name and extra field (torch pads to 64 bytes)
 INFLATE_PIECE = 1024 * 1024  # compressed bytes fed to a decompressor at a time
 _NOT_READ, _PAST_END, _BAD_HEADER = -1, -2, -3  # data offsets not known (yet), and why
 
@@ -387,7 +390,7 @@ class ZipIndex:
             self.crc.append(crc)
             self.data.append(_NOT_READ)
             pos = start + name_len + extra_len + comment_len
-        self._located = False
+        self.located = False
 
     def _name(self, name: str, member: int) -> None:
         folder, number = _numbered(name)
@@ -432,7 +435,7 @@ class ZipIndex:
         Raises:
             ZipDamage: its local header lies past the end, or is not one.
         """
-        if not self._located:
+        if not self.located:
             if self.locate_all:
                 self._locate()
             elif self.data[member] == _NOT_READ:
@@ -456,6 +459,42 @@ class ZipIndex:
         return (
             start + _LOCAL_READ.size + name_len + extra_len if sig == b"PK\x03\x04" else _BAD_HEADER
         )
+
+    def locate_all_remote(self, read_many: Callable[[list[tuple[int, int]]], list[bytes]]) -> None:
+        """Every member's data offset, for a file at a URL: the local headers read in windows
+        of ``_REMOTE_WINDOW`` bytes (a window holds every header that starts in it), the
+        windows fetched by ``read_many`` (several at once)."""
+        order = sorted(range(len(self.header)), key=self.header.__getitem__)
+        windows: list[tuple[int, int]] = []
+        for member in order:
+            start = self.header[member]
+            if not 0 <= start <= self.size - _LOCAL_READ.size:
+                continue
+            end = min(start + _LOCAL_MAX, self.size)
+            if windows and end - windows[-1][0] <= _REMOTE_WINDOW:  # close by: one request
+                windows[-1] = (windows[-1][0], max(windows[-1][1], end))
+            else:
+                windows.append((start, end))
+        found = dict(zip((w[0] for w in windows), read_many(windows), strict=True))
+        at, window = -1, b""
+        for member in order:
+            start = self.header[member]
+            if not 0 <= start <= self.size - _LOCAL_READ.size:
+                self.data[member] = _PAST_END
+                continue
+            if start in found:
+                at, window = start, found[start]
+            head = window[start - at : start - at + _LOCAL_READ.size] if at >= 0 else b""
+            if len(head) < _LOCAL_READ.size:
+                self.data[member] = _BAD_HEADER
+                continue
+            sig, _, name_len, extra_len = _LOCAL_READ.unpack(head)
+            self.data[member] = (
+                start + _LOCAL_READ.size + name_len + extra_len
+                if sig == b"PK\x03\x04"
+                else _BAD_HEADER
+            )
+        self.located = True
 
     def fits(self, member: int, name: str) -> bool:
         """Whether a member can lie inside the file, by its directory entry alone (its local
@@ -485,7 +524,7 @@ class ZipIndex:
             self.data[member] = (
                 start + _LOCAL_READ.size + name_len + extra_len if ok else _BAD_HEADER
             )
-        self._located = True
+        self.located = True
 
     def inflate(self, member: int, piece: int = INFLATE_PIECE) -> Iterator[bytes]:
         """A compressed member's bytes, decompressed a piece at a time (at most ``piece``

@@ -12,6 +12,7 @@ puts a tensor is the business of the writers (``writers.py``), which call this e
 from __future__ import annotations
 
 import os
+import zlib
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -20,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import VerificationError
+from ckptkit.errors import FormatError, VerificationError
 from ckptkit.formats.base.dtypes import DTYPES, TensorSpec
 from ckptkit.formats.base.source import Source
 from ckptkit.formats.io.bytecopy import (
+    COMPARE_CHUNK,
     RangeReader,
     copy_range,
     read_into,
@@ -31,6 +33,8 @@ from ckptkit.formats.io.bytecopy import (
     same_bytes,
     write_all,
 )
+from ckptkit.formats.io.fetch import Prefetcher
+from ckptkit.formats.io.remote import Remote, RemotePath, open_remote
 
 if TYPE_CHECKING:
     import torch
@@ -52,8 +56,9 @@ RELEASE_AFTER = 256 * 1024 * 1024  # written bytes before a range leaves the pag
 BATCH_RANGES, BATCH_BYTES = 512, 64 * 1024 * 1024
 PENDING_BATCHES = 4  # ...and at most this many batches wait for it (then the writer waits)
 
-# One written range for the worker: (key, source (fd, offset) or None, output fd, offset, count)
-_Range = tuple[str, "tuple[int, int] | None", int, int, int]
+# One written range for the worker: (key, source (fd, offset), the CRC-32 of bytes fetched from
+# a URL, or None; output fd, offset, count)
+_Range = tuple[str, "tuple[int, int] | int | None", int, int, int]
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,9 @@ class Copier:
     _failed: dict[str, BaseException] = field(default_factory=dict)  # ...or not compared
     _flushing: _Ranges = field(default_factory=lambda: _Ranges())  # written, still cached
     _flushing_bytes: int = 0
+    workers: int = 8  # ranged requests in flight for a source at a URL
+    _fetcher: Prefetcher | None = None
+    _remotes: dict[str, Remote] = field(default_factory=dict)
 
     def close(self) -> None:
         try:
@@ -97,9 +105,13 @@ class Copier:
             if self._checker is not None:
                 self._checker.shutdown(wait=True)
             self._files.close()
+            if self._fetcher is not None:
+                self._fetcher.close()
+            for remote in self._remotes.values():
+                remote.close()
 
     def _written(
-        self, key: str, dst: Path, start: int, count: int, source: tuple[int, int] | None
+        self, key: str, dst: Path, start: int, count: int, source: tuple[int, int] | int | None
     ) -> None:
         """After a tensor's bytes are written, hand them to the worker thread (see
         :meth:`_settle`), which works while the next tensors are written."""
@@ -138,16 +150,22 @@ class Copier:
                 if source is not None:
                     self._failed.setdefault(key, exc)
 
-    def _settle(self, source: tuple[int, int] | None, fd: int, start: int, count: int) -> bool:
+    def _settle(
+        self, source: tuple[int, int] | int | None, fd: int, start: int, count: int
+    ) -> bool:
         """In the worker thread: compare a written range with its ``source`` range (fd, offset)
-        when given, then start its write-back, so the final fsync finds little left to do.
+        or the CRC-32 of the bytes fetched for it when given, then start its write-back, so the
+        final fsync finds little left to do.
 
         Ranges written ``RELEASE_AFTER`` bytes earlier, on disk by now, leave the page cache,
         as with ``dd oflag=nocache``: a conversion does not push a checkpoint's worth of other
         files out of memory, and the pages it frees are the ones it writes into next (on a VM,
         pages the host has taken back are slow to touch again: 0.52 s instead of 1.08 s here).
         """
-        same = source is None or same_bytes(*source, fd, start, count)
+        if isinstance(source, int):  # fetched from a URL: the CRC-32 of what came
+            same = _crc_of(fd, start, count) == source
+        else:
+            same = source is None or same_bytes(*source, fd, start, count)
         release_pages(fd, start, count)  # compared first: released pages may leave the cache
         self._flushing.append(fd, start, count)
         self._flushing_bytes += count
@@ -217,12 +235,16 @@ class Copier:
         self, items: dict[str, Item], dst: Path, verify: bool
     ) -> Callable[[int, TensorSpec], None]:
         """``write(fd, spec)``: append the output bytes of ``items[spec.key]`` at ``fd`` (a file
-        of ``dst``); with ``verify``, copied bytes are compared as they are written."""
+        of ``dst``); with ``verify``, copied bytes are compared as they are written. ``items``
+        are in the order they will be written: a source at a URL has them fetched ahead."""
+        fetcher = self._prefetcher(items)
 
         def write(fd: int, spec: TensorSpec) -> None:
             item = items[spec.key]
             pieces = None if item.cast else self.source.byte_pieces(item.old)
-            if pieces is not None:
+            if pieces is not None and fetcher is not None and _remote(pieces):
+                self._write_fetched(fetcher, fd, dst, item, verify)
+            elif pieces is not None:
                 for path, offset, length in pieces:  # one range, or a sharded layout's several
                     start = os.lseek(fd, 0, os.SEEK_CUR)
                     copy_range(self.fd(path), offset, length, fd)
@@ -242,6 +264,50 @@ class Copier:
             self.progress(spec.nbytes)
 
         return write
+
+    def _prefetcher(self, items: dict[str, Item]) -> Prefetcher | None:
+        """For a source at a URL: its tensors' ranges fetched ahead, ``workers`` at once."""
+        if not _at_url(self.source):
+            return None
+        spans = []
+        for item in items.values():
+            pieces = None if item.cast else self.source.byte_pieces(item.old)
+            if pieces is not None and _remote(pieces):
+                spans += [(item.spec.key, self._remote(p), o, n) for p, o, n in pieces]
+        if not spans:
+            return None
+        if self._fetcher is not None:
+            self._fetcher.close()
+        self._fetcher = Prefetcher(spans, workers=self.workers)
+        return self._fetcher
+
+    def _remote(self, url: Any) -> Remote:
+        """One Remote (its connections) per URL, for the whole conversion."""
+        remote = self._remotes.get(str(url))
+        if remote is None:
+            remote = self._remotes[str(url)] = open_remote(url)
+        return remote
+
+    def _write_fetched(
+        self, fetcher: Prefetcher, fd: int, dst: Path, item: Item, verify: bool
+    ) -> None:
+        """A tensor of a file at a URL: its bytes as they come, written in order; their CRC-32
+        checked against the zip member's where the file records one, and, with ``verify``,
+        against the bytes read back from the output (by the worker thread)."""
+        start = os.lseek(fd, 0, os.SEEK_CUR)
+        crc = 0
+        for data in fetcher.pieces(item.spec.key):
+            write_all(fd, memoryview(data))
+            crc = zlib.crc32(data, crc)
+        expected = self.source.expected_crc(item.old)
+        if expected is not None and expected != crc:
+            raise FormatError(
+                f"tensor '{item.old}' fetched from {self.source.path} does not match the "
+                f"CRC-32 its zip records; nothing was written",
+                "run it again (the object may have changed while it was read)",
+            )
+        self._written(item.spec.key, dst, start, item.spec.nbytes, crc if verify else None)
+        self.copied += 1
 
     def same_as_pieces(self, fd: int, offset: int, item: Item) -> bool:
         """True when the file holds, from ``offset``, the output bytes of ``item`` made anew."""
@@ -366,6 +432,31 @@ def metadata_differ(
     return VerificationError(
         f"the metadata read back from {shown} differs (in {_some(names)}); nothing was written"
     )
+
+
+def _at_url(source: Any) -> bool:
+    """Whether a source, or the one it wraps (a merge's base, named shadow parameters),
+    reads a file at a URL."""
+    while source is not None:
+        if getattr(source, "remote_file", None) is not None:
+            return True
+        source = getattr(source, "base", None) or getattr(source, "inner", None)
+    return False
+
+
+def _remote(pieces: list[tuple[Any, int, int]]) -> bool:
+    return any(isinstance(path, RemotePath) for path, _, _ in pieces)
+
+
+def _crc_of(fd: int, start: int, count: int) -> int:
+    """The CRC-32 of a file's range, read a window at a time."""
+    crc, buf = 0, bytearray(min(count, COMPARE_CHUNK) or 1)
+    for at in range(start, start + count, len(buf)):
+        view = memoryview(buf)[: min(len(buf), start + count - at)]
+        if not read_into(fd, view, at):
+            return -1
+        crc = zlib.crc32(view, crc)
+    return crc
 
 
 def _raw(tensor: Any) -> memoryview:
