@@ -13,7 +13,7 @@ import contextlib
 import fnmatch
 import re
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,8 @@ from ckptkit.formats.io.atomic import (
     check_folder_output,
     check_output,
 )
-from ckptkit.formats.io.remote import as_path, is_url
+from ckptkit.formats.io.remote import RemotePath, as_path, is_url
+from ckptkit.formats.io.upload import Uploads, staging_folder
 from ckptkit.formats.open import open_source
 from ckptkit.formats.output import output_format
 from ckptkit.formats.output.copier import Copier, Item
@@ -338,14 +339,53 @@ def convert_checkpoint(
     check_outputs: bool = False,
     progress: bool = False,
 ) -> ConvertReport:
-    """:func:`convert` with its options grouped, as the CLI gives them: plan, write, report."""
+    """:func:`convert` with its options grouped, as the CLI gives them: plan, write, report.
+    A ``dst`` URL is written through a local staging folder (see ``formats/io/upload.py``)."""
     read, keys, output = read or ReadOptions(), keys or KeyRules(), output or OutputOptions()
-    if is_url(str(dst)):
+    options = {
+        "read": read,
+        "keys": keys,
+        "output": output,
+        "dry_run": dry_run,
+        "force": force,
+        "verify": verify,
+        "check_outputs": check_outputs,
+        "progress": progress,
+    }
+    if not is_url(str(dst)):
+        return _convert(src, Path(dst), None, **options)  # type: ignore[arg-type]
+    url = RemotePath(str(dst))
+    if output.to == "dcp" or url.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
         raise UsageError(
-            f"{dst}: writing to a URL is not built yet; ckptkit reads from URLs",
-            "write to a local path, then upload it",
+            f"{url}: an output at a URL is a .safetensors or .pt file (shards and their index "
+            "beside it with --max-shard-size)",
+            "name the file, e.g. s3://bucket/run/model.safetensors",
         )
-    src, dst = as_path(src), Path(dst)
+    with staging_folder() as stage:
+        uploads = Uploads(url.parent, force=force)
+        report = _convert(src, stage / url.name, uploads, **options)  # type: ignore[arg-type]
+    report.destination = str(url)
+    report.files = [str(url.parent / Path(name).name) for name in report.files]
+    return report
+
+
+def _convert(
+    src: str | Path,
+    dst: Path,
+    uploads: Uploads | None,
+    *,
+    read: ReadOptions,
+    keys: KeyRules,
+    output: OutputOptions,
+    dry_run: bool,
+    force: bool,
+    verify: bool,
+    check_outputs: bool,
+    progress: bool,
+) -> ConvertReport:
+    """The conversion itself; ``uploads``: the outputs go to a URL once written in ``dst``'s
+    (local, staging) folder."""
+    src = as_path(src)
     into = dst if dst.is_dir() and output.to != "dcp" else None
     if into is not None:  # a model folder: save_pretrained's names (the source's, once open)
         dst = into / "model.safetensors"
@@ -398,6 +438,8 @@ def convert_checkpoint(
             for path in [] if folder else plan.outputs:
                 check = check_folder_output if fmt == "dcp" else check_output
                 check(path, force=force, inputs=[src])
+            if uploads is not None:
+                uploads.check([path.name for path in plan.outputs])
             _write(
                 source,
                 plan,
@@ -407,9 +449,10 @@ def convert_checkpoint(
                 verify=verify,
                 progress=progress,
                 workers=read.workers,
+                uploads=uploads,
             )
         _merge_report(source, report, check_outputs)
-        if folder is not None:
+        if folder is not None or uploads is not None:
             return report
         if force and fmt == "safetensors":
             for path in stale_shards(dst, plan.outputs, dst.parent.iterdir()):
@@ -590,8 +633,10 @@ def _write(
     verify: bool,
     progress: bool,
     workers: int = 8,
+    uploads: Uploads | None = None,
 ) -> None:
-    """Write every output to a temp path, verify it, and only then put them all in place."""
+    """Write every output to a temp path, verify it, and only then put them all in place (or,
+    with ``uploads``, upload each as it is done and make them all visible at the end)."""
     # The bar counts the output's bytes: with verify, a tensor counts half when it is written and
     # half when it is checked, so the bar neither stalls at the end nor counts past the size.
     bar = progress_bar(report.nbytes, "convert") if progress else None
@@ -617,6 +662,10 @@ def _write(
                 for path in plan.copies:
                     shutil.copyfile(path, tmp / path.name)
                 report.copied_files = [path.name for path in plan.copies]
+        elif uploads is not None:  # staged here one at a time, visible there all at once
+            with uploads:
+                _write_files(writer, copier, plan, plan.outputs, header, verify, uploads.add)
+                uploads.commit()
         else:
             # In order, or none: the index (last) appears only once every shard is in place.
             with atomic_outputs(plan.outputs, force=force, inputs=inputs) as temps:
@@ -637,14 +686,18 @@ def _write_files(
     temps: list[Path],
     header: dict[str, str],
     verify: bool,
+    done: Callable[[Path, str], None] = lambda path, name: None,
 ) -> None:
-    """Each shard to its temp path, then the index of a sharded output."""
+    """Each shard to its temp path, then the index of a sharded output; ``done(temp, name)``
+    after each file is written and verified."""
     for shard, tmp, path in zip(plan.shards, temps, plan.outputs, strict=False):
         _write_shard(writer, copier, tmp, shard, path, plan, verify)
+        done(tmp, path.name)
     if len(plan.outputs) > len(plan.shards):  # the index of a sharded output
         sizes = [[(i.spec.key, i.spec.nbytes) for i in s] for s in plan.shards]
         names = [p.name for p in plan.outputs[:-1]]
         temps[-1].write_text(index_document(sizes, names, header))
+        done(temps[-1], plan.outputs[-1].name)
 
 
 def _is_merge(source: Source) -> bool:

@@ -217,16 +217,13 @@ def summarize(
             if not remote and path.is_dir() and source.format != "sharded"
             else [],
             shards={
-                name: shard.path.stat().st_size
-                for name, shard in getattr(source, "shards", {}).items()
+                name: _size_on_disk(shard) for name, shard in getattr(source, "shards", {}).items()
             },
             adapter=describe(source),
             ema_model=_ema_model(source, path, names_from),
         )
-        raw = getattr(source, "remote_file", None)
-        if raw is not None:  # what reading the headers (and the verdict) cost, after both
-            traffic = raw.remote.traffic
-            summary.fetched = {"requests": traffic.requests, "bytes": traffic.bytes}
+        if remote:  # what reading the headers (and the verdict) cost, after both
+            summary.fetched = _fetched(source)
     return summary
 
 
@@ -337,10 +334,25 @@ def _folder_parts(folder: Path, opened: ScanReport | None) -> list[dict[str, Any
     ]
 
 
+def _fetched(source: Any) -> dict[str, int]:
+    """The ranged requests a source at a URL made, and the bytes they brought (a sharded
+    checkpoint's: every shard's; its index, read whole, is not counted)."""
+    sources = list(getattr(source, "shards", {}).values()) or [source]
+    files = [getattr(s, "remote_file", None) for s in sources]
+    traffics = [raw.remote.traffic for raw in files if raw is not None]
+    return {
+        "requests": sum(t.requests for t in traffics),
+        "bytes": sum(t.bytes for t in traffics),
+    }
+
+
 def _size_on_disk(source: Any) -> int:
     raw = getattr(source, "remote_file", None)
     if raw is not None:  # a file at a URL: its size came with the first read
         return int(raw.remote.size)
+    shards = getattr(source, "shards", None)
+    if shards and not isinstance(source.path, Path):  # a sharded checkpoint at a URL
+        return sum(_size_on_disk(shard) for shard in shards.values())
     return sum(os.path.getsize(path) for path in source.files())
 
 

@@ -296,6 +296,12 @@ def _open_url(
             f"--trust runs torch's full unpickler, which reads {url} from a local disk",
             "download it first, or drop --trust",
         )
+    if url.name.endswith(".index.json"):  # a sharded checkpoint: the index, then each shard
+        from ckptkit.formats.folders.sharded import ShardedSource
+
+        if select not in (None, ""):
+            raise FormatError(f"{url} is a sharded state dict", "drop --select")
+        return ShardedSource(url, opener=open_source, allow_globals=allow_globals)  # type: ignore[arg-type]
     raw = RangeFile(open_remote(url))
     try:
         kind = remote_kind(url, raw)

@@ -58,13 +58,14 @@ class ShardedSource(Source):
         self._where: dict[str, Source] = {}
         self._entries: list[tuple[str, TensorInfo]] | None = None
         try:
-            for name in sorted(set(weight_map.values())):  # model-00001-of-... first
+            names = sorted(set(weight_map.values()))  # model-00001-of-... first
+            for name in names:
                 if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
                     raise FormatError(f"{index} names a shard outside its folder: {name!r}")
                 shard_path = index.parent / name
-                if not shard_path.exists():
+                if isinstance(shard_path, Path) and not shard_path.exists():  # a URL: when read
                     raise FormatError(f"shard {name} named by {index} is missing", "copy it there")
-                self.shards[name] = opener(shard_path, allow_globals=allow_globals)
+            self._open_shards(index, names, opener, allow_globals)
             # Each shard's keys once, as a set: a lookup per index key, not a list per lookup.
             held = {name: set(shard.keys()) for name, shard in self.shards.items()}
             for key, name in weight_map.items():
@@ -81,6 +82,25 @@ class ShardedSource(Source):
             raise
         self.shard_format = next(iter(self.shards.values())).format if self.shards else "empty"
         self.globals = sorted({g for shard in self.shards.values() for g in shard.globals})
+
+    def _open_shards(
+        self, index: Path, names: list[str], opener: Any, allow_globals: Iterable[str]
+    ) -> None:
+        """Each shard opened (its header read); at a URL, several at once (a request or two
+        each, mostly waiting)."""
+        if isinstance(index, Path):
+            for name in names:
+                self.shards[name] = opener(index.parent / name, allow_globals=allow_globals)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8, thread_name_prefix="ckptkit-open") as pool:
+            futures = [
+                pool.submit(opener, index.parent / name, allow_globals=allow_globals)
+                for name in names
+            ]
+            for name, future in zip(names, futures, strict=True):
+                self.shards[name] = future.result()  # the first failure is raised (in order)
 
     def entries(self) -> list[tuple[str, TensorInfo]]:
         if self._entries is None:  # made once: inspect, convert and diff each ask several times

@@ -117,6 +117,14 @@ class RemotePath:
     def with_name(self, name: str) -> RemotePath:
         return self.parent / name
 
+    def read_text(self) -> str:
+        """A small object's text (a shard index), in one or two requests."""
+        remote = open_remote(self)
+        try:
+            return remote.read(0, remote.size).decode("utf-8")
+        finally:
+            remote.close()
+
 
 @dataclass
 class Traffic:

@@ -434,14 +434,10 @@ def metadata_differ(
     )
 
 
-def _at_url(source: Any) -> bool:
-    """Whether a source, or the one it wraps (a merge's base, named shadow parameters),
-    reads a file at a URL."""
-    while source is not None:
-        if getattr(source, "remote_file", None) is not None:
-            return True
-        source = getattr(source, "base", None) or getattr(source, "inner", None)
-    return False
+def _at_url(source: Source) -> bool:
+    """Whether a source reads a file (or a sharded checkpoint's index) at a URL: its path is
+    a RemotePath, as the wrappers' paths (a merge's base, named shadow parameters) are theirs."""
+    return isinstance(source.path, RemotePath)
 
 
 def _remote(pieces: list[tuple[Any, int, int]]) -> bool:

@@ -1,0 +1,99 @@
+"""Outputs written to a URL: uploaded as soon as each is written and verified, made visible only
+when every one is, the last one (a sharded output's index) last; none of them on a failure.
+
+Each file is staged in a local folder (one file at a time: a sharded output needs the room of
+one shard), checked there as any output is, then streamed to the store through fsspec with
+``autocommit=False``. On S3 that is a multipart upload whose parts go up at once but which is
+completed (the object appears, whole) only by :meth:`Uploads.commit`; a failure aborts every
+upload, and a killed run leaves incomplete multipart uploads, which no reader lists as objects
+(``aws s3api list-multipart-uploads`` shows them; a bucket lifecycle rule removes them). fsspec's
+local and other back-ends write a temporary file and move it into place on commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ckptkit.errors import OutputError, UsageError
+from ckptkit.formats.io.remote import RemotePath, filesystem
+
+__all__ = ["Uploads", "staging_folder"]
+
+PART = 16 * 1024 * 1024  # bytes an upload part (S3 wants 5 MiB at least, 10,000 parts at most)
+
+
+@contextlib.contextmanager
+def staging_folder() -> Iterator[Path]:
+    """A local folder for outputs on their way to a URL (``CKPTKIT_STAGING``, else the
+    system's temporary folder), removed afterwards."""
+    with tempfile.TemporaryDirectory(
+        prefix="ckptkit-stage-", dir=os.environ.get("CKPTKIT_STAGING")
+    ) as folder:
+        yield Path(folder)
+
+
+class Uploads:
+    """Files bound for the folder ``folder`` (a URL): :meth:`check` them, :meth:`add` each when
+    written, then :meth:`commit` all, in order; used as a context manager, an exception
+    discards every upload not committed."""
+
+    def __init__(self, folder: RemotePath, *, force: bool) -> None:
+        if folder.scheme in ("http", "https"):
+            raise UsageError(
+                f"{folder} is an HTTP URL, which ckptkit reads but cannot write to",
+                "write to object storage (s3://, gs://, az://...) or a local path",
+            )
+        self.folder, self.force = folder, force
+        self.fs, self.root = filesystem(str(folder))
+        self._open: list[Any] = []  # uploaded, not committed
+
+    def url(self, name: str) -> str:
+        return f"{self.root.rstrip('/')}/{name}"
+
+    def check(self, names: list[str]) -> None:
+        """Refuse outputs that exist at the URL unless ``force`` (as on a local disk).
+
+        Raises:
+            OutputError: naming the first that exists.
+        """
+        if self.force:
+            return
+        for name in names:
+            if self.fs.exists(self.url(name)):
+                raise OutputError(
+                    f"output {self.folder / name} exists", "pass --force to replace it"
+                )
+
+    def add(self, local: Path, name: str) -> None:
+        """Upload ``local`` as ``name`` (not visible yet), then delete the local copy."""
+        handle = self.fs.open(self.url(name), "wb", autocommit=False, block_size=PART)
+        self._open.append(handle)
+        with open(local, "rb") as f:
+            while chunk := f.read(PART):
+                handle.write(chunk)
+        handle.close()  # the last part goes up; the upload stays open until commit
+        local.unlink()
+
+    def commit(self) -> None:
+        """Make every upload visible, in the order added (a sharded output's index last)."""
+        while self._open:
+            self._open.pop(0).commit()
+
+    def discard(self) -> None:
+        """Abort every upload not committed (nothing of them becomes visible)."""
+        while self._open:
+            handle = self._open.pop()
+            with contextlib.suppress(Exception):  # the first failure is the one to report
+                handle.discard()
+
+    def __enter__(self) -> Uploads:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        if kind is not None:
+            self.discard()
