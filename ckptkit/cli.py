@@ -212,8 +212,8 @@ def cli() -> None:
 
 
 @cli.command()
-@click.argument("src", type=click.Path(dir_okay=True, path_type=str))
-@click.argument("dst", type=click.Path(path_type=str))
+@click.argument("src", required=False, type=click.Path(dir_okay=True, path_type=str))
+@click.argument("dst", required=False, type=click.Path(path_type=str))
 @click.option(
     "--select",
     metavar="DOTTED.PATH",
@@ -301,6 +301,20 @@ def cli() -> None:
     "pickled nn.Module gives its state_dict().",
 )
 @click.option(
+    "--part",
+    metavar="I/N",
+    help="Write only part I of N of a sharded output's shards (shard k goes to part k mod N), "
+    "no index; then `ckptkit convert --finish DST` writes it. Under torchrun each rank takes "
+    "its part by itself and rank 0 writes the index once every rank is done.",
+)
+@click.option(
+    "--finish",
+    "finish_dst",
+    metavar="DST",
+    type=click.Path(path_type=str),
+    help="Write the index of DST's shards written by --part runs (every shard checked).",
+)
+@click.option(
     "--workers",
     type=click.IntRange(1, 64),
     default=8,
@@ -311,8 +325,8 @@ def cli() -> None:
 @json_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, no report.")
 def convert(
-    src: str,
-    dst: str,
+    src: str | None,
+    dst: str | None,
     keys: KeyRules,
     select: str | None,
     ema: bool,
@@ -329,6 +343,8 @@ def convert(
     dry_run: bool,
     force: bool,
     no_verify: bool,
+    part: str | None,
+    finish_dst: str | None,
     workers: int,
     as_json: bool,
     quiet: bool,
@@ -347,9 +363,28 @@ def convert(
     ckptkit convert my-lora/ merged/ --base base-model/
     ckptkit convert base-model/ merged/ --adapter style.safetensors:0.8 --adapter fix/
     ckptkit convert s3://bucket/run/model.pt model.safetensors --workers 16
+    ckptkit convert big/ out/model.safetensors --max-shard-size 5GB --part 3/8
+    ckptkit convert --finish out/model.safetensors
+    torchrun --nproc-per-node 4 -m ckptkit convert big/ out/model.safetensors --max-shard-size 5GB
     """
     from ckptkit.adapters import AdapterOptions, parse_adapter_arg
     from ckptkit.convert import OutputOptions, ReadOptions, convert_checkpoint
+    from ckptkit.spread import finish, launched_part, parse_part
+
+    if finish_dst is not None:
+        if src is not None:
+            raise click.UsageError("--finish DST takes no SRC: it writes the index of DST's shards")
+        done = finish(finish_dst, force=force)
+        if as_json:
+            _emit("finish", done.to_dict())
+        elif not quiet:
+            _echo([f"Wrote    {done.index} ({done.tensors} tensors in {len(done.shards)} shards)"])
+        return
+    if src is None or dst is None:
+        raise click.UsageError("give SRC and DST (or --finish DST)")
+    launched = launched_part() if part is None else None
+    spread = parse_part(part) if part is not None else launched
+    silent = launched is not None and launched.index != 0  # under torchrun, rank 0 reports
 
     output["keep_dtype"] = tuple(output["keep_dtype"])
     merge = AdapterOptions(
@@ -378,8 +413,11 @@ def convert(
         force=force,
         verify=not no_verify,
         check_outputs=check_outputs,
-        progress=_progress(quiet or as_json),
+        progress=_progress(quiet or as_json or silent),
+        part=spread,
     )
+    if silent:
+        return
     if as_json:
         _emit("convert", report.to_dict())
     elif not quiet:

@@ -54,6 +54,7 @@ from ckptkit.keys import (
 )
 from ckptkit.meta import TRAINING_KEY, CheckpointMeta
 from ckptkit.progress import progress_bar
+from ckptkit.spread import Part, all_succeeded, parse_part
 
 __all__ = [
     "convert",
@@ -134,6 +135,7 @@ class ConvertReport:
     merged: dict[str, float | None] = field(default_factory=dict)
     output_check: dict[str, Any] | None = None  # --check-outputs: merged vs unmerged layers
     copied_files: list[str] = field(default_factory=list)  # a folder output's config, tokenizer
+    part: str | None = None  # "I/N": this process wrote that share of the shards
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary (the schema of ``ckptkit convert --json``)."""
@@ -170,6 +172,7 @@ class ConvertReport:
             "merged": self.merged,
             "output_check": self.output_check,
             "copied_files": self.copied_files,
+            "part": self.part,
         }
 
 
@@ -338,11 +341,14 @@ def convert_checkpoint(
     verify: bool = True,
     check_outputs: bool = False,
     progress: bool = False,
+    part: Part | str | None = None,
 ) -> ConvertReport:
     """:func:`convert` with its options grouped, as the CLI gives them: plan, write, report.
-    A ``dst`` URL is written through a local staging folder (see ``formats/io/upload.py``)."""
+    A ``dst`` URL is written through a local staging folder (see ``formats/io/upload.py``);
+    ``part`` writes one share of a sharded output's shards (see ``ckptkit.spread``)."""
     read, keys, output = read or ReadOptions(), keys or KeyRules(), output or OutputOptions()
     options = {
+        "part": parse_part(part) if isinstance(part, str) else part,
         "read": read,
         "keys": keys,
         "output": output,
@@ -382,9 +388,11 @@ def _convert(
     verify: bool,
     check_outputs: bool,
     progress: bool,
+    part: Part | None,
 ) -> ConvertReport:
     """The conversion itself; ``uploads``: the outputs go to a URL once written in ``dst``'s
-    (local, staging) folder."""
+    (local, staging) folder; ``part``: only that share of the shards (and the index, for
+    rank 0 of a launched run, once every rank has written its own)."""
     src = as_path(src)
     into = dst if dst.is_dir() and output.to != "dcp" else None
     if into is not None:  # a model folder: save_pretrained's names (the source's, once open)
@@ -427,38 +435,101 @@ def _convert(
             dst = into / _weights_name(source)
         plan = _plan(source, src, dst, fmt, keys, output, target, shard_limit, folder)
         report = _report(source, plan, dry_run)
+        whole = plan
+        if part is not None:
+            plan = _part_of(plan, part)
+            index = [str(whole.outputs[-1])] if part.launched and part.index == 0 else []
+            report.files = [str(p) for p in plan.outputs] + index
+            report.part = str(part)
         if dry_run:
             return report
         header = _metadata(source, report).to_header()
         if plan.ties == "once":  # as safetensors.torch.save_model records a removed name
             header.update({k: v for k, v in plan.aliases.items() if k not in header})
         with _parent_folders(folder or dst):  # made as train --out makes its folder
-            if folder is not None:
-                check_folder_output(folder, force=force, inputs=[src])
-            for path in [] if folder else plan.outputs:
-                check = check_folder_output if fmt == "dcp" else check_output
-                check(path, force=force, inputs=[src])
-            if uploads is not None:
-                uploads.check([path.name for path in plan.outputs])
-            _write(
-                source,
-                plan,
-                report,
-                header,
-                force=force,
-                verify=verify,
-                progress=progress,
-                workers=read.workers,
-                uploads=uploads,
-            )
+
+            def write() -> None:
+                if folder is not None:
+                    check_folder_output(folder, force=force, inputs=[src])
+                for path in [] if folder else plan.outputs:
+                    check = check_folder_output if fmt == "dcp" else check_output
+                    check(path, force=force, inputs=[src])
+                if uploads is not None:
+                    uploads.check([path.name for path in plan.outputs])
+                _write(
+                    source,
+                    plan,
+                    report,
+                    header,
+                    force=force,
+                    verify=verify,
+                    progress=progress,
+                    workers=read.workers,
+                    uploads=uploads,
+                )
+
+            if part is not None and part.launched:
+                _write_agreed(write, whole, part, header, force, uploads)
+            else:
+                write()
         _merge_report(source, report, check_outputs)
-        if folder is not None or uploads is not None:
+        if folder is not None or uploads is not None or part is not None:
             return report
         if force and fmt == "safetensors":
             for path in stale_shards(dst, plan.outputs, dst.parent.iterdir()):
                 if path.is_file():
                     path.unlink()
     return report
+
+
+def _part_of(plan: _Plan, part: Part) -> _Plan:
+    """The share of a sharded output's shards that ``part`` writes (no index: see
+    :func:`_write_agreed` and ``ckptkit.spread.finish``)."""
+    if plan.folder is not None or plan.fmt != "safetensors" or len(plan.shards) < 2:
+        raise UsageError(
+            f"--part {part} spreads the shards of a sharded safetensors file, and {plan.dst} "
+            f"would be {'one file' if len(plan.shards) < 2 else 'a folder'}",
+            "give DST a .safetensors name and --max-shard-size (smaller than the model)",
+        )
+    mine = part.shards(len(plan.shards))
+    return replace(
+        plan, shards=[plan.shards[i] for i in mine], outputs=[plan.outputs[i] for i in mine]
+    )
+
+
+def _write_agreed(
+    write: Callable[[], None],
+    whole: _Plan,
+    part: Part,
+    header: dict[str, str],
+    force: bool,
+    uploads: Uploads | None,
+) -> None:
+    """Under torchrun: this rank's shards, then, once every rank says its own are written and
+    verified, the index by rank 0. A rank that failed makes every rank fail: no index."""
+    try:
+        write()
+    except BaseException:
+        all_succeeded(False)
+        raise
+    if not all_succeeded(True):
+        raise OutputError(
+            f"another rank failed to write its shards of {whole.dst}; no index was written",
+            "see that rank's error, then run it again",
+        )
+    if part.index != 0:
+        return
+    sizes = [[(i.spec.key, i.spec.nbytes) for i in s] for s in whole.shards]
+    text = index_document(sizes, [p.name for p in whole.outputs[:-1]], header)
+    index = whole.outputs[-1]
+    if uploads is not None:
+        index.write_text(text)
+        with uploads:
+            uploads.add(index, index.name)
+            uploads.commit()
+        return
+    with atomic_outputs([index], force=force) as (tmp,):
+        tmp.write_text(text)
 
 
 @dataclass

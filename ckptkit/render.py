@@ -42,7 +42,16 @@ __all__ = [
 ]
 
 #: The version of each command's JSON document; bump one when its shape changes.
-SCHEMAS = {"inspect": 2, "convert": 2, "scan": 2, "diff": 2, "train": 2, "plot": 1, "error": 1}
+SCHEMAS = {
+    "inspect": 2,
+    "convert": 2,
+    "finish": 1,
+    "scan": 2,
+    "diff": 2,
+    "train": 2,
+    "plot": 1,
+    "error": 1,
+}
 
 
 _P = ParamSpec("_P")
@@ -476,7 +485,19 @@ def convert_lines(report: Any) -> list[str]:
         checked = "verified: read back equal to the cast values"
     else:
         checked = "verified bit-exact"
-    if len(report.files) > 1:
+    if report.part:
+        shards = [f for f in report.files if not f.endswith(".index.json")]
+        lines.append(
+            f"Wrote    part {report.part}: {plural(len(shards), 'shard')} of "
+            f"{report.destination}, {checked}"
+            + (
+                "; and the index, every part done"
+                if len(shards) < len(report.files)
+                else f"; `ckptkit convert --finish {report.destination}` writes the index "
+                "once every part is done"
+            )
+        )
+    elif len(report.files) > 1:
         lines.append(f"Wrote    {len(report.files) - 1} shards and {report.files[-1]}, {checked}")
     else:
         lines.append(f"Wrote    {report.destination} ({report.output_format}), {checked}")

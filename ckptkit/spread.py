@@ -1,0 +1,172 @@
+"""Conversion spread over processes: each writes a disjoint share of a sharded output.
+
+The plan (which tensor goes to which shard) depends on the source and the options only, never
+on how many processes write it, so the output is byte-identical for any number of them. Shard
+``i`` (counted from 0) belongs to part ``i % N``.
+
+Two ways to run the parts:
+
+* ``torchrun --nproc-per-node N -m ckptkit convert SRC DST --max-shard-size S`` (or
+  ``--nnodes``): each rank writes its shards, then the ranks agree over torch's gloo process
+  group (CPU only, the rendezvous torchrun made) that every shard was written and verified;
+  only then does rank 0 write the index. A rank that fails makes every rank fail, and no index
+  is written.
+* ``ckptkit convert SRC DST --max-shard-size S --part I/N`` in N jobs of a scheduler (I from 1),
+  then ``ckptkit convert --finish DST``, which checks that every shard is there and whole and
+  writes the index from the shards' own headers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptkit.errors import FormatError, UsageError
+from ckptkit.formats.files.safetensors import read_header
+from ckptkit.formats.io.atomic import atomic_outputs
+from ckptkit.formats.output.plan import index_document
+
+__all__ = ["Part", "parse_part", "launched_part", "all_succeeded", "finish", "FinishReport"]
+
+AGREE_TIMEOUT_S = float(os.environ.get("CKPTKIT_SPREAD_TIMEOUT", "1800"))
+
+
+@dataclass(frozen=True)
+class Part:
+    """Which share of the shards this process writes: ``index`` of ``count`` (from 0);
+    ``launched``: under torch's launcher, so the ranks agree before the index is written."""
+
+    index: int
+    count: int
+    launched: bool = False
+
+    def shards(self, total: int) -> list[int]:
+        """The shards (counted from 0) this part writes."""
+        return list(range(self.index, total, self.count))
+
+    def __str__(self) -> str:
+        return f"{self.index + 1}/{self.count}"
+
+
+def parse_part(text: str) -> Part:
+    """``"I/N"`` (I from 1 to N) as a Part.
+
+    Raises:
+        UsageError: not of that form.
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if match is None or not 1 <= int(match[1]) <= int(match[2]):
+        raise UsageError(f"--part {text}: give I/N with 1 <= I <= N", "e.g. --part 2/8")
+    return Part(int(match[1]) - 1, int(match[2]))
+
+
+def launched_part() -> Part | None:
+    """This process's part when torch's launcher (torchrun) started several, else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1 or "RANK" not in os.environ:
+        return None
+    return Part(int(os.environ["RANK"]), world, launched=True)
+
+
+def all_succeeded(ok: bool) -> bool:
+    """Under torchrun: whether every rank's shards were written and verified (each rank says
+    so); the gloo process group is made here, on the launcher's rendezvous, and torn down."""
+    import torch
+    import torch.distributed as dist
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=AGREE_TIMEOUT_S))
+    try:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+@dataclass
+class FinishReport:
+    """What ``convert --finish`` found and wrote."""
+
+    index: str
+    shards: list[str]
+    tensors: int
+    total_size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "shards": self.shards,
+            "tensors": self.tensors,
+            "total_size": self.total_size,
+        }
+
+
+def finish(dst: str | Path, *, force: bool = False) -> FinishReport:
+    """Write the index of a sharded safetensors output whose parts were written apart
+    (``convert --part I/N``): every shard ``stem-0000i-of-0000n.safetensors`` beside ``dst``
+    must be there and whole (its header read and checked); the index is made from their
+    headers, in shard order, as a one-process conversion writes it.
+
+    Raises:
+        FormatError: a shard is missing or damaged, or the shards disagree.
+        OutputError: the index exists (without ``force``).
+    """
+    dst = Path(dst)
+    stem = dst.name.removesuffix(".safetensors")
+    pattern = re.compile(re.escape(stem) + r"-(\d{5})-of-(\d{5})\.safetensors")
+    found = sorted(
+        p for p in dst.parent.glob(f"{stem}-*-of-*.safetensors") if pattern.fullmatch(p.name)
+    )
+    if not found:
+        raise FormatError(
+            f"no shards of {dst} ({stem}-00001-of-N.safetensors...) in {dst.parent}",
+            "run the parts first: ckptkit convert SRC DST --max-shard-size S --part I/N",
+        )
+    counts = {pattern.fullmatch(p.name)[2] for p in found}  # type: ignore[index]
+    if len(counts) != 1:
+        raise FormatError(
+            f"{dst.parent} holds shards of several conversions (of {', '.join(sorted(counts))})",
+            "remove the stale ones",
+        )
+    count = int(counts.pop())
+    paths = [
+        dst.with_name(f"{stem}-{i:05d}-of-{count:05d}.safetensors") for i in range(1, count + 1)
+    ]
+    missing = [p.name for p in paths if not p.exists()]
+    if missing:
+        raise FormatError(
+            f"{len(missing)} of {count} shards of {dst} are missing ({', '.join(missing[:3])}"
+            + (" ..." if len(missing) > 3 else "")
+            + ")",
+            "run the parts that wrote them (--part I/N) again",
+        )
+    sizes, header = [], None
+    for path in paths:
+        entries, _ = read_header(path)  # checked as strictly as safetensors does
+        metadata = entries.pop("__metadata__", None) or {}
+        if header is None:
+            header = dict(metadata)
+        elif dict(metadata) != header:
+            raise FormatError(
+                f"{path} was written by another conversion than {paths[0].name} (their metadata "
+                "differ)",
+                "run every part with the same source and options",
+            )
+        spans = ((key, entry["data_offsets"]) for key, entry in entries.items())
+        sizes.append([(key, end - begin) for key, (begin, end) in spans])
+    index = dst.with_name(dst.name + ".index.json")
+    with atomic_outputs([index], force=force) as (tmp,):
+        tmp.write_text(index_document(sizes, [p.name for p in paths], header or {}))
+    return FinishReport(
+        str(index),
+        [str(p) for p in paths],
+        sum(len(s) for s in sizes),
+        sum(n for s in sizes for _, n in s),
+    )
