@@ -380,8 +380,8 @@ def convert(
         elif not quiet:
             _echo([f"Wrote    {done.index} ({done.tensors} tensors in {len(done.shards)} shards)"])
         return
-    if src is None or dst is None:
-        raise click.UsageError("give SRC and DST (or --finish DST)")
+    if src is None or dst is None:  # optional only for --finish
+        raise click.UsageError(f"Missing argument '{'SRC' if src is None else 'DST'}'")
     launched = launched_part() if part is None else None
     spread = parse_part(part) if part is not None else launched
     silent = launched is not None and launched.index != 0  # under torchrun, rank 0 reports
