@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.engine.config import TrainConfig
 from ckptkit.errors import UsageError
+from ckptkit.formats.io.remote import is_url
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -65,6 +66,12 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
 
     config = config or TrainConfig(**options)  # type: ignore[arg-type]
     config.check()
+    if is_url(config.out):  # trained in a local folder, mirrored to the URL as it commits
+        from ckptkit.engine.remote import staged_run
+
+        with staged_run(config) as local:
+            result = train(local)
+        return _at_url(result, local.out, config.out)
     if Mode(config.mode).distributed and not under_launcher():
         # Only what launching needs is imported here: the workers wait for this process.
         from ckptkit.engine.checkpoint import check_fresh
@@ -86,6 +93,16 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
     from ckptkit.engine.trainer import Engine
 
     return Engine(config).run()
+
+
+def _at_url(result: TrainResult, local: str, url: str) -> TrainResult:
+    """A result's paths in the staging folder named at the URL they were mirrored to."""
+    result.out = url
+    for name in ("checkpoint", "resumed_from"):
+        path = getattr(result, name)
+        if path and path.startswith(local):
+            setattr(result, name, f"{url.rstrip('/')}/{Path(path).name}")
+    return result
 
 
 def _refuse_rerun() -> None:

@@ -214,7 +214,9 @@ def restore(path: Path, run: Run, progress: Progress, ctx: Context) -> None:
     if isinstance(rng, list) and len(rng) == ctx.world_size:
         _set_rng_state(rng[ctx.rank])  # same world size: each rank continues its stream
     where = f"epoch {progress.epoch}" + (f", step {progress.step}" if progress.batch else "")
-    logger.info("resumed from %s at %s", escape(str(path)), where)
+    from ckptkit.engine.remote import shown_path  # (remote imports checkpoint, which us)
+
+    logger.info("resumed from %s at %s", escape(shown_path(path)), where)
 
 
 def _restore_shards(path: Path, parts: set[str], run: Run, ctx: Context) -> bool:

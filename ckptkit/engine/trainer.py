@@ -40,6 +40,7 @@ from ckptkit.engine.distributed import (
     teardown,
 )
 from ckptkit.engine.payload import Progress
+from ckptkit.engine.remote import push
 from ckptkit.engine.runlog import RunLog, logger, show_progress
 from ckptkit.engine.saver import BackgroundSaver, Staging
 from ckptkit.errors import Preempted, UsageError
@@ -460,9 +461,11 @@ class Engine:
         suffixes = _FILE_FORMATS[cfg.save_format or "pt"]
 
         def commit(contents: dict[str, Any]) -> Path:
-            return checkpoint.commit(
+            path = checkpoint.commit(
                 out, epoch, contents, keep_last=keep, formats=suffixes, step=step, best=best
             )
+            push(out)  # --out URL: mirrored there (files, then latest), else nothing
+            return path
 
         if self._saver is None or self._staging is None:
             return commit(saved)

@@ -1,0 +1,174 @@
+"""``train --out URL``: a run whose checkpoints live on object storage.
+
+The run is trained in a local staging folder, as any run is; each time rank 0 commits a
+checkpoint there, the folder is mirrored to the URL by the same protocol: the checkpoint's files
+first (each an upload made visible only once complete), then the run's logs, then the
+``latest`` (and ``best``) pointer, then the checkpoints pruned locally are deleted there. A
+reader of the URL therefore never finds ``latest`` naming a partial file. ``--resume auto``
+downloads the checkpoint the URL's ``latest`` names (on each node, before its workers start)
+and resumes from it. DCP checkpoints (folders written by every rank) are refused for a URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ckptkit.engine.checkpoint import RUN_LOGS
+from ckptkit.errors import UsageError
+from ckptkit.formats.folders.runs import BEST, LATEST, list_checkpoints
+from ckptkit.formats.io.remote import RemotePath, filesystem, is_url
+from ckptkit.formats.io.upload import Uploads
+
+__all__ = ["MIRROR_ENV", "staged_run", "push", "shown_path"]
+
+# Set for the workers: the URL their (local) --out is mirrored to.
+MIRROR_ENV = "CKPTKIT_OUT_URL"
+
+
+@contextlib.contextmanager
+def staged_run(config: Any) -> Iterator[Any]:
+    """The config with ``out`` a local staging folder mirrored to the URL ``config.out``; the
+    URL's run checked (fresh, or resumed from its ``latest``, downloaded here first).
+
+    Raises:
+        UsageError: DCP checkpoints, or a URL run that is not fresh without --resume or
+            --overwrite.
+    """
+    url = RemotePath(config.out)
+    if config.save_format == "dcp":
+        raise UsageError(
+            f"--save-format dcp writes a folder from every rank, which ckptkit does not mirror "
+            f"to {url}",
+            "save pt or safetensors checkpoints to a URL, or a dcp run to a local --out",
+        )
+    fs, root = filesystem(str(url))
+    stage = Path(os.environ.get("CKPTKIT_STAGING") or tempfile.gettempdir())
+    folder = Path(tempfile.mkdtemp(prefix="ckptkit-run-", dir=stage))
+    try:
+        _check_fresh(fs, root, url, config)
+        _check_writable(fs, root, url)
+        if config.resume == "auto":
+            _pull_latest(fs, root, folder)
+        previous = os.environ.get(MIRROR_ENV)
+        os.environ[MIRROR_ENV] = str(url)
+        try:
+            yield replace(config, out=str(folder), overwrite=False)
+        finally:
+            if previous is None:
+                os.environ.pop(MIRROR_ENV, None)
+            else:
+                os.environ[MIRROR_ENV] = previous
+        push(folder)  # the logs' last lines
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _names(fs: Any, root: str) -> list[str]:
+    try:
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _check_fresh(fs: Any, root: str, url: RemotePath, config: Any) -> None:
+    """As for a local --out: an earlier run's files there need --resume or --overwrite
+    (which deletes them first)."""
+    fs.invalidate_cache()
+    names = _names(fs, root)
+    earlier = [n for n in names if n in (LATEST, BEST, *RUN_LOGS) or n.startswith("ckpt-")]
+    if not earlier or config.resume is not None:
+        return
+    if not config.overwrite:
+        raise UsageError(
+            f"{url} holds an earlier run ({', '.join(sorted(earlier)[:3])})",
+            "resume it with --resume auto, or replace it with --overwrite",
+        )
+    for name in earlier:
+        fs.rm(f"{root.rstrip('/')}/{name}", recursive=True)
+
+
+def _check_writable(fs: Any, root: str, url: RemotePath) -> None:
+    """Fail now, not after the first epoch: a small object written there and removed."""
+    probe = f"{root.rstrip('/')}/.ckptkit-probe-{os.getpid()}"
+    try:
+        fs.pipe_file(probe, b"")
+        fs.rm(probe)
+    except (OSError, ValueError) as exc:
+        raise UsageError(
+            f"cannot write to --out {url}: {exc}", "check the bucket and the credentials"
+        ) from None
+
+
+def _pull_latest(fs: Any, root: str, folder: Path) -> None:
+    """The checkpoint the URL's ``latest`` names, and the pointer, into ``folder``."""
+    base = root.rstrip("/")
+    try:
+        name = fs.cat_file(f"{base}/{LATEST}").decode().strip()
+    except FileNotFoundError:
+        return  # nothing to resume: a fresh run, as locally
+    for suffix in (".pt", ".safetensors"):
+        remote = f"{base}/{name.rsplit('.', 1)[0]}{suffix}"
+        if fs.exists(remote):
+            fs.get_file(remote, str(folder / Path(remote).name))
+    (folder / LATEST).write_text(name + "\n")
+    for log in RUN_LOGS:  # the logs go on where they stopped (each rewound to the step)
+        with contextlib.suppress(FileNotFoundError):
+            fs.get_file(f"{base}/{log}", str(folder / log))
+
+
+def push(folder: Path) -> None:
+    """Mirror ``folder`` (a run's staging folder) to the URL in ``$CKPTKIT_OUT_URL``: new
+    checkpoint files, then the logs, then the pointers, each visible only when whole; then the
+    checkpoints no longer in ``folder`` (pruned) are deleted there. No URL: nothing."""
+    url = os.environ.get(MIRROR_ENV)
+    if not url or not is_url(url):
+        return
+    target = RemotePath(url)
+    uploads = Uploads(target, force=True)
+    there = set(_names(uploads.fs, uploads.root))
+    kept = [p for p in list_checkpoints(folder) for p in _files_of(p)]
+    with uploads:
+        for path in kept:  # checkpoints are written once: only new ones go up
+            if path.name not in there:
+                _stage_copy_and_add(uploads, path)
+        for name in RUN_LOGS:
+            if (folder / name).is_file():
+                _stage_copy_and_add(uploads, folder / name)
+        for name in (LATEST, BEST):  # last: they name files already in place
+            if (folder / name).is_file():
+                _stage_copy_and_add(uploads, folder / name)
+        uploads.commit()
+    names = {p.name for p in kept}
+    for name in there:
+        if name.startswith("ckpt-") and name not in names:  # pruned here: pruned there
+            with contextlib.suppress(FileNotFoundError):
+                uploads.fs.rm(uploads.url(name), recursive=True)
+
+
+def shown_path(path: Path) -> str:
+    """A path of the run folder as the user named it: at the URL, for a mirrored run."""
+    url = os.environ.get(MIRROR_ENV)
+    return f"{url.rstrip('/')}/{path.name}" if url and is_url(url) else str(path)
+
+
+def _files_of(checkpoint: Path) -> list[Path]:
+    stem = checkpoint.with_suffix("")
+    return [p for p in (stem.with_suffix(".pt"), stem.with_suffix(".safetensors")) if p.is_file()]
+
+
+def _stage_copy_and_add(uploads: Uploads, path: Path) -> None:
+    """Upload a file of the run folder, which stays (Uploads.add deletes what it uploads)."""
+    with tempfile.TemporaryDirectory(prefix="ckptkit-push-") as tmp:
+        copy = Path(tmp) / path.name
+        with contextlib.suppress(OSError):  # a hard link where it can: no copy of the bytes
+            os.link(path, copy)
+        if not copy.exists():
+            shutil.copyfile(path, copy)
+        uploads.add(copy, path.name)
