@@ -218,7 +218,7 @@ def summary_lines(summary: Any) -> list[str]:
     lines = [f"{summary.path}  ({summary.format}, {human_size(summary.file_size)} {where})"]
     if summary.fetched is not None:
         lines.append(
-            f"fetched     {plural(summary.fetched['requests'], 'ranged request')}, "
+            f"fetched     {plural(summary.fetched['requests'], 'request')}, "
             f"{human_size(summary.fetched['bytes'])} (headers only)"
         )
     if summary.shards:

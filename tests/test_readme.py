@@ -8,12 +8,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+import servers
 from click.testing import CliRunner
 from helpers import FIXTURE_DIR, ROOT
 
 from ckptkit.cli import cli
 
+s3_server, s3, s3_env = servers.s3_server, servers.s3, servers.s3_env
+
 README = ROOT / "README.md"
+# What an `s3://ckpts/` transcript finds in the bucket (docs/remote.md): these fixtures.
+BUCKET, IN_BUCKET = "ckpts", ("ddp.pt", "malicious.pt", "single.safetensors")
 PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 
 
@@ -38,7 +43,7 @@ def _blocks(text: str) -> list[list[str]]:
 
 def _run_folders(text: str) -> list[str]:
     """The run folders a page's commands read: the demo's, and each `ckptkit train --out`."""
-    return ["demo-out", *re.findall(r"ckptkit train [^`\n]*?--out ([\w./-]+)", text)]
+    return ["demo-out", *re.findall(r"ckptkit train [^`\n]*?--out ([\w./:-]+)", text)]
 
 
 def _needs_a_run(command: str, folders: list[str]) -> bool:
@@ -81,11 +86,15 @@ def test_transcripts_are_found():
     CASES,
     ids=[f"{page.relative_to(ROOT)}: {command}" for page, command, _ in CASES],
 )
-def test_transcript_matches(page, command, expected, tmp_path, monkeypatch):
+def test_transcript_matches(page, command, expected, tmp_path, monkeypatch, request):
     monkeypatch.delenv("CKPTKIT_DEBUG", raising=False)
     folder = tmp_path / "fixtures"  # each transcript starts from the fixtures alone
     shutil.copytree(FIXTURE_DIR, folder, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     monkeypatch.chdir(folder)
+    if f"s3://{BUCKET}/" in command:  # against moto's S3 server on 127.0.0.1, the bucket filled
+        bucket = request.getfixturevalue("s3_env").bucket(BUCKET)
+        for name in IN_BUCKET:
+            request.getfixturevalue("s3_env").fs.put(str(folder / name), f"{bucket}/{name}")
     result = CliRunner().invoke(cli, command.split()[1:], prog_name="ckptkit")
     assert (result.stdout + result.stderr).splitlines() == expected, command
 

@@ -109,7 +109,7 @@ def test_inspect_and_scan_of_a_torch_zip_url_are_two_requests(files, range_serve
     result = run("inspect", range_server.url("m.pt"))
     assert result.exit_code == 0, result.stderr
     assert "state dict  'model'" in result.stdout and "safe:" in result.stdout
-    assert "fetched     2 ranged requests" in result.stdout
+    assert "fetched     2 requests" in result.stdout
     size = (files / "m.pt").stat().st_size
     requests = range_server.requests
     assert len(requests) == 2 and requests[1].range.endswith(f"-{size - 1}")  # the directory
@@ -119,6 +119,12 @@ def test_inspect_and_scan_of_a_torch_zip_url_are_two_requests(files, range_serve
     assert len(range_server.requests) == 2
     # the headers are a small part of a file of tensors
     assert range_server.bytes_sent < size
+
+
+def test_a_small_torch_zip_is_one_request(tmp_path, range_server):
+    torch.save({"w": torch.ones(3)}, tmp_path / "small.pt")
+    summary = ckptkit.summarize(range_server.url("small.pt"))
+    assert summary.safety.verdict == "safe" and len(range_server.requests) == 1
 
 
 def test_a_large_checkpoint_is_inspected_from_a_sliver_of_its_bytes(tmp_path, range_server):
@@ -329,6 +335,14 @@ def test_a_zip_member_whose_bytes_miss_its_crc_is_refused_when_fetched(files, ra
     (files / "bad.pt").write_bytes(raw)
     line = one_error(run("convert", range_server.url("bad.pt"), "out.safetensors"), "CRC-32")
     assert "bad.pt" in line and not (files / "out.safetensors").exists()
+
+
+def test_a_zip_whose_storages_record_no_crc_converts_from_a_url(files, range_server):
+    """ckptkit's own .pt writer (and torch under set_crc32_options(False)) records a CRC of 0
+    for storages: no CRC to check against, so none is."""
+    ckptkit.convert(files / "m.safetensors", files / "written.pt")
+    report = ckptkit.convert(range_server.url("written.pt"), files / "back.safetensors")
+    assert report.verified and ckptkit.diff(files / "back.safetensors", files / "m.pt").equal
 
 
 def test_a_large_remote_convert_holds_a_few_requests_in_memory(tmp_path, range_server):

@@ -136,14 +136,15 @@ class ZipLayout:
                 )
 
     def member_crc(self, ref: StorageRef) -> int | None:
-        """The CRC-32 the directory records for a stored storage's member."""
+        """The CRC-32 the directory records for a stored storage's member; None for none, or
+        for 0: what torch writes under ``set_crc32_options(False)``, and ckptkit's writer."""
         member = self._member(ref)
         if (
             self.index.method[member] != zipfile.ZIP_STORED
             or self.index.length[member] != ref.nbytes
         ):
             return None
-        return self.index.crc[member]
+        return self.index.crc[member] or None
 
     def check(self, ref: StorageRef) -> None:
         """Raise when a storage cannot lie inside the file: its local header read, or for a

@@ -109,7 +109,12 @@ class RangeFile(io.RawIOBase):
             self._keep(start, self.remote.read(start, end))
 
     def prefetch_tail(self, count: int) -> None:
-        """Fetch the last ``count`` bytes in one request (a zip's directory is at the end)."""
+        """Fetch the last ``count`` bytes in one request (a zip's directory is at the end),
+        unless a read already brought them (a small file, read whole by the first request)."""
+        size = self.remote.size
+        start = max(0, size - count)
+        if any(b <= start and b + len(d) >= size for b, d in self._blocks.items()):
+            return
         start, data = self.remote.tail(count)
         self._keep(start, data)
 
