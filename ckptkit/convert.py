@@ -204,6 +204,7 @@ def convert(
     variant: str | None = None,
     names_from: str | Path | None = None,
     workers: int = 8,
+    part: str | None = None,
 ) -> ConvertReport:
     """Convert a checkpoint's state dict to safetensors, a plain ``.pt`` state dict or a DCP
     folder.
@@ -246,6 +247,8 @@ def convert(
             gets the model's config.
         workers: ranged requests in flight when ``src`` is a URL (``s3://``, ``https://``...);
             memory holds about ``workers + 1`` requests of 8 MiB.
+        part: ``"I/N"``: write only part I of N of a sharded output's shards, no index
+            (``ckptkit.spread.finish`` writes it once every part is done).
 
     Returns:
         The report: where the state dict was, the key plan, what was dropped, cast and written.
@@ -283,6 +286,7 @@ def convert(
         force=force,
         verify=verify,
         progress=progress,
+        part=part,
     )
 
 
@@ -932,16 +936,19 @@ def _out_dtype(dtype: str, key: str, target: str | None, keep: list[str]) -> str
 def _parent_folders(dst: Path) -> Iterator[None]:
     """Create the missing folders above ``dst``; remove them again if the body fails, so a
     failed conversion leaves nothing behind."""
-    missing = [p for p in dst.parents if not p.exists()][::-1]  # outermost first
-    for folder in missing:
+    made = []  # by this process: another (a --part job, a torchrun rank) may make one too
+    for folder in [p for p in dst.parents if not p.exists()][::-1]:  # outermost first
         try:
             folder.mkdir()
+            made.append(folder)
+        except FileExistsError:
+            continue
         except OSError as exc:
             raise OutputError(f"cannot create folder {folder}: {exc.strerror}") from exc
     try:
         yield
     except BaseException:
-        for folder in reversed(missing):
+        for folder in reversed(made):
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only if empty: never anything that was written there
         raise

@@ -353,7 +353,10 @@ def _size_on_disk(source: Any) -> int:
     shards = getattr(source, "shards", None)
     if shards and not isinstance(source.path, Path):  # a sharded checkpoint at a URL
         return sum(_size_on_disk(shard) for shard in shards.values())
-    return sum(os.path.getsize(path) for path in source.files())
+    return sum(
+        path.size() if isinstance(path, RemotePath) else os.path.getsize(path)
+        for path in source.files()
+    )
 
 
 def _wrappers_stripped(keys: list[str]) -> list[str | None]:

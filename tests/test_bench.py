@@ -19,6 +19,7 @@ RUNS = [
     ("save.py", "--mode", "fsdp"),
     ("adapters.py",),
     ("scale.py",),
+    ("remote.py",),
 ]
 
 
@@ -132,3 +133,29 @@ def test_scale_bench_quick_runs_and_reports_every_way(quick):
     sharded = results[f"{results['shards']} shards, {counts[-1]} keys"]
     assert "ckptkit inspect" in sharded and len(sharded) == 4
     assert len(results["deflated storage"]) == 4 and results["deflated_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_remote_bench_quick_runs_and_reports_every_way(quick):
+    results = quick("remote.py")
+    assert results["server"]["per"] == "request" and results["server"]["latency_s"] > 0
+    inspect = results["inspect"]
+    kinds = ("pt", "safetensors")
+    names = {f"ckptkit inspect --json ({kind} URL)" for kind in kinds}
+    assert set(inspect["ways"]) == set(inspect["fetched"]) == names
+    for fetched in inspect["fetched"].values():
+        assert fetched["requests"] > 0 and fetched["bytes"] > 0
+        assert 0 < fetched["fraction"] < 1 and fetched["server_requests"] > 0
+    convert = results["convert"]
+    remote = ("ckptkit convert URL --workers 8", "ckptkit convert URL --workers 1")
+    ways = {*remote, "fsspec get, then ckptkit convert"}
+    assert set(convert["ways"]) == set(convert["wire"]) == ways
+    assert all(w["server_requests"] > 0 for w in convert["wire"].values())
+    assert convert["fsspec_get_over_workers_8"] > 0
+    spread = results["spread"]
+    assert len(spread["ways"]) == 5 and spread["shards"] > 1
+    assert spread["disk_speedup"] > 0 and spread["target_s"] > 0
+    for part in ("inspect", "convert", "spread"):
+        ways = results[part]["ways"].values()
+        assert all(r["wall_s"] > 0 and r["peak_rss_bytes"] > 0 for r in ways)
+    assert all(results["files"][kind]["tensors"] > 100 for kind in kinds)

@@ -5,6 +5,7 @@ and bytes counted by the servers themselves; faults injected by the server."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -456,3 +457,17 @@ def test_a_failed_upload_leaves_no_object_and_no_open_upload(files, s3_env, run,
 def test_an_http_output_and_a_folder_url_are_refused(files, range_server, run):
     one_error(run("convert", files / "m.pt", range_server.url("o.safetensors")), "HTTP")
     one_error(run("convert", files / "m.pt", "memory://x/outdir"), ".safetensors or .pt")
+
+
+def test_a_dcp_folder_at_a_url_is_read_from_its_metadata_and_chunks(tmp_path, range_server):
+    shutil.copytree(FIXTURE_DIR / "dcp" / "fsdp2", tmp_path / "fsdp2")
+    for url in (range_server.url("fsdp2"), range_server.url("fsdp2/.metadata")):
+        summary = ckptkit.summarize(url)
+        local = ckptkit.summarize(tmp_path / "fsdp2")
+        assert (
+            summary.format == "dcp" and summary.to_dict()["tensors"] == local.to_dict()["tensors"]
+        )
+        assert summary.file_size == local.file_size
+    report = ckptkit.convert(range_server.url("fsdp2"), tmp_path / "o.safetensors")
+    assert report.verified and report.copied == len(local.tensors)
+    assert ckptkit.diff(tmp_path / "o.safetensors", tmp_path / "fsdp2").equal

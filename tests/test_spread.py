@@ -121,3 +121,20 @@ def test_a_failing_rank_fails_them_all_and_no_index_is_written(src, tmp_path):
     assert done.returncode != 0
     assert "exists" in done.stderr and "another rank failed" in done.stderr  # ranks 1 and 0
     assert not (dst.parent / "model.safetensors.index.json").exists()
+
+
+def test_an_output_folder_made_meanwhile_by_another_part_is_used(src, tmp_path, monkeypatch):
+    """Parts started together race to create the output folder: the one that loses finds it
+    made (FileExistsError, as from the other process) and goes on."""
+    from pathlib import Path
+
+    real_mkdir = Path.mkdir
+
+    def raced(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)  # the other part wins...
+        real_mkdir(self, *args, **kwargs)  # ...and this one finds it there
+
+    monkeypatch.setattr(Path, "mkdir", raced)
+    dst = tmp_path / "fresh" / "model.safetensors"
+    report = ckptkit.convert(src, dst, max_shard_size=SHARD, part="1/2")
+    assert report.verified and (dst.parent / "model-00001-of-00012.safetensors").is_file()

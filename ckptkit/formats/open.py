@@ -296,6 +296,11 @@ def _open_url(
             f"--trust runs torch's full unpickler, which reads {url} from a local disk",
             "download it first, or drop --trust",
         )
+    if url.name == ".metadata" or (not url.suffix and (url / ".metadata").is_file()):
+        from ckptkit.formats.folders.dcp import DCPSource  # a DCP folder: .metadata, then chunks
+
+        folder = url.parent if url.name == ".metadata" else url
+        return DCPSource(folder, select=select, ema=ema)  # type: ignore[arg-type]
     if url.name.endswith(".index.json"):  # a sharded checkpoint: the index, then each shard
         from ckptkit.formats.folders.sharded import ShardedSource
 

@@ -123,17 +123,20 @@ class ZipLayout:
             raise FormatError(f"{self.path} is truncated", "copy or download it again")
         return offset
 
-    def locate_storages(self, workers: int = 8) -> None:
+    def locate_storages(self, workers: int = 32) -> None:
         """A file at a URL: every member's data offset, the local headers fetched ``workers``
-        windows at a time (see ``ZipIndex.locate_all_remote``); once, before tensors are copied."""
+        windows at a time (small requests: their time is latency, so many go at once; see
+        ``ZipIndex.locate_all_remote``); once, before tensors are copied."""
         if self.remote and not self.index.located:
             from concurrent.futures import ThreadPoolExecutor
 
-            remote = self.raw.remote
+            raw, remote = self.raw, self.raw.remote
+
+            def read(window: tuple[int, int]) -> bytes:  # the first and last blocks are cached
+                return raw.cached(*window) or remote.read(*window)
+
             with ThreadPoolExecutor(workers, thread_name_prefix="ckptkit-fetch") as pool:
-                self.index.locate_all_remote(
-                    lambda windows: list(pool.map(lambda w: remote.read(*w), windows))
-                )
+                self.index.locate_all_remote(lambda windows: list(pool.map(read, windows)))
 
     def member_crc(self, ref: StorageRef) -> int | None:
         """The CRC-32 the directory records for a stored storage's member; None for none, or

@@ -275,7 +275,7 @@ _LOCAL_READ = struct.Struct("<4s22sHH")  # signature, fixed fields, name length,
 _MAX_EXTRACT_VERSION = 63  # zipfile refuses members that need a later version
 _WINDOW = 64 * 1024  # local headers are read in windows of this many bytes
 # ...of a file at a URL: headers closer than this share a request; a far one costs _LOCAL_MAX.
-_REMOTE_WINDOW = 256 * 1024
+_REMOTE_WINDOW = 64 * 1024
 _LOCAL_MAX = 1024  # a local header with its name and extra field (torch pads to 64 bytes)
 INFLATE_PIECE = 1024 * 1024  # compressed bytes fed to a decompressor at a time
 _NOT_READ, _PAST_END, _BAD_HEADER = -1, -2, -3  # data offsets not known (yet), and why

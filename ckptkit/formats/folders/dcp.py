@@ -29,6 +29,8 @@ from ckptkit.formats.base.dtypes import DTYPES, from_safetensors
 from ckptkit.formats.base.tree import nodes
 from ckptkit.formats.files.safetensors import HF_SHARDING
 from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, Piece, check_cover
+from ckptkit.formats.io.rangefile import RangeFile
+from ckptkit.formats.io.remote import RemotePath, open_remote
 from ckptkit.formats.pickles.machine import Global, Opaque, fields
 from ckptkit.formats.pickles.safe_globals import safe_globals
 from ckptkit.formats.pickles.unpickler import DATA_GLOBALS, TensorStub
@@ -47,9 +49,10 @@ _DCP = "torch.distributed.checkpoint."
 
 
 class _Slice(io.RawIOBase):
-    """A byte range of an open file, as a file of its own (a chunk's archive, for zipfile)."""
+    """A byte range of an open file, as a file of its own (a chunk's archive, for zipfile):
+    ``fd`` a local file's descriptor, or a RangeFile (a file at a URL)."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
+    def __init__(self, fd: int | RangeFile, start: int, length: int) -> None:
         self.fd, self.start, self.length, self.pos = fd, start, length, 0
 
     def readable(self) -> bool:
@@ -68,7 +71,10 @@ class _Slice(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         count = max(0, min(len(buffer), self.length - self.pos))
-        data = os.pread(self.fd, count, self.start + self.pos)
+        if isinstance(self.fd, RangeFile):
+            data = self.fd.pread(self.start + self.pos, count)
+        else:
+            data = os.pread(self.fd, count, self.start + self.pos)
         buffer[: len(data)] = data
         self.pos += len(data)
         return len(data)
@@ -106,6 +112,7 @@ class DCPSource(ChunkedSource):
 
     def __init__(self, folder: Path, *, select: str | None = None, ema: bool = False) -> None:
         super().__init__(folder, "dcp")
+        self._remote_files: dict[str, RangeFile] = {}  # the .distcp files of a URL's folder
         if (folder / METADATA).is_file():
             self._adopt_tree(
                 lambda: self._tree(folder, read_metadata(folder / METADATA)), select=select, ema=ema
@@ -216,16 +223,28 @@ class DCPSource(ChunkedSource):
         check_cover(folder, tensor)
         return tensor
 
-    def _fd(self, path: Path) -> int:
+    def _fd(self, path: Path) -> int | RangeFile:
+        """A local file's descriptor, or a file at a URL (read through a RangeFile, once)."""
+        if isinstance(path, RemotePath):
+            if str(path) not in self._remote_files:
+                self._remote_files[str(path)] = RangeFile(self._reader.remote(path))
+            return self._remote_files[str(path)]
         if not path.is_file():
             raise FormatError(f"{path} is missing", "copy every rank's .distcp file there")
         return self._reader.fd(path)
+
+    def _size(self, path: Path) -> int:
+        if isinstance(path, RemotePath):
+            fd = self._fd(path)
+            assert isinstance(fd, RangeFile)
+            return int(fd.remote.size)
+        return path.stat().st_size if path.is_file() else -1
 
     def _archive(self, path: Path, start: int, length: int, what: str) -> tuple[Any, Any]:
         """A chunk's (or value's) torch.save archive: its statically read root and layout."""
         from ckptkit.formats.files.torchfile import ZipLayout
 
-        size = path.stat().st_size if path.is_file() else -1
+        size = self._size(path)
         if start < 0 or length <= 0 or start + length > size:
             self._fd(path)  # a missing file says so
             raise FormatError(f"{path} is truncated: '{what}' lies past its end", "copy it again")
@@ -282,7 +301,13 @@ class DCPSource(ChunkedSource):
     def files(self) -> list[Path]:
         names = {c.file for t in self._tensors.values() for c in t.chunks}
         around = [self.path / n for n in (METADATA, LIGHTNING_META, SIDECAR)]
-        return sorted(names) + [p for p in around if p.is_file()]
+        return sorted(names, key=str) + [p for p in around if p.is_file()]
+
+    def close(self) -> None:
+        for raw in self._remote_files.values():
+            raw.close()
+        self._remote_files.clear()
+        super().close()
 
 
 def _trainer_state(path: Path) -> dict[str, Any]:
@@ -292,7 +317,8 @@ def _trainer_state(path: Path) -> dict[str, Any]:
         return {}
     from ckptkit.formats.files.torchfile import scan_torch_file
 
-    scan, _, raw, _ = scan_torch_file(path)
+    at_url = RangeFile(open_remote(path)) if isinstance(path, RemotePath) else None
+    scan, _, raw, _ = scan_torch_file(path, raw=at_url)
     raw.close()
     root = scan.root if isinstance(scan.root, dict) else {}
     return {

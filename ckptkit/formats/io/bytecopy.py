@@ -238,6 +238,15 @@ class RangeReader:
 
     def __init__(self) -> None:
         self._fds: dict[Any, int] = {}
+        self._remotes: dict[str, Any] = {}  # a URL's Remote (``io.remote``), per URL
+
+    def remote(self, url: Any) -> Any:
+        """The Remote of a URL (a RemotePath), opened once and kept until :meth:`close`."""
+        if str(url) not in self._remotes:
+            from ckptkit.formats.io.remote import open_remote
+
+            self._remotes[str(url)] = open_remote(url)
+        return self._remotes[str(url)]
 
     def fd(self, path: Any) -> int:
         if path not in self._fds:
@@ -252,7 +261,12 @@ class RangeReader:
         """
         at = 0
         for path, offset, length in pieces:
-            if length and not read_into(self.fd(path), buf[at : at + length], offset):
+            if length and not isinstance(path, (str, os.PathLike)):  # a URL: one ranged read
+                data = self.remote(path).read(offset, offset + length)
+                if len(data) != length:
+                    raise FormatError(f"{path} is truncated", "copy or download it again")
+                buf[at : at + length] = data
+            elif length and not read_into(self.fd(path), buf[at : at + length], offset):
                 raise FormatError(f"{path} is truncated", "copy or download it again")
             at += length
 
@@ -260,3 +274,6 @@ class RangeReader:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        for remote in self._remotes.values():
+            remote.close()
+        self._remotes.clear()

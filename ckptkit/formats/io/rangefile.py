@@ -102,6 +102,14 @@ class RangeFile(io.RawIOBase):
         data = b"".join(pieces)
         return data[: end - start]
 
+    def cached(self, start: int, end: int) -> bytes | None:
+        """``[start, end)`` when one cached block holds it whole, else None (no request; safe
+        to call from several threads while nothing is fetched)."""
+        for begin, block in list(self._blocks.items()):
+            if begin <= start and end <= begin + len(block):
+                return block[start - begin : end - begin]
+        return None
+
     def prefetch(self, start: int, end: int) -> None:
         """Fetch ``[start, end)`` in one request now (a reader knows it will want it)."""
         end = min(end, self.remote.size)

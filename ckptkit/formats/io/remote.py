@@ -117,13 +117,38 @@ class RemotePath:
     def with_name(self, name: str) -> RemotePath:
         return self.parent / name
 
-    def read_text(self) -> str:
-        """A small object's text (a shard index), in one or two requests."""
+    def read_bytes(self) -> bytes:
+        """A small object's bytes (an index, DCP's ``.metadata``), in one or two requests."""
         remote = open_remote(self)
         try:
-            return remote.read(0, remote.size).decode("utf-8")
+            return remote.read(0, remote.size)
         finally:
             remote.close()
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode("utf-8")
+
+    def is_file(self) -> bool:
+        """Whether an object is there (a request; its size asked)."""
+        remote = open_remote(self)
+        try:
+            remote.size  # noqa: B018 - asked for its request
+            return True
+        except MissingFileError:
+            return False
+        finally:
+            remote.close()
+
+    def size(self) -> int:
+        """The object's size (a request)."""
+        remote = open_remote(self)
+        try:
+            return remote.size
+        finally:
+            remote.close()
+
+    def is_dir(self) -> bool:
+        return False  # a URL names objects; a "folder" is a prefix, never opened as one
 
 
 @dataclass

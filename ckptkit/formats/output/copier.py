@@ -97,6 +97,7 @@ class Copier:
     workers: int = 8  # ranged requests in flight for a source at a URL
     _fetcher: Prefetcher | None = None
     _remotes: dict[str, Remote] = field(default_factory=dict)
+    _owned: set[str] = field(default_factory=set)  # remotes opened here (closed here)
 
     def close(self) -> None:
         try:
@@ -107,8 +108,8 @@ class Copier:
             self._files.close()
             if self._fetcher is not None:
                 self._fetcher.close()
-            for remote in self._remotes.values():
-                remote.close()
+            for url in self._owned:  # the source closes its own
+                self._remotes[url].close()
 
     def _written(
         self, key: str, dst: Path, start: int, count: int, source: tuple[int, int] | int | None
@@ -282,10 +283,15 @@ class Copier:
         return self._fetcher
 
     def _remote(self, url: Any) -> Remote:
-        """One Remote (its connections) per URL, for the whole conversion."""
+        """One Remote (its connections) per URL, for the whole conversion: the source's own
+        where it has one (its size known, its first bytes fetched), else one opened here."""
+        if not self._remotes:
+            self._remotes.update(_remotes_of(self.source))
+            self._owned = set()
         remote = self._remotes.get(str(url))
         if remote is None:
             remote = self._remotes[str(url)] = open_remote(url)
+            self._owned.add(str(url))
         return remote
 
     def _write_fetched(
@@ -432,6 +438,20 @@ def metadata_differ(
     return VerificationError(
         f"the metadata read back from {shown} differs (in {_some(names)}); nothing was written"
     )
+
+
+def _remotes_of(source: Any) -> dict[str, Remote]:
+    """The Remotes a source (and the shards or the base it reads) already holds, by URL."""
+    found: dict[str, Remote] = {}
+    raw = getattr(source, "remote_file", None)
+    if raw is not None:
+        found[str(source.path)] = raw.remote
+    for inner in (getattr(source, "base", None), getattr(source, "inner", None)):
+        if isinstance(inner, Source) and inner is not source:
+            found.update(_remotes_of(inner))
+    for shard in getattr(source, "shards", {}).values():
+        found.update(_remotes_of(shard))
+    return found
 
 
 def _at_url(source: Source) -> bool:
