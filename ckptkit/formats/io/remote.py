@@ -160,11 +160,15 @@ class Traffic:
     retries: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, nbytes: int, *, retry: bool = False) -> None:
+    def add(self, nbytes: int) -> None:
+        """A request made, and the bytes it brought (0 for one that failed)."""
         with self.lock:
             self.requests += 1
             self.bytes += nbytes
-            self.retries += retry
+
+    def retried(self) -> None:
+        with self.lock:
+            self.retries += 1
 
 
 class Remote(ABC):
@@ -211,7 +215,7 @@ class Remote(ABC):
                         f"could not {what} {self.url} after {TRIES} tries ({exc})",
                         "check the URL and the network, then run it again",
                     ) from None
-                self.traffic.retries += 1
+                self.traffic.retried()
                 time.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")
