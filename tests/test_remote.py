@@ -471,3 +471,13 @@ def test_a_dcp_folder_at_a_url_is_read_from_its_metadata_and_chunks(tmp_path, ra
     report = ckptkit.convert(range_server.url("fsdp2"), tmp_path / "o.safetensors")
     assert report.verified and report.copied == len(local.tensors)
     assert ckptkit.diff(tmp_path / "o.safetensors", tmp_path / "fsdp2").equal
+
+
+def test_a_back_end_error_is_one_line_naming_it(files, s3_env, run, monkeypatch):
+    s3_env.bucket("ckpts")
+    s3_env.fs.put(str(files / "m.pt"), "ckpts/m.pt")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    servers.drop_cached_filesystems()  # a filesystem made with the keys would still have them
+    line = one_error(run("inspect", "s3://ckpts/m.pt"), "s3://ckpts/m.pt", "Credentials")
+    assert "internal error" not in line

@@ -269,8 +269,8 @@ class FsspecRemote(Remote):
             raise RemoteError(
                 f"{self.url}: access denied ({exc})", "check the credentials"
             ) from None
-        except _TRANSIENT as exc:
-            raise _Transient(f"{type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # the back-end's own: retried when it may pass, else said
+            raise _failure(self.url, exc) from None
         if info.get("type") == "directory":
             raise UsageError(f"{self.url} is a folder", "give the checkpoint file inside it")
         return int(info["size"])
@@ -284,16 +284,28 @@ class FsspecRemote(Remote):
             raise RemoteError(
                 f"{self.url}: access denied ({exc})", "check the credentials"
             ) from None
-        except _TRANSIENT as exc:
+        except Exception as exc:  # the back-end's own: retried when it may pass, else said
             self.traffic.add(0)
-            raise _Transient(f"{type(exc).__name__}: {exc}") from None
+            raise _failure(self.url, exc) from None
         self.traffic.add(len(data))
         return bytes(data)
 
 
 # What fsspec back-ends raise for a failure worth retrying: timeouts and connection errors
-# (OSError covers both, and s3fs maps 5xx answers to OSError subclasses).
+# (OSError covers both, and s3fs maps 5xx answers to OSError subclasses), and the back-ends'
+# own classes for them (aiohttp's, httpx's, botocore's), told by name: ckptkit imports none.
 _TRANSIENT: tuple[type[BaseException], ...] = (OSError, TimeoutError)
+_TRANSIENT_NAMES = re.compile(r"Connect|Timeout|Temporar|Throttl|SlowDown|Unavailable|Payload")
+
+
+def _failure(url: str, exc: Exception) -> Exception:
+    """A back-end's exception as a retryable failure, or as the error that names it."""
+    name = type(exc).__name__
+    if isinstance(exc, _TRANSIENT) or _TRANSIENT_NAMES.search(name):
+        return _Transient(f"{name}: {exc}")
+    return RemoteError(
+        f"cannot read {url} ({name}: {exc})", "check the URL, the credentials and the network"
+    )
 
 
 def filesystem(url: str) -> tuple[Any, str]:
