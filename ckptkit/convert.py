@@ -455,11 +455,13 @@ def _convert(
             def write() -> None:
                 if folder is not None:
                     check_folder_output(folder, force=force, inputs=[src])
-                for path in [] if folder else plan.outputs:
+                # Under torchrun rank 0 writes the index too: checked now, before any shard.
+                index = [whole.outputs[-1]] if part and part.launched and part.index == 0 else []
+                for path in [] if folder else plan.outputs + index:
                     check = check_folder_output if fmt == "dcp" else check_output
                     check(path, force=force, inputs=[src])
                 if uploads is not None:
-                    uploads.check([path.name for path in plan.outputs])
+                    uploads.check([path.name for path in plan.outputs + index])
                 _write(
                     source,
                     plan,
@@ -523,6 +525,14 @@ def _write_agreed(
         )
     if part.index != 0:
         return
+    if uploads is None:  # every rank's shards where the index will name them (a shared disk)
+        missing = [p.name for p in whole.outputs[:-1] if not p.is_file()]
+        if missing:
+            raise OutputError(
+                f"{len(missing)} shards of {whole.dst} are not in {whole.dst.parent} "
+                f"({', '.join(missing[:3])}): the ranks wrote to different disks; no index",
+                "write to a folder every node shares, or to a URL",
+            )
     sizes = [[(i.spec.key, i.spec.nbytes) for i in s] for s in whole.shards]
     text = index_document(sizes, [p.name for p in whole.outputs[:-1]], header)
     index = whole.outputs[-1]

@@ -65,9 +65,13 @@ def parse_part(text: str) -> Part:
 
 
 def launched_part() -> Part | None:
-    """This process's part when torch's launcher (torchrun) started several, else None."""
+    """This process's part when torch's launcher (torchrun, which sets
+    ``TORCHELASTIC_RUN_ID``) started several, else None. A convert run from inside a torchrun
+    worker inherits those variables too: ``CKPTKIT_NO_SPREAD=1`` makes it a whole conversion."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world <= 1 or "RANK" not in os.environ:
+    if world <= 1 or "RANK" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    if os.environ.get("CKPTKIT_NO_SPREAD") == "1":
         return None
     return Part(int(os.environ["RANK"]), world, launched=True)
 

@@ -152,7 +152,10 @@ class _Handler(BaseHTTPRequestHandler):
             fault = owner._take_fault(path)
             if fault is not None:
                 entry.fault = fault.kind
-            if fault is not None and fault.kind == "503":
+            moved = owner.redirects.get(path)
+            if moved is not None:  # as a CDN or Hugging Face's resolve URLs answer
+                self._answer(302, body, {"Location": moved})
+            elif fault is not None and fault.kind == "503":
                 self._answer(503, body, {"Retry-After": "0"})
             elif fault is not None and fault.kind == "slow":
                 owner._sleep(fault.seconds)
@@ -165,6 +168,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _file(self, path: str, rng: str | None, body: bool, drop: bool):
+        if self.server.owner.ignore_ranges:  # a server without range support: 200, whole
+            rng = None
         target = self.server.owner._resolve(path)
         if target is None:
             self._answer(404, body)
@@ -274,6 +279,8 @@ class RangeServer:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root).resolve()
         self.errors: list[BaseException] = []  # unexpected handler exceptions
+        self.redirects: dict[str, str] = {}  # a path -> where a 302 sends it (a path or URL)
+        self.ignore_ranges = False  # answer every GET 200 with the whole file
         self._lock = threading.Lock()
         self._records: list[_Entry] = []
         self._faults: list[_Fault] = []

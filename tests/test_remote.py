@@ -481,3 +481,46 @@ def test_a_back_end_error_is_one_line_naming_it(files, s3_env, run, monkeypatch)
     servers.drop_cached_filesystems()  # a filesystem made with the keys would still have them
     line = one_error(run("inspect", "s3://ckpts/m.pt"), "s3://ckpts/m.pt", "Credentials")
     assert "internal error" not in line
+
+
+# ------------------------------------------------------------- what review found
+
+
+def test_a_redirect_is_followed_and_its_target_kept(files, range_server):
+    range_server.redirects["/latest/model.safetensors"] = "/m.safetensors"
+    url = range_server.url("latest/model.safetensors")
+    report = ckptkit.convert(url, files / "out.safetensors")
+    assert report.verified and ckptkit.diff(files / "out.safetensors", files / "m.pt").equal
+    redirected = [r for r in range_server.requests if r.status == 302]
+    assert len(redirected) == 1  # later reads go where it pointed
+
+
+def test_a_server_that_ignores_ranges_is_read_from_its_start_only(files, range_server, run):
+    range_server.ignore_ranges = True
+    summary = ckptkit.summarize(range_server.url("m.safetensors"))  # the header: bytes 0..
+    assert len(summary.tensors) == len(STATE)
+    assert summary.fetched["bytes"] == 256 * 1024  # what was read of the 590 kB body
+    line = one_error(run("convert", range_server.url("m.safetensors"), "o.safetensors"))
+    assert "ignores range requests" in line and not (files / "o.safetensors").exists()
+
+
+def test_connections_are_pooled_not_one_per_thread(files, range_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    remote = open_remote(range_server.url("m.pt"))
+    try:
+        for _ in range(5):  # five pools of 4 threads, as five prefetchers would be
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda i: remote.read(i * 1000, i * 1000 + 100), range(40)))
+        assert len(remote._idle) <= 4
+    finally:
+        remote.close()
+
+
+def test_a_range_file_keeps_no_block_larger_than_its_cache(files, range_server):
+    local = (files / "m.pt").read_bytes()
+    raw = RangeFile(open_remote(range_server.url("m.pt")), readahead=1024, cache_bytes=64 * 1024)
+    with raw:
+        raw.prefetch_tail(4096)
+        assert raw.pread(0, len(local) - 100) == local[:-100]  # a large gap before the tail
+        assert sum(len(b) for b in raw._blocks.values()) <= 64 * 1024

@@ -41,16 +41,19 @@ def test_a_run_saves_to_s3_prunes_there_and_resumes_exactly(s3_env, tmp_path, mo
     assert s3_env.fs.cat("runs/a/latest") == b"ckpt-epoch0002.pt\n"
     with pytest.raises(ckptkit.CkptkitError, match="--resume auto"):
         train(mode="single", epochs=3, out="s3://runs/a")
-    resumed = train(mode="single", epochs=3, out="s3://runs/a", resume="auto", keep_last=1)
+    resumed = train(mode="single", epochs=4, out="s3://runs/a", resume="auto", keep_last=1)
     assert resumed.resumed_from == "s3://runs/a/ckpt-epoch0002.pt"
-    assert objects(s3_env, "runs/a")[0] == "ckpt-epoch0003.pt"
-    straight = train(mode="single", epochs=3, out=str(tmp_path / "local"))
-    s3_env.fs.get("runs/a/ckpt-epoch0003.pt", str(tmp_path / "remote.pt"))
+    # what this run put there and pruned goes (epoch 3); what it found there stays (epoch 2)
+    assert [n for n in objects(s3_env, "runs/a") if n.startswith("ckpt")] == [
+        "ckpt-epoch0002.pt", "ckpt-epoch0004.pt"
+    ]  # fmt: skip
+    straight = train(mode="single", epochs=4, out=str(tmp_path / "local"))
+    s3_env.fs.get("runs/a/ckpt-epoch0004.pt", str(tmp_path / "remote.pt"))
     remote, local = weights(tmp_path / "remote.pt"), weights(straight.checkpoint)
     assert remote.keys() == local.keys()
     assert all(bit_equal(remote[k], local[k]) for k in local)
     # inspect reads it at the URL, as any checkpoint
-    assert ckptkit.summarize("s3://runs/a/ckpt-epoch0003.pt").selected == "model"
+    assert ckptkit.summarize("s3://runs/a/ckpt-epoch0004.pt").selected == "model"
 
 
 def test_the_cli_trains_to_s3_and_refuses_what_it_cannot_mirror(s3_env, run):

@@ -214,6 +214,9 @@ class MergedSource(Source):
     def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:
         return None if key in self.changes else self.base.byte_pieces(key)
 
+    def expected_crc(self, key: str) -> int | None:
+        return None if key in self.changes else self.base.expected_crc(key)
+
     def byte_span(self, key: str) -> tuple[Path, int, int] | None:
         return None if key in self.changes else self.base.byte_span(key)
 

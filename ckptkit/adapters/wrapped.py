@@ -74,6 +74,9 @@ class ViewSource(Source):
     def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:
         return self.inner.byte_pieces(self.names[key])
 
+    def expected_crc(self, key: str) -> int | None:
+        return self.inner.expected_crc(self.names[key])
+
     def byte_span(self, key: str) -> tuple[Path, int, int] | None:
         return self.inner.byte_span(self.names[key])
 

@@ -3,7 +3,8 @@
 The run is trained in a local staging folder, as any run is; each time rank 0 commits a
 checkpoint there, the folder is mirrored to the URL by the same protocol: the checkpoint's files
 first (each an upload made visible only once complete), then the run's logs, then the
-``latest`` (and ``best``) pointer, then the checkpoints pruned locally are deleted there. A
+``latest`` (and ``best``) pointer, then the checkpoints this run put there and has pruned
+since are deleted there (never one it found there, such as the one it resumed from). A
 reader of the URL therefore never finds ``latest`` naming a partial file. ``--resume auto``
 downloads the checkpoint the URL's ``latest`` names (on each node, before its workers start)
 and resumes from it. DCP checkpoints (folders written by every rank) are refused for a URL.
@@ -56,6 +57,7 @@ def staged_run(config: Any) -> Iterator[Any]:
         _check_writable(fs, root, url)
         if config.resume == "auto":
             _pull_latest(fs, root, folder)
+        _PUSHED.clear()  # a run of its own (single mode pushes from this process)
         previous = os.environ.get(MIRROR_ENV)
         os.environ[MIRROR_ENV] = str(url)
         try:
@@ -126,7 +128,8 @@ def _pull_latest(fs: Any, root: str, folder: Path) -> None:
 def push(folder: Path) -> None:
     """Mirror ``folder`` (a run's staging folder) to the URL in ``$CKPTKIT_OUT_URL``: new
     checkpoint files, then the logs, then the pointers, each visible only when whole; then the
-    checkpoints no longer in ``folder`` (pruned) are deleted there. No URL: nothing."""
+    checkpoints this process put there and has since pruned are deleted there. No URL:
+    nothing."""
     url = os.environ.get(MIRROR_ENV)
     if not url or not is_url(url):
         return
@@ -138,6 +141,7 @@ def push(folder: Path) -> None:
         for path in kept:  # checkpoints are written once: only new ones go up
             if path.name not in there:
                 _stage_copy_and_add(uploads, path)
+                _PUSHED.add(path.name)
         for name in RUN_LOGS:
             if (folder / name).is_file():
                 _stage_copy_and_add(uploads, folder / name)
@@ -146,10 +150,15 @@ def push(folder: Path) -> None:
                 _stage_copy_and_add(uploads, folder / name)
         uploads.commit()
     names = {p.name for p in kept}
-    for name in there:
-        if name.startswith("ckpt-") and name not in names:  # pruned here: pruned there
-            with contextlib.suppress(FileNotFoundError):
-                uploads.fs.rm(uploads.url(name), recursive=True)
+    for name in there & _PUSHED - names:  # this run put it there and pruned it here
+        with contextlib.suppress(FileNotFoundError):
+            uploads.fs.rm(uploads.url(name), recursive=True)
+        _PUSHED.discard(name)
+
+
+# The checkpoint files this process put at the URL: only those are pruned there (a resumed run
+# has only the checkpoint it resumed from; the URL's older ones are not its to delete).
+_PUSHED: set[str] = set()
 
 
 def shown_path(path: Path) -> str:

@@ -430,6 +430,9 @@ class ShadowNamedSource(Source):
     def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:
         return self.inner.byte_pieces(self._key[key])
 
+    def expected_crc(self, key: str) -> int | None:
+        return self.inner.expected_crc(self._key[key])
+
     def aliases(self) -> dict[str, str]:
         return {self._name[a]: self._name[b] for a, b in self.inner.aliases().items()}
 

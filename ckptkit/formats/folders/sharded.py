@@ -99,8 +99,14 @@ class ShardedSource(Source):
                 pool.submit(opener, index.parent / name, allow_globals=allow_globals)
                 for name in names
             ]
+            failure: BaseException | None = None
             for name, future in zip(names, futures, strict=True):
-                self.shards[name] = future.result()  # the first failure is raised (in order)
+                try:
+                    self.shards[name] = future.result()
+                except BaseException as exc:  # the first failure is raised; the rest closed
+                    failure = failure or exc
+            if failure is not None:
+                raise failure
 
     def entries(self) -> list[tuple[str, TensorInfo]]:
         if self._entries is None:  # made once: inspect, convert and diff each ask several times
@@ -127,6 +133,9 @@ class ShardedSource(Source):
 
     def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:
         return self._where[key].byte_pieces(key)
+
+    def expected_crc(self, key: str) -> int | None:
+        return self._where[key].expected_crc(key)
 
     def stream(self, key: str, piece: int) -> Iterator[bytearray] | None:
         return self._where[key].stream(key, piece)

@@ -86,8 +86,11 @@ class RangeFile(io.RawIOBase):
             stop = begin + len(block)
             if stop <= at or begin >= end:
                 continue
-            if begin > at:  # a gap before this block: fetched (with the read-ahead)
-                pieces.append(self._fetch(at, begin))
+            if begin > at:  # a gap before this block: fetched (kept when it is small)
+                if begin - at > self._readahead:
+                    pieces.append(self.remote.read(at, begin))
+                else:
+                    pieces.append(self._fetch(at, begin))
                 at = begin
             take = block[at - begin : min(stop, end) - begin]
             pieces.append(take)
@@ -133,8 +136,9 @@ class RangeFile(io.RawIOBase):
         return data[: end - start]
 
     def _keep(self, start: int, data: bytes) -> None:
-        if not data:
+        if not data or len(data) > self._cache_bytes:
             return
+        self._blocks.pop(start, None)  # kept anew: the newest
         self._blocks[start] = data
         total = sum(len(b) for b in self._blocks.values())
         for begin in list(self._blocks):

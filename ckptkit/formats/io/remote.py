@@ -48,9 +48,19 @@ EXTRAS = {
     "hf": "hf",
 }
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-TRIES = int(os.environ.get("CKPTKIT_REMOTE_TRIES", "5"))
-BACKOFF_S = float(os.environ.get("CKPTKIT_REMOTE_BACKOFF", "0.2"))
-TIMEOUT_S = float(os.environ.get("CKPTKIT_REMOTE_TIMEOUT", "60"))
+
+
+def _setting(name: str, default: float) -> float:
+    """A number from the environment, or its default when unset or not a number."""
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+TRIES = max(1, int(_setting("CKPTKIT_REMOTE_TRIES", 5)))
+BACKOFF_S = max(0.0, _setting("CKPTKIT_REMOTE_BACKOFF", 0.2))
+TIMEOUT_S = max(0.1, _setting("CKPTKIT_REMOTE_TIMEOUT", 60))
 
 
 class RemoteError(CkptkitError):
@@ -129,12 +139,13 @@ class RemotePath:
         return self.read_bytes().decode("utf-8")
 
     def is_file(self) -> bool:
-        """Whether an object is there (a request; its size asked)."""
+        """Whether an object is there (a request; its size asked). One that cannot be read
+        (a 403 where listing is not allowed) counts as not there: a probe, not a read."""
         remote = open_remote(self)
         try:
             remote.size  # noqa: B018 - asked for its request
             return True
-        except MissingFileError:
+        except (MissingFileError, RemoteError):
             return False
         finally:
             remote.close()

@@ -4,10 +4,13 @@ when every one is, the last one (a sharded output's index) last; none of them on
 Each file is staged in a local folder (one file at a time: a sharded output needs the room of
 one shard), checked there as any output is, then streamed to the store through fsspec with
 ``autocommit=False``. On S3 that is a multipart upload whose parts go up at once but which is
-completed (the object appears, whole) only by :meth:`Uploads.commit`; a failure aborts every
-upload, and a killed run leaves incomplete multipart uploads, which no reader lists as objects
-(``aws s3api list-multipart-uploads`` shows them; a bucket lifecycle rule removes them). fsspec's
-local and other back-ends write a temporary file and move it into place on commit.
+completed (the object appears, whole) only by :meth:`Uploads.commit`; a failure before it
+aborts every upload, and a killed run leaves incomplete multipart uploads, which no reader lists
+as objects (``aws s3api list-multipart-uploads`` shows them; a bucket lifecycle rule removes
+them). The commits, one short request a file in order with the index last, are the one moment a
+failure leaves part of an output visible: shards without their index, never an index naming
+missing shards. fsspec's local and other back-ends write a temporary file and move it into
+place on commit.
 """
 
 from __future__ import annotations
