@@ -455,8 +455,9 @@ def _convert(
             def write() -> None:
                 if folder is not None:
                     check_folder_output(folder, force=force, inputs=[src])
-                # Under torchrun rank 0 writes the index too: checked now, before any shard.
-                index = [whole.outputs[-1]] if part and part.launched and part.index == 0 else []
+                # Under torchrun rank 0 writes the index too: every rank checks it now, so
+                # that an existing one stops them all before any shard is written.
+                index = [whole.outputs[-1]] if part and part.launched else []
                 for path in [] if folder else plan.outputs + index:
                     check = check_folder_output if fmt == "dcp" else check_output
                     check(path, force=force, inputs=[src])

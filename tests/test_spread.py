@@ -138,3 +138,12 @@ def test_an_output_folder_made_meanwhile_by_another_part_is_used(src, tmp_path, 
     dst = tmp_path / "fresh" / "model.safetensors"
     report = ckptkit.convert(src, dst, max_shard_size=SHARD, part="1/2")
     assert report.verified and (dst.parent / "model-00001-of-00012.safetensors").is_file()
+
+
+def test_under_torchrun_an_existing_index_is_refused_before_any_shard(src, tmp_path):
+    dst = tmp_path / "tr" / "model.safetensors"
+    dst.parent.mkdir()
+    (dst.parent / "model.safetensors.index.json").write_text("{}")  # an earlier output's
+    done = _torchrun(src, dst, "--max-shard-size", SHARD, cwd=tmp_path)
+    assert done.returncode != 0 and "exists" in done.stderr
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["model.safetensors.index.json"]
