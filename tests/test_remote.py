@@ -524,3 +524,21 @@ def test_a_range_file_keeps_no_block_larger_than_its_cache(files, range_server):
         raw.prefetch_tail(4096)
         assert raw.pread(0, len(local) - 100) == local[:-100]  # a large gap before the tail
         assert sum(len(b) for b in raw._blocks.values()) <= 64 * 1024
+
+
+def test_a_folder_at_a_url_is_read_by_its_layout(files, s3_env, run):
+    """A model repository or a DCP save named by its folder (a prefix): listed, then read as
+    a local folder of that layout is."""
+    s3_env.bucket("repo")
+    ckptkit.convert(files / "m.pt", files / "sh" / "model.safetensors", max_shard_size="100kB")
+    s3_env.fs.put(str(files / "sh") + "/", "repo/sharded/", recursive=True)
+    s3_env.fs.put(str(files / "m.safetensors"), "repo/single/model.safetensors")
+    s3_env.fs.pipe("repo/single/config.json", b"{}")
+    s3_env.fs.put(str(FIXTURE_DIR / "dcp" / "fsdp2") + "/", "repo/dcp/", recursive=True)
+    s3_env.fs.pipe("repo/notes/readme.txt", b"no weights here")
+    assert ckptkit.summarize("s3://repo/sharded").format == "sharded safetensors"
+    assert len(ckptkit.summarize("s3://repo/single/").tensors) == len(STATE)
+    assert ckptkit.summarize("s3://repo/dcp").format == "dcp"
+    report = ckptkit.convert("s3://repo/sharded", files / "whole.safetensors")
+    assert report.verified and ckptkit.diff(files / "whole.safetensors", files / "m.pt").equal
+    one_error(run("inspect", "s3://repo/notes"), "readme.txt", "give the checkpoint file")

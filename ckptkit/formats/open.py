@@ -24,6 +24,7 @@ from ckptkit.formats.folders.diffusers import (
     weights_in,
 )
 from ckptkit.formats.folders.layouts import (
+    MODEL_FILES,
     adapter_file_in,
     find_dcp,
     find_deepspeed,
@@ -296,11 +297,12 @@ def _open_url(
             f"--trust runs torch's full unpickler, which reads {url} from a local disk",
             "download it first, or drop --trust",
         )
-    if url.name == ".metadata" or (not url.suffix and (url / ".metadata").is_file()):
+    if not url.suffix and url.name != ".metadata":
+        url = _in_folder(url)  # a folder (a prefix): the file its layout reads
+    if url.name == ".metadata":
         from ckptkit.formats.folders.dcp import DCPSource  # a DCP folder: .metadata, then chunks
 
-        folder = url.parent if url.name == ".metadata" else url
-        return DCPSource(folder, select=select, ema=ema)  # type: ignore[arg-type]
+        return DCPSource(url.parent, select=select, ema=ema)  # type: ignore[arg-type]
     if url.name.endswith(".index.json"):  # a sharded checkpoint: the index, then each shard
         from ckptkit.formats.folders.sharded import ShardedSource
 
@@ -332,6 +334,39 @@ def _open_url(
     except BaseException:
         raw.close()
         raise
+
+
+# What a folder at a URL is read by, in the order a local folder's layout is tried: a DCP
+# save, a sharded index, then the single weights files of transformers and diffusers folders.
+_FOLDER_FILES = (
+    ".metadata",
+    "model.safetensors.index.json",
+    "diffusion_pytorch_model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    *MODEL_FILES,
+    "diffusion_pytorch_model.safetensors",
+    "diffusion_pytorch_model.bin",
+)
+
+
+def _in_folder(url: RemotePath) -> RemotePath:
+    """The file a URL without a suffix stands for when it is a folder (a model repository, a
+    DCP save): found by listing it, as a local folder's layout is found by its names; a URL
+    that is no folder is given back as it is (then read as a file)."""
+    names = url.names()
+    if names is None:  # http(s): no listing; a DCP folder is still found by its .metadata
+        return url / ".metadata" if (url / ".metadata").is_file() else url
+    if not names:
+        return url
+    for name in _FOLDER_FILES:
+        if name in names:
+            return url / name
+    shown = ", ".join(sorted(n for n in names if not n.startswith("."))[:8])
+    raise FormatError(
+        f"{url} is a folder with no DCP save, sharded index, model.safetensors, "
+        "pytorch_model.bin or diffusers weights (it holds: " + (shown or "nothing") + ")",
+        "give the checkpoint file's URL",
+    )
 
 
 def _open_file(

@@ -158,6 +158,21 @@ class RemotePath:
         finally:
             remote.close()
 
+    def names(self) -> list[str] | None:
+        """The names in the folder (the prefix) this URL names: empty when it is no folder;
+        None for http(s), which has no listing."""
+        if self.scheme in ("http", "https"):
+            return None
+        fs, path = filesystem(self.url)
+        try:
+            found = fs.ls(path, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except Exception as exc:  # the back-end's own: said, as a read's would be
+            raise _failure(self.url, exc) from None
+        names = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
+        return [] if names == [self.name] else names  # a file lists itself
+
     def is_dir(self) -> bool:
         return False  # a URL names objects; a "folder" is a prefix, never opened as one
 
