@@ -56,13 +56,11 @@ def test_a_run_saves_to_s3_prunes_there_and_resumes_exactly(s3_env, tmp_path, mo
     assert ckptkit.summarize("s3://runs/a/ckpt-epoch0004.pt").selected == "model"
 
 
-def test_the_cli_trains_to_s3_and_refuses_what_it_cannot_mirror(s3_env, run):
+def test_the_cli_trains_to_s3_and_refuses_an_unwritable_url(s3_env, run):
     s3_env.bucket("runs")
     result = run("train", "--mode", "single", "--epochs", "1", "--out", "s3://runs/cli")
     assert result.exit_code == 0, result.stderr
     assert "s3://runs/cli/ckpt-epoch0001.pt" in result.stdout
-    result = run("train", "--epochs", "1", "--save-format", "dcp", "--out", "s3://runs/dcp")
-    assert result.exit_code != 0 and "dcp" in result.stderr and "Traceback" not in result.output
     result = run("train", "--epochs", "1", "--out", "s3://no-such-bucket/run")
     assert result.exit_code != 0 and "cannot write to --out" in result.stderr
     assert len(result.stderr.splitlines()) == 1
@@ -86,3 +84,20 @@ def test_ddp_workers_mirror_to_s3_and_resume_from_it(s3_env, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "resumed from s3://runs/d/ckpt-epoch0000-step00000010.pt" in done.stderr
     assert "ckpt-epoch0001.pt" in objects(s3_env, "runs/d")
+
+
+def test_a_dcp_run_is_mirrored_file_by_file_and_resumes_from_the_url(s3_env, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    s3_env.bucket("runs")
+    train(mode="single", epochs=2, out="s3://runs/dcp", save_format="dcp", keep_last=1)
+    names = objects(s3_env, "runs/dcp")
+    assert ".metadata" in names and "latest" in names
+    assert s3_env.fs.cat("runs/dcp/latest") == b"ckpt-epoch0002\n"
+    assert not s3_env.fs.exists("runs/dcp/ckpt-epoch0001")  # pruned there as here
+    summary = ckptkit.summarize("s3://runs/dcp/ckpt-epoch0002")  # a DCP folder at a URL
+    assert summary.format == "dcp" and summary.selected == "model"
+    resumed = train(mode="single", epochs=3, out="s3://runs/dcp", save_format="dcp", resume="auto")
+    assert resumed.resumed_from == "s3://runs/dcp/ckpt-epoch0002"
+    straight = train(mode="single", epochs=3, out=str(tmp_path / "local"), save_format="dcp")
+    s3_env.fs.get("runs/dcp/ckpt-epoch0003/", str(tmp_path / "back") + "/", recursive=True)
+    assert ckptkit.diff(tmp_path / "back", straight.checkpoint).equal

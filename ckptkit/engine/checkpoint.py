@@ -227,6 +227,9 @@ def commit_dcp(
             with atomic_output(tmp / TRAIN_STATE, force=True) as part:
                 _torch_save(train_state, part)
         _publish(folder, final, keep_last=keep_last, best=best)
+        from ckptkit.engine.remote import push  # (remote imports this module)
+
+        push(folder)  # --out URL: mirrored there (the shards, .metadata, then latest)
 
     if saver is None:
         finish()

@@ -7,7 +7,8 @@ first (each an upload made visible only once complete), then the run's logs, the
 since are deleted there (never one it found there, such as the one it resumed from). A
 reader of the URL therefore never finds ``latest`` naming a partial file. ``--resume auto``
 downloads the checkpoint the URL's ``latest`` names (on each node, before its workers start)
-and resumes from it. DCP checkpoints (folders written by every rank) are refused for a URL.
+and resumes from it. DCP checkpoints (folders every rank writes into) are mirrored file by file,
+``.metadata`` last; on several nodes, where each node stages its own shards, they are refused.
 """
 
 from __future__ import annotations
@@ -39,15 +40,16 @@ def staged_run(config: Any) -> Iterator[Any]:
     URL's run checked (fresh, or resumed from its ``latest``, downloaded here first).
 
     Raises:
-        UsageError: DCP checkpoints, or a URL run that is not fresh without --resume or
-            --overwrite.
+        UsageError: DCP checkpoints on several nodes, or a URL run that is not fresh without
+            --resume or --overwrite.
     """
     url = RemotePath(config.out)
-    if config.save_format == "dcp":
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if config.save_format == "dcp" and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:
         raise UsageError(
-            f"--save-format dcp writes a folder from every rank, which ckptkit does not mirror "
-            f"to {url}",
-            "save pt or safetensors checkpoints to a URL, or a dcp run to a local --out",
+            f"--save-format dcp on several nodes writes each node's shards to its own staging "
+            f"folder, which ckptkit does not gather to {url}",
+            "save pt or safetensors checkpoints to a URL, or a dcp run to a shared --out",
         )
     fs, root = filesystem(str(url))
     stage = Path(os.environ.get("CKPTKIT_STAGING") or tempfile.gettempdir())
@@ -115,7 +117,9 @@ def _pull_latest(fs: Any, root: str, folder: Path) -> None:
         name = fs.cat_file(f"{base}/{LATEST}").decode().strip()
     except FileNotFoundError:
         return  # nothing to resume: a fresh run, as locally
-    for suffix in (".pt", ".safetensors"):
+    if "." not in name:  # a DCP checkpoint: a folder
+        fs.get(f"{base}/{name}/", str(folder / name) + "/", recursive=True)
+    for suffix in (".pt", ".safetensors") if "." in name else ():
         remote = f"{base}/{name.rsplit('.', 1)[0]}{suffix}"
         if fs.exists(remote):
             fs.get_file(remote, str(folder / Path(remote).name))
@@ -131,17 +135,19 @@ def push(folder: Path) -> None:
     checkpoints this process put there and has since pruned are deleted there. No URL:
     nothing."""
     url = os.environ.get(MIRROR_ENV)
-    if not url or not is_url(url):
-        return
+    if not url or not is_url(url) or os.environ.get("RANK", "0") != "0":
+        return  # no URL; or not rank 0 (under torchrun each rank stages: rank 0's is the run)
     target = RemotePath(url)
     uploads = Uploads(target, force=True)
     there = set(_names(uploads.fs, uploads.root))
-    kept = [p for p in list_checkpoints(folder) for p in _files_of(p)]
+    checkpoints = list_checkpoints(folder)
     with uploads:
-        for path in kept:  # checkpoints are written once: only new ones go up
-            if path.name not in there:
-                _stage_copy_and_add(uploads, path)
-                _PUSHED.add(path.name)
+        for checkpoint in checkpoints:  # checkpoints are written once: only new ones go up
+            for path in _files_of(checkpoint):
+                top = path.relative_to(folder).parts[0]  # the file, or the DCP folder
+                if top not in there:
+                    _stage_copy_and_add(uploads, path, path.relative_to(folder).as_posix())
+                    _PUSHED.add(top)
         for name in RUN_LOGS:
             if (folder / name).is_file():
                 _stage_copy_and_add(uploads, folder / name)
@@ -149,7 +155,7 @@ def push(folder: Path) -> None:
             if (folder / name).is_file():
                 _stage_copy_and_add(uploads, folder / name)
         uploads.commit()
-    names = {p.name for p in kept}
+    names = {p.relative_to(folder).parts[0] for c in checkpoints for p in _files_of(c)}
     for name in there & _PUSHED - names:  # this run put it there and pruned it here
         with contextlib.suppress(FileNotFoundError):
             uploads.fs.rm(uploads.url(name), recursive=True)
@@ -168,16 +174,22 @@ def shown_path(path: Path) -> str:
 
 
 def _files_of(checkpoint: Path) -> list[Path]:
+    """A checkpoint's files: its ``.pt`` and ``.safetensors``, or a DCP folder's files with
+    ``.metadata`` last (a reader finds the save by it)."""
+    if checkpoint.is_dir():
+        inside = sorted(p for p in checkpoint.rglob("*") if p.is_file())
+        return sorted(inside, key=lambda p: p.name == ".metadata")
     stem = checkpoint.with_suffix("")
     return [p for p in (stem.with_suffix(".pt"), stem.with_suffix(".safetensors")) if p.is_file()]
 
 
-def _stage_copy_and_add(uploads: Uploads, path: Path) -> None:
-    """Upload a file of the run folder, which stays (Uploads.add deletes what it uploads)."""
+def _stage_copy_and_add(uploads: Uploads, path: Path, name: str | None = None) -> None:
+    """Upload a file of the run folder as ``name`` (default: its own), which stays
+    (Uploads.add deletes what it uploads)."""
     with tempfile.TemporaryDirectory(prefix="ckptkit-push-") as tmp:
         copy = Path(tmp) / path.name
         with contextlib.suppress(OSError):  # a hard link where it can: no copy of the bytes
             os.link(path, copy)
         if not copy.exists():
             shutil.copyfile(path, copy)
-        uploads.add(copy, path.name)
+        uploads.add(copy, name or path.name)
