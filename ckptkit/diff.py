@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError
+from ckptkit.errors import CkptkitError, FormatError
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.open import open_source
@@ -186,6 +186,14 @@ def diff(
             rtol=rtol,
             keys_only=keys_only,
         )
+        if not keys_only:  # a side at a URL: its tensors fetched ahead, several at once
+            compared = [
+                k
+                for k in keys_a
+                if k in keys_b and info_a[keys_a[k]].shape == info_b[keys_b[k]].shape
+            ]
+            reader.prefetch(src_a, [keys_a[k] for k in compared])
+            reader.prefetch(src_b, [keys_b[k] for k in compared])
         for key in (k for k in keys_a if k in keys_b):
             old_a, old_b = keys_a[key], keys_b[key]
             ia, ib = info_a[old_a], info_b[old_b]
@@ -275,6 +283,23 @@ class _Reader:
         from ckptkit.formats.io.bytecopy import RangeReader
 
         self._files = RangeReader()
+        self._fetchers: dict[int, Any] = {}  # id(source) -> its Prefetcher (a URL's tensors)
+
+    def prefetch(self, source: Source, keys: list[str]) -> None:
+        """A source at a URL: the byte ranges of ``keys`` (in the order they will be compared)
+        fetched ahead, a few requests at a time; memory holds those requests, not tensors."""
+        from ckptkit.formats.io.fetch import Prefetcher
+        from ckptkit.formats.io.remote import RemotePath
+
+        if not isinstance(source.path, RemotePath):
+            return
+        spans = []
+        for key in keys:
+            span = source.byte_span(key)
+            if span is not None and isinstance(span[0], RemotePath):
+                spans.append((key, self._files.remote(span[0]), span[1], span[2]))
+        if spans:
+            self._fetchers[id(source)] = Prefetcher(spans, workers=4)
 
     def same_bytes(self, a: tuple[Path, int, int] | None, b: tuple[Path, int, int] | None) -> bool:
         if a is None or b is None or a[2] != b[2]:
@@ -302,6 +327,10 @@ class _Reader:
 
             make = functools.partial(torch.frombuffer, dtype=torch_dtype(info.dtype))
         step = PIECE * DTYPES[info.dtype].itemsize
+        fetcher = self._fetchers.get(id(source))
+        if span is None and fetcher is not None and fetcher.holds(key):
+            yield from map(make, _aligned(fetcher.pieces(key), DTYPES[info.dtype].itemsize))
+            return
         if span is None:
             # Compressed (a deflated zip member): decompressed a piece at a time, never whole.
             chunks = source.stream(key, step)
@@ -322,7 +351,22 @@ class _Reader:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for fetcher in self._fetchers.values():
+            fetcher.close()
         self._files.close()
+
+
+def _aligned(chunks: Iterable[bytes], itemsize: int) -> Iterator[bytearray]:
+    """Fetched bytes re-cut at element boundaries (a request may end inside an element)."""
+    rest = bytearray()
+    for chunk in chunks:
+        rest += chunk
+        whole = len(rest) - len(rest) % itemsize
+        if whole:
+            yield rest[:whole]
+            del rest[:whole]
+    if rest:
+        raise FormatError("a tensor's bytes ended inside an element", "copy it again")
 
 
 def _flat_pieces(tensor: torch.Tensor) -> Iterator[torch.Tensor]:

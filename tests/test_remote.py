@@ -542,3 +542,36 @@ def test_a_folder_at_a_url_is_read_by_its_layout(files, s3_env, run):
     report = ckptkit.convert("s3://repo/sharded", files / "whole.safetensors")
     assert report.verified and ckptkit.diff(files / "whole.safetensors", files / "m.pt").equal
     one_error(run("inspect", "s3://repo/notes"), "readme.txt", "give the checkpoint file")
+
+
+def test_diff_of_a_url_fetches_ahead_in_bounded_memory(tmp_path, range_server):
+    """A 64 MiB tensor at a URL diffed against a changed local copy: found different, with a
+    few requests' bytes in memory, not the tensor (it was loaded whole before)."""
+    big = torch.randn(16 * 2**20, generator=torch.Generator().manual_seed(1))
+    torch.save({"big": big, "small": torch.ones(3)}, tmp_path / "a.pt")
+    changed = big.clone()
+    changed[12_345_678] += 1
+    save_file({"big": changed, "small": torch.ones(3)}, tmp_path / "b.safetensors")
+    code = (
+        "import json, resource, sys, ckptkit\n"
+        "r = ckptkit.diff(sys.argv[1], sys.argv[2])\n"
+        "print(json.dumps([r.different[0].key, r.different[0].differing, r.common,"
+        " resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))\n"
+    )
+    base = subprocess.run(
+        [sys.executable, "-c", "import resource, ckptkit, torch, numpy, ckptkit.diff\n"
+         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code, range_server.url("a.pt"), str(tmp_path / "b.safetensors")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    key, differing, common, peak = json.loads(done.stdout)
+    assert (key, differing, common) == ("big", 1, 2)
+    grown_mb = (peak - int(base.stdout)) / 1024
+    assert grown_mb < 56, f"{grown_mb:.0f} MB over the imports"

@@ -80,6 +80,10 @@ class Prefetcher:
                     break
         self.spans = []  # planned: the list is not needed again
 
+    def holds(self, key: str) -> bool:
+        """Whether ``key``'s range was planned (and not taken yet)."""
+        return key in self._pieces
+
     def pieces(self, key: str) -> Iterator[bytes]:
         """The bytes of ``key``'s range, a piece at a time, in order."""
         for piece in self._pieces.pop(key, []):
