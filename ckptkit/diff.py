@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import CkptkitError, FormatError
+from ckptkit.errors import CkptkitError
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.formats.io.fetch import aligned
 from ckptkit.formats.open import open_source
 from ckptkit.keys import build_plan, match_keys
 from ckptkit.progress import progress_bar
@@ -329,7 +330,7 @@ class _Reader:
         step = PIECE * DTYPES[info.dtype].itemsize
         fetcher = self._fetchers.get(id(source))
         if span is None and fetcher is not None and fetcher.holds(key):
-            yield from map(make, _aligned(fetcher.pieces(key), DTYPES[info.dtype].itemsize))
+            yield from map(make, aligned(fetcher.pieces(key), DTYPES[info.dtype].itemsize))
             return
         if span is None:
             # Compressed (a deflated zip member): decompressed a piece at a time, never whole.
@@ -354,19 +355,6 @@ class _Reader:
         for fetcher in self._fetchers.values():
             fetcher.close()
         self._files.close()
-
-
-def _aligned(chunks: Iterable[bytes], itemsize: int) -> Iterator[bytearray]:
-    """Fetched bytes re-cut at element boundaries (a request may end inside an element)."""
-    rest = bytearray()
-    for chunk in chunks:
-        rest += chunk
-        whole = len(rest) - len(rest) % itemsize
-        if whole:
-            yield rest[:whole]
-            del rest[:whole]
-    if rest:
-        raise FormatError("a tensor's bytes ended inside an element", "copy it again")
 
 
 def _flat_pieces(tensor: torch.Tensor) -> Iterator[torch.Tensor]:

@@ -575,3 +575,11 @@ def test_diff_of_a_url_fetches_ahead_in_bounded_memory(tmp_path, range_server):
     assert (key, differing, common) == ("big", 1, 2)
     grown_mb = (peak - int(base.stdout)) / 1024
     assert grown_mb < 56, f"{grown_mb:.0f} MB over the imports"
+
+
+def test_stats_of_a_url_equal_the_local_files(files, range_server, run):
+    local = ckptkit.tensor_stats(files / "m.pt", select="model")
+    remote = ckptkit.tensor_stats(range_server.url("m.pt"), select="model")
+    assert remote == local and len(remote) == len(STATE)
+    result = run("inspect", range_server.url("m.safetensors"), "--stats", "--json")
+    assert result.exit_code == 0, result.stderr

@@ -9,13 +9,14 @@ checkpoint's size. Each request goes through :meth:`Remote.read`: retried, its l
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ckptkit.errors import FormatError
 from ckptkit.formats.io.remote import Remote
 
-__all__ = ["Prefetcher", "CHUNK", "GAP"]
+__all__ = ["Prefetcher", "aligned", "CHUNK", "GAP"]
 
 CHUNK = 8 * 1024 * 1024  # bytes a request at most (memory: workers + 1 of them)
 GAP = 64 * 1024  # bytes between two ranges read through rather than asked for apart
@@ -129,3 +130,20 @@ class Prefetcher:
                     request.future.cancel()
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def aligned(chunks: Iterable[bytes], itemsize: int) -> Iterator[bytearray]:
+    """Fetched bytes re-cut at element boundaries (a joined request may end inside one).
+
+    Raises:
+        FormatError: the bytes end inside an element.
+    """
+    rest = bytearray()
+    for chunk in chunks:
+        rest += chunk
+        whole = len(rest) - len(rest) % itemsize
+        if whole:
+            yield rest[:whole]
+            del rest[:whole]
+    if rest:
+        raise FormatError("a tensor's bytes ended inside an element", "copy it again")
