@@ -365,10 +365,14 @@ def convert_checkpoint(
     if not is_url(str(dst)):
         return _convert(src, Path(dst), None, **options)  # type: ignore[arg-type]
     url = RemotePath(str(dst))
-    if output.to == "dcp" or url.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
+    if output.to == "dcp":
+        raise UsageError(f"{url}: a DCP output is written to a local folder", "drop --to dcp")
+    if not url.suffix:  # a folder: "s3://b/model/" (into it) or a model folder "s3://b/model"
+        return _convert_to_url_folder(src, url, str(dst).endswith("/"), options)
+    if url.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
         raise UsageError(
             f"{url}: an output at a URL is a .safetensors or .pt file (shards and their index "
-            "beside it with --max-shard-size)",
+            "beside it with --max-shard-size), or a folder",
             "name the file, e.g. s3://bucket/run/model.safetensors",
         )
     with staging_folder() as stage:
@@ -376,6 +380,41 @@ def convert_checkpoint(
         report = _convert(src, stage / url.name, uploads, **options)  # type: ignore[arg-type]
     report.destination = str(url)
     report.files = [str(url.parent / Path(name).name) for name in report.files]
+    return report
+
+
+def _convert_to_url_folder(
+    src: str | Path, url: RemotePath, into: bool, options: dict[str, Any]
+) -> ConvertReport:
+    """A folder at a URL, as a local one: ``s3://b/model/`` (a trailing slash) is written into
+    (``model.safetensors``, or shards and their index), ``s3://b/model`` is a model folder (the
+    source's config and tokenizer files beside the weights). Made whole in a staging folder,
+    then uploaded and made visible together: weights first, the index last."""
+    if options["part"] is not None:
+        raise UsageError(
+            f"--part writes shards beside a file: name it, e.g. {url}/model.safetensors"
+        )
+    with staging_folder() as stage:
+        local = stage / url.name
+        if into:
+            local.mkdir()
+        report = _convert(src, local, None, **options)
+        if options["dry_run"]:
+            return report
+        uploads = Uploads(url, force=options["force"])
+        files = sorted(p for p in local.rglob("*") if p.is_file())
+        last = [p for p in files if p.name.endswith(".index.json")]
+        order = [p for p in files if p.suffix in (".safetensors", ".bin", ".pt") and p not in last]
+        order += [p for p in files if p not in order and p not in last] + last
+        names = [p.relative_to(local).as_posix() for p in order]
+        uploads.check(names)
+        with uploads:
+            for path, name in zip(order, names, strict=True):
+                uploads.add(path, name)
+            uploads.commit()
+    report.destination = str(url)
+    report.files = [f"{url}/{Path(name).relative_to(local).as_posix()}" for name in report.files]
+    report.copied_files = list(report.copied_files)
     return report
 
 

@@ -583,3 +583,20 @@ def test_stats_of_a_url_equal_the_local_files(files, range_server, run):
     assert remote == local and len(remote) == len(STATE)
     result = run("inspect", range_server.url("m.safetensors"), "--stats", "--json")
     assert result.exit_code == 0, result.stderr
+
+
+def test_a_folder_url_output_is_written_into_or_as_a_model_folder(files, s3_env, run):
+    s3_env.bucket("out")
+    result = run("convert", files / "m.pt", "s3://out/into/", "--max-shard-size", "100kB")
+    assert result.exit_code == 0, result.stderr
+    names = _objects(s3_env, "out/into")
+    assert names[-1] == "model.safetensors.index.json" and len(names) > 3
+    base = FIXTURE_DIR / "adapters" / "bert_base"  # a transformers model folder
+    result = run("convert", base, "s3://out/bert")
+    assert result.exit_code == 0, result.stderr
+    names = _objects(s3_env, "out/bert")
+    assert "model.safetensors" in names and "config.json" in names
+    one_error(run("convert", base, "s3://out/bert"), "exists", "--force")
+    back = files / "back"
+    s3_env.fs.get("out/bert/", str(back) + "/", recursive=True)
+    assert ckptkit.diff(back, base).equal
