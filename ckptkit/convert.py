@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.adapters import AdapterOptions, adapter_options, open_merged
-from ckptkit.errors import CastError, FormatError, KeyMatchError, OutputError, UsageError
+from ckptkit.errors import (
+    CastError,
+    CkptkitError,
+    FormatError,
+    KeyMatchError,
+    OutputError,
+    UsageError,
+)
 from ckptkit.formats.base.dtypes import DTYPES, TensorSpec
 from ckptkit.formats.base.source import KEPT_IN_TORCH, KINDS, Source, TensorInfo
 from ckptkit.formats.base.tree import DroppedPart
@@ -375,12 +382,23 @@ def convert_checkpoint(
             "beside it with --max-shard-size), or a folder",
             "name the file, e.g. s3://bucket/run/model.safetensors",
         )
-    with staging_folder() as stage:
+    with staging_folder() as stage, _named_at(url.parent, stage):
         uploads = Uploads(url.parent, force=force)
         report = _convert(src, stage / url.name, uploads, **options)  # type: ignore[arg-type]
     report.destination = str(url)
     report.files = [str(url.parent / Path(name).name) for name in report.files]
     return report
+
+
+@contextlib.contextmanager
+def _named_at(url: RemotePath, stage: Path) -> Iterator[None]:
+    """Errors name the output at its URL, not in the staging folder it was made in."""
+    try:
+        yield
+    except CkptkitError as exc:
+        exc.message = exc.message.replace(str(stage), str(url))
+        exc.args = (exc.message,)
+        raise
 
 
 def _convert_to_url_folder(
@@ -394,7 +412,7 @@ def _convert_to_url_folder(
         raise UsageError(
             f"--part writes shards beside a file: name it, e.g. {url}/model.safetensors"
         )
-    with staging_folder() as stage:
+    with staging_folder() as stage, _named_at(url.parent, stage):
         local = stage / url.name
         if into:
             local.mkdir()

@@ -456,7 +456,7 @@ def test_a_failed_upload_leaves_no_object_and_no_open_upload(files, s3_env, run,
 
 def test_an_http_output_and_a_folder_url_are_refused(files, range_server, run):
     one_error(run("convert", files / "m.pt", range_server.url("o.safetensors")), "HTTP")
-    one_error(run("convert", files / "m.pt", "memory://x/outdir"), ".safetensors or .pt")
+    one_error(run("convert", files / "m.pt", "memory://x/outdir"), "memory://x/outdir", ".pt")
 
 
 def test_a_dcp_folder_at_a_url_is_read_from_its_metadata_and_chunks(tmp_path, range_server):
