@@ -163,7 +163,9 @@ def scan_many(
     reports = []
     for path in paths:
         try:
-            if Path(path).is_dir():
+            if is_url(str(path)) and not RemotePath(str(path)).suffix:
+                reports.extend(_scan_url_folder(RemotePath(str(path)), allowed))
+            elif Path(path).is_dir():
                 reports.extend(_scan_folder(Path(path), allowed))
             else:
                 reports.append(scan(path, allow_globals=allowed))
@@ -180,6 +182,32 @@ def _scan_folder(folder: Path, allowed: frozenset[str]) -> list[ScanReport]:
             reports.append(report_of(folder / name, found, allowed))
     if not reports:
         raise FormatError(f"{folder} holds no file that a loader would read")
+    return reports
+
+
+# The files of a folder at a URL that a loader would read, by their names (a local folder's
+# are found by its layout; a URL's are listed, not opened).
+_LOADED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+
+
+def _scan_url_folder(folder: RemotePath, allowed: frozenset[str]) -> list[ScanReport]:
+    """A folder (a prefix) at a URL: each checkpoint file in it, by its name."""
+    names = folder.names()
+    if names is None:  # http(s): no listing
+        return [scan(str(folder), allow_globals=allowed)]
+    picked = sorted(n for n in names if n.endswith(_LOADED_SUFFIXES))
+    if not picked:
+        if not names:
+            raise FormatError(f"{folder} does not exist, or holds nothing")
+        raise FormatError(f"{folder} holds no file that a loader would read")
+    reports = []
+    for name in picked:
+        try:
+            reports.append(scan(str(folder / name), allow_globals=allowed))
+        except CkptkitError as exc:
+            reports.append(
+                ScanReport(str(folder / name), "unknown", allowed=allowed, error=exc.cli_text)
+            )
     return reports
 
 

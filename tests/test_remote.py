@@ -600,3 +600,17 @@ def test_a_folder_url_output_is_written_into_or_as_a_model_folder(files, s3_env,
     back = files / "back"
     s3_env.fs.get("out/bert/", str(back) + "/", recursive=True)
     assert ckptkit.diff(back, base).equal
+
+
+def test_scan_of_a_folder_url_scans_each_checkpoint_in_it(files, s3_env, run):
+    s3_env.bucket("mixed")
+    s3_env.fs.put(str(FIXTURE_DIR / "malicious.pt"), "mixed/run/malicious.pt")
+    s3_env.fs.put(str(files / "m.safetensors"), "mixed/run/model.safetensors")
+    s3_env.fs.pipe("mixed/run/notes.txt", b"not a checkpoint")
+    result = run("scan", "s3://mixed/run", "--json")
+    assert result.exit_code == 1  # one is dangerous
+    verdicts = {r["path"]: r["verdict"] for r in json.loads(result.stdout)["files"]}
+    assert verdicts == {
+        "s3://mixed/run/malicious.pt": "dangerous",
+        "s3://mixed/run/model.safetensors": "safe",
+    }
