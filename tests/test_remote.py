@@ -614,3 +614,16 @@ def test_scan_of_a_folder_url_scans_each_checkpoint_in_it(files, s3_env, run):
         "s3://mixed/run/malicious.pt": "dangerous",
         "s3://mixed/run/model.safetensors": "safe",
     }
+
+
+def test_a_killed_runs_incomplete_upload_is_aborted_by_the_next_run(files, s3_env):
+    """What a run killed before its commit leaves (an open multipart upload to the output's
+    key: invisible, but stored) is aborted when the output is written again."""
+    s3_env.bucket("out")
+    client = s3_env.client()
+    client.create_multipart_upload(Bucket="out", Key="run/model.safetensors")  # the leftover
+    client.create_multipart_upload(Bucket="out", Key="run/other.bin")  # not ours: stays
+    ckptkit.convert(files / "m.safetensors", "s3://out/run/model.safetensors")
+    left = [u["Key"] for u in client.list_multipart_uploads(Bucket="out").get("Uploads", [])]
+    assert left == ["run/other.bin"]
+    assert _objects(s3_env, "out/run") == ["model.safetensors"]

@@ -59,18 +59,45 @@ class Uploads:
         return f"{self.root.rstrip('/')}/{name}"
 
     def check(self, names: list[str]) -> None:
-        """Refuse outputs that exist at the URL unless ``force`` (as on a local disk).
+        """Refuse outputs that exist at the URL unless ``force`` (as on a local disk), then
+        abort what a killed run left of uploads to these very names (S3's incomplete multipart
+        uploads: invisible, but stored and billed).
 
         Raises:
             OutputError: naming the first that exists.
         """
-        if self.force:
-            return
+        if not self.force:
+            self._refuse_existing(names)
+        self._abort_leftovers(names)
+
+    def _refuse_existing(self, names: list[str]) -> None:
         for name in names:
             if self.fs.exists(self.url(name)):
                 raise OutputError(
                     f"output {self.folder / name} exists", "pass --force to replace it"
                 )
+
+    def _abort_leftovers(self, names: list[str]) -> None:
+        """S3 only: incomplete multipart uploads to the output's keys, left by a run that was
+        killed before it committed (another run writing the same output at the same time
+        would be one, and its commit then fails: two runs cannot both write one output)."""
+        if self.folder.scheme not in ("s3", "s3a") or not hasattr(self.fs, "call_s3"):
+            return
+        bucket, _, prefix = self.root.partition("/")
+        keys = {f"{prefix.rstrip('/')}/{name}".lstrip("/") for name in names}
+        try:
+            found = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+        except Exception:  # listing may be denied: leftovers then stay, as they would
+            return
+        for upload in found.get("Uploads", []):
+            if upload.get("Key") in keys:
+                with contextlib.suppress(Exception):
+                    self.fs.call_s3(
+                        "abort_multipart_upload",
+                        Bucket=bucket,
+                        Key=upload["Key"],
+                        UploadId=upload["UploadId"],
+                    )
 
     def add(self, local: Path, name: str) -> None:
         """Upload ``local`` as ``name`` (not visible yet), then delete the local copy."""
