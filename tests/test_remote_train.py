@@ -10,12 +10,13 @@ import sys
 import pytest
 import servers
 import torch
-from helpers import ROOT
+from helpers import FIXTURE_DIR, ROOT
 
 import ckptkit
 from ckptkit.engine import train
 from ckptkit.formats.base.tensors import bit_equal
 
+range_server = servers.range_server
 s3_server = servers.s3_server
 s3 = servers.s3
 s3_env = servers.s3_env
@@ -41,19 +42,25 @@ def test_a_run_saves_to_s3_prunes_there_and_resumes_exactly(s3_env, tmp_path, mo
     assert s3_env.fs.cat("runs/a/latest") == b"ckpt-epoch0002.pt\n"
     with pytest.raises(ckptkit.CkptkitError, match="--resume auto"):
         train(mode="single", epochs=3, out="s3://runs/a")
+    s3_env.fs.pipe("runs/a/best", b"ckpt-epoch0002.pt\n")  # as --monitor would name it
     resumed = train(mode="single", epochs=4, out="s3://runs/a", resume="auto", keep_last=1)
     assert resumed.resumed_from == "s3://runs/a/ckpt-epoch0002.pt"
-    # what this run put there and pruned goes (epoch 3); what it found there stays (epoch 2)
+    # --keep-last 1 over the URL's checkpoints: epoch 3 goes, epoch 2 stays because best names it
     assert [n for n in objects(s3_env, "runs/a") if n.startswith("ckpt")] == [
         "ckpt-epoch0002.pt", "ckpt-epoch0004.pt"
     ]  # fmt: skip
-    straight = train(mode="single", epochs=4, out=str(tmp_path / "local"))
-    s3_env.fs.get("runs/a/ckpt-epoch0004.pt", str(tmp_path / "remote.pt"))
+    s3_env.fs.rm("runs/a/best")
+    train(mode="single", epochs=5, out="s3://runs/a", resume="auto", keep_last=2)
+    assert [n for n in objects(s3_env, "runs/a") if n.startswith("ckpt")] == [
+        "ckpt-epoch0004.pt", "ckpt-epoch0005.pt"
+    ]  # fmt: skip
+    straight = train(mode="single", epochs=5, out=str(tmp_path / "local"))
+    s3_env.fs.get("runs/a/ckpt-epoch0005.pt", str(tmp_path / "remote.pt"))
     remote, local = weights(tmp_path / "remote.pt"), weights(straight.checkpoint)
     assert remote.keys() == local.keys()
     assert all(bit_equal(remote[k], local[k]) for k in local)
     # inspect reads it at the URL, as any checkpoint
-    assert ckptkit.summarize("s3://runs/a/ckpt-epoch0004.pt").selected == "model"
+    assert ckptkit.summarize("s3://runs/a/ckpt-epoch0005.pt").selected == "model"
 
 
 def test_the_cli_trains_to_s3_and_refuses_an_unwritable_url(s3_env, run):
@@ -101,3 +108,30 @@ def test_a_dcp_run_is_mirrored_file_by_file_and_resumes_from_the_url(s3_env, tmp
     straight = train(mode="single", epochs=3, out=str(tmp_path / "local"), save_format="dcp")
     s3_env.fs.get("runs/dcp/ckpt-epoch0003/", str(tmp_path / "back") + "/", recursive=True)
     assert ckptkit.diff(tmp_path / "back", straight.checkpoint).equal
+
+
+def test_resume_from_a_checkpoint_url_and_urls_that_cannot_be_written(
+    s3_env, run, range_server, monkeypatch
+):
+    s3_env.bucket("runs")
+    train(mode="single", epochs=1, out="s3://runs/r")
+    result = run(
+        "train",
+        "--epochs",
+        "2",
+        "--out",
+        "s3://runs/r2",
+        "--resume",
+        "s3://runs/r/ckpt-epoch0001.pt",
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "resumed from" in result.stderr and "epoch 2" in result.stdout.lower() + result.stderr
+    result = run("train", "--epochs", "1", "--out", range_server.url("run"))
+    assert result.exit_code != 0 and "HTTP" in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and not range_server.requests  # nothing sent
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    servers.drop_cached_filesystems()
+    result = run("convert", FIXTURE_DIR / "single.pt", "s3://runs/nc/model.safetensors")
+    assert result.exit_code != 0 and "cannot write to s3://runs/nc" in result.stderr
+    assert "internal error" not in result.stderr and len(result.stderr.splitlines()) == 1

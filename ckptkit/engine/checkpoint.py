@@ -229,7 +229,7 @@ def commit_dcp(
         _publish(folder, final, keep_last=keep_last, best=best)
         from ckptkit.engine.remote import push  # (remote imports this module)
 
-        push(folder)  # --out URL: mirrored there (the shards, .metadata, then latest)
+        push(folder, keep_last=keep_last)  # --out URL: mirrored (shards, .metadata, latest)
 
     if saver is None:
         finish()

@@ -3,8 +3,9 @@
 The run is trained in a local staging folder, as any run is; each time rank 0 commits a
 checkpoint there, the folder is mirrored to the URL by the same protocol: the checkpoint's files
 first (each an upload made visible only once complete), then the run's logs, then the
-``latest`` (and ``best``) pointer, then the checkpoints this run put there and has pruned
-since are deleted there (never one it found there, such as the one it resumed from). A
+``latest`` (and ``best``) pointer, then ``--keep-last`` is applied to the URL's own checkpoints
+(a resumed run's older ones too, as a local run prunes its folder; never one that the URL's
+``latest`` or ``best`` names). A
 reader of the URL therefore never finds ``latest`` naming a partial file. ``--resume auto``
 downloads the checkpoint the URL's ``latest`` names (on each node, before its workers start)
 and resumes from it. DCP checkpoints (folders every rank writes into) are mirrored file by file,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ from typing import Any
 
 from ckptkit.engine.checkpoint import RUN_LOGS
 from ckptkit.errors import UsageError
-from ckptkit.formats.folders.runs import BEST, LATEST, list_checkpoints
+from ckptkit.formats.folders.runs import BEST, CHECKPOINT_NAME, LATEST, list_checkpoints
 from ckptkit.formats.io.remote import RemotePath, filesystem, is_url
 from ckptkit.formats.io.upload import Uploads
 
@@ -51,6 +53,7 @@ def staged_run(config: Any) -> Iterator[Any]:
             f"folder, which ckptkit does not gather to {url}",
             "save pt or safetensors checkpoints to a URL, or a dcp run to a shared --out",
         )
+    Uploads(url, force=True)  # an HTTP URL is refused here, before anything
     fs, root = filesystem(str(url))
     stage = Path(os.environ.get("CKPTKIT_STAGING") or tempfile.gettempdir())
     folder = Path(tempfile.mkdtemp(prefix="ckptkit-run-", dir=stage))
@@ -59,7 +62,8 @@ def staged_run(config: Any) -> Iterator[Any]:
         _check_writable(fs, root, url)
         if config.resume == "auto":
             _pull_latest(fs, root, folder)
-        _PUSHED.clear()  # a run of its own (single mode pushes from this process)
+        elif config.resume is not None and is_url(config.resume):  # a checkpoint at a URL
+            config = replace(config, resume=str(_pull(RemotePath(config.resume), folder)))
         previous = os.environ.get(MIRROR_ENV)
         os.environ[MIRROR_ENV] = str(url)
         try:
@@ -104,10 +108,24 @@ def _check_writable(fs: Any, root: str, url: RemotePath) -> None:
     try:
         fs.pipe_file(probe, b"")
         fs.rm(probe)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # the back-end's own (no bucket, no credentials): said
         raise UsageError(
             f"cannot write to --out {url}: {exc}", "check the bucket and the credentials"
         ) from None
+
+
+def _pull(url: RemotePath, folder: Path) -> Path:
+    """A checkpoint at a URL (a file, or a DCP folder) downloaded into ``folder``."""
+    fs, path = filesystem(str(url))
+    local = folder / url.name
+    try:
+        if fs.isdir(path):
+            fs.get(path.rstrip("/") + "/", str(local) + "/", recursive=True)
+        else:
+            fs.get_file(path, str(local))
+    except FileNotFoundError:
+        raise UsageError(f"cannot resume: {url} does not exist", "check --resume") from None
+    return local
 
 
 def _pull_latest(fs: Any, root: str, folder: Path) -> None:
@@ -129,11 +147,10 @@ def _pull_latest(fs: Any, root: str, folder: Path) -> None:
             fs.get_file(f"{base}/{log}", str(folder / log))
 
 
-def push(folder: Path) -> None:
+def push(folder: Path, keep_last: int | None = None) -> None:
     """Mirror ``folder`` (a run's staging folder) to the URL in ``$CKPTKIT_OUT_URL``: new
-    checkpoint files, then the logs, then the pointers, each visible only when whole; then the
-    checkpoints this process put there and has since pruned are deleted there. No URL:
-    nothing."""
+    checkpoint files, then the logs, then the pointers, each visible only when whole; then, with
+    ``keep_last``, the URL's older checkpoints pruned. No URL, or not rank 0: nothing."""
     url = os.environ.get(MIRROR_ENV)
     if not url or not is_url(url) or os.environ.get("RANK", "0") != "0":
         return  # no URL; or not rank 0 (under torchrun each rank stages: rank 0's is the run)
@@ -147,7 +164,6 @@ def push(folder: Path) -> None:
                 top = path.relative_to(folder).parts[0]  # the file, or the DCP folder
                 if top not in there:
                     _stage_copy_and_add(uploads, path, path.relative_to(folder).as_posix())
-                    _PUSHED.add(top)
         for name in RUN_LOGS:
             if (folder / name).is_file():
                 _stage_copy_and_add(uploads, folder / name)
@@ -155,16 +171,30 @@ def push(folder: Path) -> None:
             if (folder / name).is_file():
                 _stage_copy_and_add(uploads, folder / name)
         uploads.commit()
-    names = {p.relative_to(folder).parts[0] for c in checkpoints for p in _files_of(c)}
-    for name in there & _PUSHED - names:  # this run put it there and pruned it here
+    if keep_last:
+        _prune_there(uploads, folder, keep_last)
+
+
+def _prune_there(uploads: Uploads, folder: Path, keep_last: int) -> None:
+    """``--keep-last`` applied to the URL's own checkpoints (a resumed run's older ones too, as
+    a local run prunes its folder), never one that the URL's ``latest`` or ``best`` names."""
+    uploads.fs.invalidate_cache()
+    there = _names(uploads.fs, uploads.root)
+    kept = set()
+    for pointer in (LATEST, BEST):
         with contextlib.suppress(FileNotFoundError):
-            uploads.fs.rm(uploads.url(name), recursive=True)
-        _PUSHED.discard(name)
+            kept.add(uploads.fs.cat_file(uploads.url(pointer)).decode().strip())
+    found = [(m, n) for n in there if (m := CHECKPOINT_NAME.fullmatch(n))]
 
+    def at(m: re.Match[str]) -> tuple[int, int]:  # an epoch's end before the steps after it
+        return int(m.group(1)), int(m.group(2)) if m.group(2) else -1
 
-# The checkpoint files this process put at the URL: only those are pruned there (a resumed run
-# has only the checkpoint it resumed from; the URL's older ones are not its to delete).
-_PUSHED: set[str] = set()
+    old = set(sorted({at(m) for m, _ in found})[:-keep_last])
+    for m, name in found:
+        stem = name.split(".", 1)[0]
+        if at(m) in old and not {stem, stem + ".pt", stem + ".safetensors"} & kept:
+            with contextlib.suppress(FileNotFoundError):
+                uploads.fs.rm(uploads.url(name), recursive=True)
 
 
 def shown_path(path: Path) -> str:

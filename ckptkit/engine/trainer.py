@@ -464,7 +464,7 @@ class Engine:
             path = checkpoint.commit(
                 out, epoch, contents, keep_last=keep, formats=suffixes, step=step, best=best
             )
-            push(out)  # --out URL: mirrored there (files, then latest), else nothing
+            push(out, keep_last=keep)  # --out URL: mirrored there (files, then latest)
             return path
 
         if self._saver is None or self._staging is None:

@@ -110,7 +110,11 @@ def _mapped_write(src_fd: int, offset: int, count: int, dst_fd: int) -> int:
             with memoryview(window) as view:
                 write_all(dst_fd, view[skip:])
         finally:
-            window.close()
+            # An interrupt inside write_all leaves a slice of the window alive in its frame:
+            # closing then fails (BufferError) and would hide the interrupt; the mapping goes
+            # with the slice.
+            with contextlib.suppress(BufferError):
+                window.close()
         done += size
     return done
 

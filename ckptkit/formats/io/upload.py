@@ -72,7 +72,7 @@ class Uploads:
 
     def _refuse_existing(self, names: list[str]) -> None:
         for name in names:
-            if self.fs.exists(self.url(name)):
+            if self._exists(name):
                 raise OutputError(
                     f"output {self.folder / name} exists", "pass --force to replace it"
                 )
@@ -99,20 +99,43 @@ class Uploads:
                         UploadId=upload["UploadId"],
                     )
 
+    def _exists(self, name: str) -> bool:
+        try:
+            return bool(self.fs.exists(self.url(name)))
+        except Exception as exc:  # the back-end's own (no credentials, no bucket): said
+            raise self._error(exc) from None
+
+    def _error(self, exc: Exception) -> OutputError:
+        return OutputError(
+            f"cannot write to {self.folder}: {type(exc).__name__}: {exc}",
+            "check the bucket, the credentials and the network",
+        )
+
     def add(self, local: Path, name: str) -> None:
         """Upload ``local`` as ``name`` (not visible yet), then delete the local copy."""
-        handle = self.fs.open(self.url(name), "wb", autocommit=False, block_size=PART)
-        self._open.append(handle)
-        with open(local, "rb") as f:
-            while chunk := f.read(PART):
-                handle.write(chunk)
-        handle.close()  # the last part goes up; the upload stays open until commit
+        try:
+            handle = self.fs.open(self.url(name), "wb", autocommit=False, block_size=PART)
+            self._open.append(handle)
+            with open(local, "rb") as f:
+                while chunk := f.read(PART):
+                    handle.write(chunk)
+            handle.close()  # the last part goes up; the upload stays open until commit
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, OSError) and exc.filename == str(local):
+                raise
+            raise self._error(exc) from None
+        except Exception as exc:  # the back-end's own
+            raise self._error(exc) from None
         local.unlink()
 
     def commit(self) -> None:
         """Make every upload visible, in the order added (a sharded output's index last)."""
-        while self._open:
-            self._open.pop(0).commit()
+        try:
+            while self._open:
+                self._open[0].commit()
+                self._open.pop(0)
+        except Exception as exc:
+            raise self._error(exc) from None
 
     def discard(self) -> None:
         """Abort every upload not committed (nothing of them becomes visible)."""
