@@ -37,7 +37,7 @@ from ckptkit.formats.io.atomic import (
     check_folder_output,
     check_output,
 )
-from ckptkit.formats.io.remote import RemotePath, as_path, is_url
+from ckptkit.formats.io.remote import RemotePath, as_path, filesystem, is_url
 from ckptkit.formats.io.upload import Uploads, staging_folder
 from ckptkit.formats.open import open_source
 from ckptkit.formats.output import output_format
@@ -387,7 +387,24 @@ def convert_checkpoint(
         report = _convert(src, stage / url.name, uploads, **options)  # type: ignore[arg-type]
     report.destination = str(url)
     report.files = [str(url.parent / Path(name).name) for name in report.files]
+    if force and not dry_run and options["part"] is None:
+        _remove_stale_there(url, report.files)
     return report
+
+
+def _remove_stale_there(url: RemotePath, written: list[str]) -> None:
+    """``--force`` at a URL, as on disk: an earlier conversion's shards and index beside the
+    output that this one did not write (a model now in 3 shards, not 8) are deleted."""
+    names = url.parent.names() or []
+    here = Path("/stale-check")  # stale_shards compares names only
+    stale = stale_shards(
+        here / url.name, [here / Path(f).name for f in written], [here / n for n in names]
+    )
+    if stale:
+        fs, root = filesystem(str(url.parent))
+        for path in stale:
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(f"{root.rstrip('/')}/{path.name}")
 
 
 @contextlib.contextmanager
@@ -430,9 +447,9 @@ def _convert_to_url_folder(
             for path, name in zip(order, names, strict=True):
                 uploads.add(path, name)
             uploads.commit()
-    report.destination = str(url)
+    # Named as a local folder output is: its weights file (or the folder), at the URL.
+    report.destination = report.destination.replace(str(local), str(url))
     report.files = [f"{url}/{Path(name).relative_to(local).as_posix()}" for name in report.files]
-    report.copied_files = list(report.copied_files)
     return report
 
 

@@ -219,7 +219,8 @@ def summary_lines(summary: Any) -> list[str]:
     if summary.fetched is not None:
         lines.append(
             f"fetched     {plural(summary.fetched['requests'], 'request')}, "
-            f"{human_size(summary.fetched['bytes'])} (headers only)"
+            f"{human_size(summary.fetched['bytes'])} of its {human_size(summary.file_size)} "
+            "(headers, read 256 kB at a time)"
         )
     if summary.shards:
         lines.append(f"shards      {len(summary.shards)}: {', '.join(summary.shards)}")

@@ -28,6 +28,9 @@ from typing import Any
 from ckptkit.errors import FormatError, UsageError
 from ckptkit.formats.files.safetensors import read_header
 from ckptkit.formats.io.atomic import atomic_outputs
+from ckptkit.formats.io.rangefile import RangeFile
+from ckptkit.formats.io.remote import RemotePath, as_path, is_url, open_remote
+from ckptkit.formats.io.upload import Uploads, staging_folder
 from ckptkit.formats.output.plan import index_document
 
 __all__ = ["Part", "parse_part", "launched_part", "all_succeeded", "finish", "FinishReport"]
@@ -116,34 +119,33 @@ def finish(dst: str | Path, *, force: bool = False) -> FinishReport:
     """Write the index of a sharded safetensors output whose parts were written apart
     (``convert --part I/N``): every shard ``stem-0000i-of-0000n.safetensors`` beside ``dst``
     must be there and whole (its header read and checked); the index is made from their
-    headers, in shard order, as a one-process conversion writes it.
+    headers, in shard order, as a one-process conversion writes it. ``dst`` may be a URL (the
+    shards listed and their headers read there, the index uploaded).
 
     Raises:
         FormatError: a shard is missing or damaged, or the shards disagree.
         OutputError: the index exists (without ``force``).
     """
-    dst = Path(dst)
+    remote = is_url(str(dst))
+    dst = as_path(str(dst))
+    folder = dst.parent
+    present = set(_names(folder) if remote else (p.name for p in folder.iterdir()))
     stem = dst.name.removesuffix(".safetensors")
     pattern = re.compile(re.escape(stem) + r"-(\d{5})-of-(\d{5})\.safetensors")
-    found = sorted(
-        p for p in dst.parent.glob(f"{stem}-*-of-*.safetensors") if pattern.fullmatch(p.name)
-    )
-    if not found:
+    counts = {m[2] for n in present if (m := pattern.fullmatch(n))}
+    if not counts:
         raise FormatError(
-            f"no shards of {dst} ({stem}-00001-of-N.safetensors...) in {dst.parent}",
+            f"no shards of {dst} ({stem}-00001-of-N.safetensors...) in {folder}",
             "run the parts first: ckptkit convert SRC DST --max-shard-size S --part I/N",
         )
-    counts = {pattern.fullmatch(p.name)[2] for p in found}  # type: ignore[index]
     if len(counts) != 1:
         raise FormatError(
-            f"{dst.parent} holds shards of several conversions (of {', '.join(sorted(counts))})",
+            f"{folder} holds shards of several conversions (of {', '.join(sorted(counts))})",
             "remove the stale ones",
         )
     count = int(counts.pop())
-    paths = [
-        dst.with_name(f"{stem}-{i:05d}-of-{count:05d}.safetensors") for i in range(1, count + 1)
-    ]
-    missing = [p.name for p in paths if not p.exists()]
+    names = [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    missing = [n for n in names if n not in present]
     if missing:
         raise FormatError(
             f"{len(missing)} of {count} shards of {dst} are missing ({', '.join(missing[:3])}"
@@ -152,25 +154,55 @@ def finish(dst: str | Path, *, force: bool = False) -> FinishReport:
             "run the parts that wrote them (--part I/N) again",
         )
     sizes, header = [], None
-    for path in paths:
-        entries, _ = read_header(path)  # checked as strictly as safetensors does
+    for name in names:
+        entries = _header(folder / name)  # checked as strictly as safetensors does
         metadata = entries.pop("__metadata__", None) or {}
         if header is None:
             header = dict(metadata)
         elif dict(metadata) != header:
             raise FormatError(
-                f"{path} was written by another conversion than {paths[0].name} (their metadata "
-                "differ)",
+                f"{folder / name} was written by another conversion than {names[0]} (their "
+                "metadata differ)",
                 "run every part with the same source and options",
             )
         spans = ((key, entry["data_offsets"]) for key, entry in entries.items())
         sizes.append([(key, end - begin) for key, (begin, end) in spans])
     index = dst.with_name(dst.name + ".index.json")
-    with atomic_outputs([index], force=force) as (tmp,):
-        tmp.write_text(index_document(sizes, [p.name for p in paths], header or {}))
+    text = index_document(sizes, names, header or {})
+    if remote:
+        _upload_index(index, text, force)
+    else:
+        with atomic_outputs([index], force=force) as (tmp,):
+            tmp.write_text(text)
     return FinishReport(
         str(index),
-        [str(p) for p in paths],
+        [str(folder / n) for n in names],
         sum(len(s) for s in sizes),
         sum(n for s in sizes for _, n in s),
     )
+
+
+def _names(folder: Path) -> list[str]:
+    names = RemotePath(str(folder)).names()
+    if names is None:
+        raise UsageError(f"{folder}: an HTTP URL cannot be listed or written", "use s3://...")
+    return names
+
+
+def _header(path: Path) -> dict[str, Any]:
+    """A shard's safetensors header, from a local file or through ranged reads of a URL."""
+    if not is_url(str(path)):
+        return read_header(path)[0]
+    with RangeFile(open_remote(str(path))) as raw:
+        return read_header(path, raw)[0]
+
+
+def _upload_index(index: Path, text: str, force: bool) -> None:
+    url = RemotePath(str(index))
+    uploads = Uploads(url.parent, force=force)
+    uploads.check([url.name])
+    with staging_folder() as stage, uploads:
+        local = stage / url.name
+        local.write_text(text)
+        uploads.add(local, url.name)
+        uploads.commit()

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import servers
@@ -627,3 +628,44 @@ def test_a_killed_runs_incomplete_upload_is_aborted_by_the_next_run(files, s3_en
     left = [u["Key"] for u in client.list_multipart_uploads(Bucket="out").get("Uploads", [])]
     assert left == ["run/other.bin"]
     assert _objects(s3_env, "out/run") == ["model.safetensors"]
+
+
+def test_parts_written_to_s3_are_finished_there(files, s3_env, run):
+    s3_env.bucket("out")
+    dst = "s3://out/parts/model.safetensors"
+    for part in ("1/2", "2/2"):
+        result = run("convert", files / "m.pt", dst, "--max-shard-size", "100kB", "--part", part)
+        assert result.exit_code == 0, result.stderr
+    assert "model.safetensors.index.json" not in _objects(s3_env, "out/parts")
+    result = run("convert", "--finish", dst)
+    assert result.exit_code == 0, result.stderr
+    ckptkit.convert(files / "m.pt", files / "one" / "model.safetensors", max_shard_size="100kB")
+    s3_env.fs.get("out/parts/", str(files / "back") + "/", recursive=True)
+    local = {p.name: p.read_bytes() for p in (files / "one").iterdir()}
+    assert {p.name: p.read_bytes() for p in (files / "back").iterdir()} == local
+    one_error(run("convert", "--finish", dst), "exists", "--force")
+
+
+def test_force_over_a_sharded_output_at_a_url_removes_its_stale_shards(files, s3_env):
+    s3_env.bucket("out")
+    dst = "s3://out/sh/model.safetensors"
+    ckptkit.convert(files / "m.safetensors", dst, max_shard_size="100kB")
+    many = _objects(s3_env, "out/sh")
+    report = ckptkit.convert(files / "m.safetensors", dst, max_shard_size="400kB", force=True)
+    fewer = _objects(s3_env, "out/sh")
+    assert len(fewer) < len(many) and sorted(Path(f).name for f in report.files) == fewer
+
+
+def test_a_run_folder_at_a_url_is_read_through_its_latest(s3_env, tmp_path, monkeypatch):
+    from ckptkit.engine import train
+
+    monkeypatch.chdir(tmp_path)
+    s3_env.bucket("runs")
+    train(mode="single", epochs=2, out="s3://runs/r")
+    summary = ckptkit.summarize("s3://runs/r")
+    assert summary.selected == "model" and summary.training.get("epoch") == 2
+
+
+def test_a_folder_url_over_http_says_it_cannot_be_listed(tmp_path, range_server, run):
+    (tmp_path / "folder").mkdir()
+    one_error(run("inspect", range_server.url("folder")), "cannot be listed over HTTP")

@@ -32,7 +32,7 @@ from ckptkit.formats.folders.layouts import (
     model_file_in,
 )
 from ckptkit.formats.folders.rank_files import find_rank_files
-from ckptkit.formats.folders.runs import run_checkpoint
+from ckptkit.formats.folders.runs import LATEST, run_checkpoint
 from ckptkit.formats.io.rangefile import RangeFile
 from ckptkit.formats.io.remote import RemotePath, is_url, open_remote
 
@@ -355,9 +355,20 @@ def _in_folder(url: RemotePath) -> RemotePath:
     that is no folder is given back as it is (then read as a file)."""
     names = url.names()
     if names is None:  # http(s): no listing; a DCP folder is still found by its .metadata
-        return url / ".metadata" if (url / ".metadata").is_file() else url
+        if (url / ".metadata").is_file():
+            return url / ".metadata"
+        if not url.is_file():
+            raise FormatError(
+                f"{url} is no file, and a folder cannot be listed over HTTP",
+                "give the checkpoint file's URL",
+            )
+        return url
     if not names:
         return url
+    if LATEST in names:  # ckptkit train's --out: the checkpoint `latest` names
+        pointed = (url / LATEST).read_text().strip()
+        if pointed in names:
+            return _in_folder(url / pointed) if "." not in pointed else url / pointed
     for name in _FOLDER_FILES:
         if name in names:
             return url / name
