@@ -6,12 +6,15 @@ exit code; ``CKPTKIT_DEBUG=1`` shows the traceback instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import signal
 import sys
+import threading
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -165,6 +168,9 @@ def _report_error(exc: BaseException) -> int:
         hint = f"; see '{ctx.command_path} --help'" if ctx else ""
         say(f"{exc.format_message().rstrip('.')}{hint}")
         return exc.exit_code
+    if isinstance(exc, _Terminated) or isinstance(exc.__cause__, _Terminated):  # click: Abort
+        say("terminated (SIGTERM); nothing was left half-written")
+        return 143
     if isinstance(exc, (KeyboardInterrupt, click.Abort)):
         say("interrupted")
         return 130
@@ -177,6 +183,27 @@ def _report_error(exc: BaseException) -> int:
         "rerun with CKPTKIT_DEBUG=1 and report the traceback"
     )
     return 1
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler stopping the job, ``kill``), raised where the command is, so its
+    clean-up runs as for Ctrl-C: temp files removed, uploads aborted."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Group(click.Group):
@@ -394,28 +421,29 @@ def convert(
         lora_alpha,
         adapter_config,
     )
-    report = convert_checkpoint(
-        src,
-        dst,
-        read=ReadOptions(
-            select,
-            ema,
-            trust,
-            allow_global,
-            merge,
-            variant=variant,
-            names_from=names_from,
-            workers=workers,
-        ),
-        keys=keys,
-        output=OutputOptions(**output),
-        dry_run=dry_run,
-        force=force,
-        verify=not no_verify,
-        check_outputs=check_outputs,
-        progress=_progress(quiet or as_json or silent),
-        part=spread,
-    )
+    with _sigterm_as_interrupt():  # cleaned up as for Ctrl-C: no temp file, no open upload
+        report = convert_checkpoint(
+            src,
+            dst,
+            read=ReadOptions(
+                select,
+                ema,
+                trust,
+                allow_global,
+                merge,
+                variant=variant,
+                names_from=names_from,
+                workers=workers,
+            ),
+            keys=keys,
+            output=OutputOptions(**output),
+            dry_run=dry_run,
+            force=force,
+            verify=not no_verify,
+            check_outputs=check_outputs,
+            progress=_progress(quiet or as_json or silent),
+            part=spread,
+        )
     if silent:
         return
     if as_json:

@@ -147,3 +147,34 @@ def test_under_torchrun_an_existing_index_is_refused_before_any_shard(src, tmp_p
     done = _torchrun(src, dst, "--max-shard-size", SHARD, cwd=tmp_path)
     assert done.returncode != 0 and "exists" in done.stderr
     assert sorted(p.name for p in dst.parent.iterdir()) == ["model.safetensors.index.json"]
+
+
+def test_sigterm_mid_convert_leaves_nothing_half_written(tmp_path):
+    """A scheduler stopping the job (SIGTERM) is cleaned up as Ctrl-C is: one Error line,
+    exit 143, and no output or temp file left."""
+    import signal
+    import time
+
+    big = tmp_path / "big.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({f"w{i}": torch.zeros(4 * 2**20) for i in range(32)}, big)  # 512 MiB
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("CKPTKIT_DEBUG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptkit", "convert", str(big), str(tmp_path / "o.pt"), "-q"],
+        cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not any(p.name.startswith(".o.pt") for p in tmp_path.iterdir()):  # writing now
+        if proc.poll() is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("the convert ended before the signal came")
+    assert proc.returncode == 143 and err.strip().splitlines() == [
+        "Error: terminated (SIGTERM); nothing was left half-written"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.safetensors"]
