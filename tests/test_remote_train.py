@@ -135,3 +135,12 @@ def test_resume_from_a_checkpoint_url_and_urls_that_cannot_be_written(
     result = run("convert", FIXTURE_DIR / "single.pt", "s3://runs/nc/model.safetensors")
     assert result.exit_code != 0 and "cannot write to s3://runs/nc" in result.stderr
     assert "internal error" not in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_tensorboard_events_are_mirrored_too(s3_env, tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    monkeypatch.chdir(tmp_path)
+    s3_env.bucket("runs")
+    train(mode="single", epochs=1, out="s3://runs/tb", log=("tensorboard",))
+    events = [p for p in s3_env.fs.find("runs/tb/tensorboard") if "events.out.tfevents" in p]
+    assert events and s3_env.fs.size(events[0]) > 0

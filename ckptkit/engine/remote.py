@@ -2,7 +2,8 @@
 
 The run is trained in a local staging folder, as any run is; each time rank 0 commits a
 checkpoint there, the folder is mirrored to the URL by the same protocol: the checkpoint's files
-first (each an upload made visible only once complete), then the run's logs, then the
+first (each an upload made visible only once complete), then the run's logs (TensorBoard's
+event folder too), then the
 ``latest`` (and ``best``) pointer, then ``--keep-last`` is applied to the URL's own checkpoints
 (a resumed run's older ones too, as a local run prunes its folder; never one that the URL's
 ``latest`` or ``best`` names). A
@@ -144,7 +145,10 @@ def _pull_latest(fs: Any, root: str, folder: Path) -> None:
     (folder / LATEST).write_text(name + "\n")
     for log in RUN_LOGS:  # the logs go on where they stopped (each rewound to the step)
         with contextlib.suppress(FileNotFoundError):
-            fs.get_file(f"{base}/{log}", str(folder / log))
+            if fs.isdir(f"{base}/{log}"):  # TensorBoard's event folder
+                fs.get(f"{base}/{log}/", str(folder / log) + "/", recursive=True)
+            else:
+                fs.get_file(f"{base}/{log}", str(folder / log))
 
 
 def push(folder: Path, keep_last: int | None = None) -> None:
@@ -164,9 +168,11 @@ def push(folder: Path, keep_last: int | None = None) -> None:
                 top = path.relative_to(folder).parts[0]  # the file, or the DCP folder
                 if top not in there:
                     _stage_copy_and_add(uploads, path, path.relative_to(folder).as_posix())
-        for name in RUN_LOGS:
-            if (folder / name).is_file():
-                _stage_copy_and_add(uploads, folder / name)
+        for name in RUN_LOGS:  # the JSONL logs, and the TensorBoard event folder's files
+            log = folder / name
+            for path in sorted(log.rglob("*")) if log.is_dir() else [log]:
+                if path.is_file():
+                    _stage_copy_and_add(uploads, path, path.relative_to(folder).as_posix())
         for name in (LATEST, BEST):  # last: they name files already in place
             if (folder / name).is_file():
                 _stage_copy_and_add(uploads, folder / name)
