@@ -47,6 +47,7 @@ from ckptkit.formats.output.plan import (
     parse_size,
     plan_shards,
     shard_paths,
+    stale_names,
     stale_shards,
 )
 from ckptkit.formats.output.writers import Writer, writer_for
@@ -395,16 +396,12 @@ def convert_checkpoint(
 def _remove_stale_there(url: RemotePath, written: list[str]) -> None:
     """``--force`` at a URL, as on disk: an earlier conversion's shards and index beside the
     output that this one did not write (a model now in 3 shards, not 8) are deleted."""
-    names = url.parent.names() or []
-    here = Path("/stale-check")  # stale_shards compares names only
-    stale = stale_shards(
-        here / url.name, [here / Path(f).name for f in written], [here / n for n in names]
-    )
+    stale = stale_names(url.name, [Path(f).name for f in written], url.parent.names() or [])
     if stale:
         fs, root = filesystem(str(url.parent))
-        for path in stale:
+        for name in stale:
             with contextlib.suppress(FileNotFoundError):
-                fs.rm(f"{root.rstrip('/')}/{path.name}")
+                fs.rm(f"{root.rstrip('/')}/{name}")
 
 
 @contextlib.contextmanager
@@ -490,21 +487,7 @@ def _convert(
         variant=read.variant,
         names_from=read.names_from,
     ) as source:
-        if source.format == "gguf":
-            raise FormatError(
-                f"{src} is a GGUF file (llama.cpp): ckptkit describes it (inspect, diff, scan) "
-                "but does not convert it",
-                "convert it with llama.cpp's tools (gguf-py)",
-            )
-        if not source.entries():
-            raise FormatError(
-                f"{src} {source.selected_reason}"
-                if source.selected_reason.startswith("holds no tensors")
-                else f"{src} holds no tensors ({source.selected_reason})",
-                "nothing to convert: `ckptkit inspect` shows what it holds",
-            )
-        if check_outputs and not _is_merge(source):
-            raise UsageError("--check-outputs checks merged adapters", "merge one, or drop it")
+        _refuse_unconvertible(source, src, check_outputs)
         if folder is not None:
             if source.folder is None:
                 output_format(dst)  # the error that names the suffixes
@@ -561,6 +544,26 @@ def _convert(
                 if path.is_file():
                     path.unlink()
     return report
+
+
+def _refuse_unconvertible(source: Source, src: Path, check_outputs: bool) -> None:
+    """Refuse, before planning, a source there is nothing to convert from (GGUF, no tensors)
+    and ``--check-outputs`` where nothing is merged."""
+    if source.format == "gguf":
+        raise FormatError(
+            f"{src} is a GGUF file (llama.cpp): ckptkit describes it (inspect, diff, scan) "
+            "but does not convert it",
+            "convert it with llama.cpp's tools (gguf-py)",
+        )
+    if not source.entries():
+        raise FormatError(
+            f"{src} {source.selected_reason}"
+            if source.selected_reason.startswith("holds no tensors")
+            else f"{src} holds no tensors ({source.selected_reason})",
+            "nothing to convert: `ckptkit inspect` shows what it holds",
+        )
+    if check_outputs and not _is_merge(source):
+        raise UsageError("--check-outputs checks merged adapters", "merge one, or drop it")
 
 
 def _part_of(plan: _Plan, part: Part) -> _Plan:

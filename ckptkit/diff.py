@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base.dtypes import DTYPES
-from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.formats.base.source import Source, TensorInfo, url_prefetcher
 from ckptkit.formats.io.fetch import aligned
 from ckptkit.formats.open import open_source
 from ckptkit.keys import build_plan, match_keys
@@ -289,18 +289,9 @@ class _Reader:
     def prefetch(self, source: Source, keys: list[str]) -> None:
         """A source at a URL: the byte ranges of ``keys`` (in the order they will be compared)
         fetched ahead, a few requests at a time; memory holds those requests, not tensors."""
-        from ckptkit.formats.io.fetch import Prefetcher
-        from ckptkit.formats.io.remote import RemotePath
-
-        if not isinstance(source.path, RemotePath):
-            return
-        spans = []
-        for key in keys:
-            span = source.byte_span(key)
-            if span is not None and isinstance(span[0], RemotePath):
-                spans.append((key, self._files.remote(span[0]), span[1], span[2]))
-        if spans:
-            self._fetchers[id(source)] = Prefetcher(spans, workers=4)
+        fetcher = url_prefetcher(source, keys, self._files)
+        if fetcher is not None:
+            self._fetchers[id(source)] = fetcher
 
     def same_bytes(self, a: tuple[Path, int, int] | None, b: tuple[Path, int, int] | None) -> bool:
         if a is None or b is None or a[2] != b[2]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.formats.base.dtypes import DTYPES
-from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.formats.base.source import Source, TensorInfo, url_prefetcher
 from ckptkit.formats.io.bytecopy import RangeReader
 from ckptkit.formats.io.fetch import aligned
 
@@ -123,7 +123,7 @@ def _pieces_from_file(np: Any, source: Source, key: str, info: TensorInfo) -> It
 
 
 def _pieces_fetched(np: Any, fetcher: Any, key: str, info: TensorInfo) -> Iterator[Any]:
-    """A tensor of a file at a URL, from its byte range fetched ahead (see ``_fetcher``)."""
+    """A tensor of a file at a URL, from its byte range fetched ahead (``url_prefetcher``)."""
     if fetcher is None or not fetcher.holds(key) or info.dtype not in _NUMPY:
         raise LookupError(key)
     for chunk in aligned(fetcher.pieces(key), DTYPES[info.dtype].itemsize):
@@ -133,22 +133,6 @@ def _pieces_fetched(np: Any, fetcher: Any, key: str, info: TensorInfo) -> Iterat
             if info.dtype == "bfloat16":  # the top half of a float32
                 piece = (piece.astype(np.uint32) << 16).view(np.float32)
             yield piece
-
-
-def _fetcher(source: Source, keys: list[str], files: RangeReader) -> Any:
-    """For a file at a URL: its tensors' byte ranges fetched ahead, 4 requests at a time
-    (through ``files``' connections)."""
-    from ckptkit.formats.io.fetch import Prefetcher
-    from ckptkit.formats.io.remote import RemotePath
-
-    if not isinstance(source.path, RemotePath):
-        return None
-    spans = []
-    for key in keys:
-        span = source.byte_span(key)
-        if span is not None and isinstance(span[0], RemotePath):
-            spans.append((key, files.remote(span[0]), span[1], span[2]))
-    return Prefetcher(spans, workers=4) if spans else None
 
 
 def _pieces_through_torch(np: Any, source: Source, key: str) -> Iterator[Any]:
@@ -181,7 +165,7 @@ def tensor_stats(
     wanted = keys if keys is not None else list(entries)
     dense = [k for k in wanted if entries[k].kind == "dense" and k not in aliases]
     files = RangeReader()
-    fetcher = _fetcher(source, dense, files)
+    fetcher = url_prefetcher(source, dense, files)  # a file at a URL: fetched ahead
     try:
         return _all_stats(np, source, entries, aliases, wanted, fetcher)
     finally:

@@ -79,18 +79,10 @@ def staged_run(config: Any) -> Iterator[Any]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _names(fs: Any, root: str) -> list[str]:
-    try:
-        return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
-    except FileNotFoundError:
-        return []
-
-
 def _check_fresh(fs: Any, root: str, url: RemotePath, config: Any) -> None:
     """As for a local --out: an earlier run's files there need --resume or --overwrite
     (which deletes them first)."""
-    fs.invalidate_cache()
-    names = _names(fs, root)
+    names = url.names() or []
     earlier = [n for n in names if n in (LATEST, BEST, *RUN_LOGS) or n.startswith("ckpt-")]
     if not earlier or config.resume is not None:
         return
@@ -160,7 +152,7 @@ def push(folder: Path, keep_last: int | None = None) -> None:
         return  # no URL; or not rank 0 (under torchrun each rank stages: rank 0's is the run)
     target = RemotePath(url)
     uploads = Uploads(target, force=True)
-    there = set(_names(uploads.fs, uploads.root))
+    there = set(target.names() or [])
     checkpoints = list_checkpoints(folder)
     with uploads:
         for checkpoint in checkpoints:  # checkpoints are written once: only new ones go up
@@ -184,8 +176,7 @@ def push(folder: Path, keep_last: int | None = None) -> None:
 def _prune_there(uploads: Uploads, folder: Path, keep_last: int) -> None:
     """``--keep-last`` applied to the URL's own checkpoints (a resumed run's older ones too, as
     a local run prunes its folder), never one that the URL's ``latest`` or ``best`` names."""
-    uploads.fs.invalidate_cache()
-    there = _names(uploads.fs, uploads.root)
+    there = uploads.folder.names() or []
     kept = set()
     for pointer in (LATEST, BEST):
         with contextlib.suppress(FileNotFoundError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -178,3 +178,20 @@ class Source(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def url_prefetcher(source: Source, keys: Iterable[str], files: Any, workers: int = 4) -> Any:
+    """For a source at a URL: the bytes of ``keys`` (those laid out as byte ranges, in the
+    order they will be read) fetched ahead, ``workers`` requests at a time, through
+    ``files``' connections (a RangeReader); None for a local source or nothing to fetch."""
+    from ckptkit.formats.io.fetch import Prefetcher
+    from ckptkit.formats.io.remote import RemotePath
+
+    if not isinstance(source.path, RemotePath):
+        return None
+    spans = []
+    for key in keys:
+        span = source.byte_span(key)
+        if span is not None and isinstance(span[0], RemotePath):
+            spans.append((key, files.remote(span[0]), span[1], span[2]))
+    return Prefetcher(spans, workers=workers) if spans else None

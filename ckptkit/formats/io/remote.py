@@ -164,6 +164,7 @@ class RemotePath:
         if self.scheme in ("http", "https"):
             return None
         fs, path = filesystem(self.url)
+        fs.invalidate_cache(path)  # fsspec caches listings: what was written since must show
         try:
             found = fs.ls(path, detail=False)
         except (FileNotFoundError, NotADirectoryError):
@@ -286,24 +287,22 @@ class FsspecRemote(Remote):
         self.fs, self.path = filesystem(url)
 
     def _stat(self) -> int:
-        try:
-            self.traffic.add(0)
-            info = self.fs.info(self.path)
-        except FileNotFoundError:
-            raise MissingFileError(self.url) from None
-        except PermissionError as exc:
-            raise RemoteError(
-                f"{self.url}: access denied ({exc})", "check the credentials"
-            ) from None
-        except Exception as exc:  # the back-end's own: retried when it may pass, else said
-            raise _failure(self.url, exc) from None
+        info = self._call(self.fs.info, self.path)
+        self.traffic.add(0)
         if info.get("type") == "directory":
             raise UsageError(f"{self.url} is a folder", "give the checkpoint file inside it")
         return int(info["size"])
 
     def _range(self, start: int, end: int) -> bytes:
+        data = bytes(self._call(self.fs.cat_file, self.path, start=start, end=end))
+        self.traffic.add(len(data))
+        return data
+
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """A back-end call, its exceptions as ckptkit's: missing, denied, or (``_failure``)
+        one to retry or to say; a failed request is counted."""
         try:
-            data = self.fs.cat_file(self.path, start=start, end=end)
+            return method(*args, **kwargs)
         except FileNotFoundError:
             raise MissingFileError(self.url) from None
         except PermissionError as exc:
@@ -313,8 +312,6 @@ class FsspecRemote(Remote):
         except Exception as exc:  # the back-end's own: retried when it may pass, else said
             self.traffic.add(0)
             raise _failure(self.url, exc) from None
-        self.traffic.add(len(data))
-        return bytes(data)
 
 
 # What fsspec back-ends raise for a failure worth retrying: timeouts and connection errors

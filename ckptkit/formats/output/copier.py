@@ -34,7 +34,7 @@ from ckptkit.formats.io.bytecopy import (
     write_all,
 )
 from ckptkit.formats.io.fetch import Prefetcher
-from ckptkit.formats.io.remote import Remote, RemotePath, open_remote
+from ckptkit.formats.io.remote import Remote, RemotePath
 
 if TYPE_CHECKING:
     import torch
@@ -96,8 +96,7 @@ class Copier:
     _flushing_bytes: int = 0
     workers: int = 8  # ranged requests in flight for a source at a URL
     _fetcher: Prefetcher | None = None
-    _remotes: dict[str, Remote] = field(default_factory=dict)
-    _owned: set[str] = field(default_factory=set)  # remotes opened here (closed here)
+    _sources_remotes: dict[str, Remote] | None = None  # the source's own, by URL
 
     def close(self) -> None:
         try:
@@ -105,11 +104,9 @@ class Copier:
         finally:
             if self._checker is not None:
                 self._checker.shutdown(wait=True)
-            self._files.close()
-            if self._fetcher is not None:
+            if self._fetcher is not None:  # its threads read through _files' connections
                 self._fetcher.close()
-            for url in self._owned:  # the source closes its own
-                self._remotes[url].close()
+            self._files.close()
 
     def _written(
         self, key: str, dst: Path, start: int, count: int, source: tuple[int, int] | int | None
@@ -285,14 +282,9 @@ class Copier:
     def _remote(self, url: Any) -> Remote:
         """One Remote (its connections) per URL, for the whole conversion: the source's own
         where it has one (its size known, its first bytes fetched), else one opened here."""
-        if not self._remotes:
-            self._remotes.update(_remotes_of(self.source))
-            self._owned = set()
-        remote = self._remotes.get(str(url))
-        if remote is None:
-            remote = self._remotes[str(url)] = open_remote(url)
-            self._owned.add(str(url))
-        return remote
+        if self._sources_remotes is None:
+            self._sources_remotes = _remotes_of(self.source)
+        return self._sources_remotes.get(str(url)) or self._files.remote(url)
 
     def _write_fetched(
         self, fetcher: Prefetcher, fd: int, dst: Path, item: Item, verify: bool

@@ -13,7 +13,14 @@ from pathlib import Path
 
 from ckptkit.errors import UsageError
 
-__all__ = ["parse_size", "plan_shards", "shard_paths", "index_document", "stale_shards"]
+__all__ = [
+    "parse_size",
+    "plan_shards",
+    "shard_paths",
+    "index_document",
+    "stale_shards",
+    "stale_names",
+]
 
 # Size units, decimal and binary, as Hugging Face's max_shard_size reads them (a table).
 _UNITS = {
@@ -100,8 +107,16 @@ def stale_shards(dst: Path, written: Iterable[Path], present: Iterable[Path]) ->
     """Of the files ``present`` beside ``dst``, the shards and index of an earlier conversion
     into the same place that this one did not write (a model now in 3 shards, not 5; or in one
     file): loaders would otherwise find a stale index or a mix of runs."""
-    stem = dst.name.removesuffix(".safetensors")
+    present = list(present)
+    stale = set(stale_names(dst.name, [p.name for p in written], [p.name for p in present]))
+    return [p for p in present if p.name in stale]
+
+
+def stale_names(name: str, written: Iterable[str], present: Iterable[str]) -> list[str]:
+    """:func:`stale_shards` by names: of ``present``, the shards and index of an output named
+    ``name`` that are not ``written`` (a folder at a URL is listed by names)."""
+    stem = name.removesuffix(".safetensors")
     shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
-    index = dst.name + ".index.json"
+    index = name + ".index.json"
     keep = set(written)
-    return [p for p in present if (shard.fullmatch(p.name) or p.name == index) and p not in keep]
+    return [n for n in present if (shard.fullmatch(n) or n == index) and n not in keep]
