@@ -58,6 +58,23 @@ def one_error(result, *needles):
     return lines[0]
 
 
+def grown_in_a_child(imports: str, body: str, *args: object) -> tuple[str, float]:
+    """Run ``body`` after ``import {imports}`` in a child (``sys.argv[1:]`` = ``args``): what it
+    printed, and how many MB its peak RSS grew past a child that only imports the same."""
+    peak = "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    base = subprocess.run(
+        [sys.executable, "-c", f"import resource, {imports}\n{peak}"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", f"import resource, sys, {imports}\n{body}\n{peak}", *map(str, args)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    printed, _, last = done.stdout.rstrip("\n").rpartition("\n")
+    return printed, (int(last) - int(base.stdout)) / 1024
+
+
 # ------------------------------------------------------------------------------ URLs
 
 
@@ -350,25 +367,12 @@ def test_a_zip_whose_storages_record_no_crc_converts_from_a_url(files, range_ser
 def test_a_large_remote_convert_holds_a_few_requests_in_memory(tmp_path, range_server):
     """48 MiB fetched through 4 workers of 8 MiB requests: the peak stays far below the file."""
     torch.save({f"w{i}": torch.randn(1024, 1024) for i in range(12)}, tmp_path / "big.pt")
-    code = (
-        "import resource, sys, ckptkit\n"
-        "ckptkit.convert(sys.argv[1], sys.argv[2], workers=4)\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    _, grown_mb = grown_in_a_child(
+        "ckptkit, torch, safetensors.torch",
+        "ckptkit.convert(sys.argv[1], sys.argv[2], workers=4)",
+        range_server.url("big.pt"),
+        tmp_path / "o.safetensors",
     )
-    base = subprocess.run(
-        [sys.executable, "-c", "import resource, ckptkit, torch, safetensors.torch\n"
-         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"],
-        capture_output=True, text=True, check=True, cwd=ROOT,
-    )  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-c", code, range_server.url("big.pt"), str(tmp_path / "o.safetensors")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    grown_mb = (int(done.stdout) - int(base.stdout)) / 1024
     assert grown_mb < 48, f"{grown_mb:.0f} MB over the imports"
     out = load_file(tmp_path / "o.safetensors")
     assert len(out) == 12
@@ -553,28 +557,15 @@ def test_diff_of_a_url_fetches_ahead_in_bounded_memory(tmp_path, range_server):
     changed = big.clone()
     changed[12_345_678] += 1
     save_file({"big": changed, "small": torch.ones(3)}, tmp_path / "b.safetensors")
-    code = (
-        "import json, resource, sys, ckptkit\n"
+    printed, grown_mb = grown_in_a_child(
+        "json, ckptkit, torch, numpy, ckptkit.diff",
         "r = ckptkit.diff(sys.argv[1], sys.argv[2])\n"
-        "print(json.dumps([r.different[0].key, r.different[0].differing, r.common,"
-        " resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))\n"
+        "print(json.dumps([r.different[0].key, r.different[0].differing, r.common]))",
+        range_server.url("a.pt"),
+        tmp_path / "b.safetensors",
     )
-    base = subprocess.run(
-        [sys.executable, "-c", "import resource, ckptkit, torch, numpy, ckptkit.diff\n"
-         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"],
-        capture_output=True, text=True, check=True, cwd=ROOT,
-    )  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-c", code, range_server.url("a.pt"), str(tmp_path / "b.safetensors")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    key, differing, common, peak = json.loads(done.stdout)
+    key, differing, common = json.loads(printed)
     assert (key, differing, common) == ("big", 1, 2)
-    grown_mb = (peak - int(base.stdout)) / 1024
     assert grown_mb < 56, f"{grown_mb:.0f} MB over the imports"
 
 
