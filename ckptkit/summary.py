@@ -340,6 +340,8 @@ def _fetched(source: Any) -> dict[str, int]:
     sources = list(getattr(source, "shards", {}).values()) or [source]
     files = [getattr(s, "remote_file", None) for s in sources]
     traffics = [raw.remote.traffic for raw in files if raw is not None]
+    if not traffics and hasattr(source, "traffic"):  # a folder's files, counted together
+        traffics = [source.traffic]
     return {
         "requests": sum(t.requests for t in traffics),
         "bytes": sum(t.bytes for t in traffics),
@@ -353,8 +355,13 @@ def _size_on_disk(source: Any) -> int:
     shards = getattr(source, "shards", None)
     if shards and not isinstance(source.path, Path):  # a sharded checkpoint at a URL
         return sum(_size_on_disk(shard) for shard in shards.values())
+    sized = getattr(source, "file_size", None)  # sizes a folder's listing gave
     return sum(
-        path.size() if isinstance(path, RemotePath) else os.path.getsize(path)
+        sized(path)
+        if sized
+        else path.size()
+        if isinstance(path, RemotePath)
+        else os.path.getsize(path)
         for path in source.files()
     )
 

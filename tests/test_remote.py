@@ -478,6 +478,37 @@ def test_a_dcp_folder_at_a_url_is_read_from_its_metadata_and_chunks(tmp_path, ra
     assert ckptkit.diff(tmp_path / "o.safetensors", tmp_path / "fsdp2").equal
 
 
+def test_a_dcp_folder_at_a_url_is_inspected_from_its_metadata_alone(tmp_path, s3_env):
+    """A DCP save's headers are its .metadata: inspect lists the folder (which gives every
+    file's size), reads .metadata, then the save's plain values (step, extra), which dcp.save
+    writes side by side, in one request. No tensor chunk's archive is read."""
+    s3_env.bucket("ckpts")
+    s3_env.fs.put(str(FIXTURE_DIR / "dcp" / "fsdp2") + "/", "ckpts/save/", recursive=True)
+    summary = ckptkit.summarize("s3://ckpts/save/.metadata")
+    local = ckptkit.summarize(FIXTURE_DIR / "dcp" / "fsdp2")
+    assert summary.to_dict()["tensors"] == local.to_dict()["tensors"]
+    assert summary.extras == local.extras and summary.extras["step"] == 3
+    assert summary.file_size == local.file_size
+    metadata = (FIXTURE_DIR / "dcp" / "fsdp2" / ".metadata").stat().st_size
+    assert summary.fetched is not None and summary.fetched["requests"] == 3  # list, read, values
+    values_file = (FIXTURE_DIR / "dcp" / "fsdp2" / "__1_0.distcp").stat().st_size
+    assert summary.fetched["bytes"] < metadata + values_file  # not the values' file whole
+
+
+def test_a_dcp_folder_over_http_reads_metadata_values_and_probes(tmp_path, range_server):
+    """Over HTTP (no listing) the side files are probed once each and the data files' sizes
+    asked; the chunk archives are never read (one request per data file, none twice)."""
+    shutil.copytree(FIXTURE_DIR / "dcp" / "fsdp2", tmp_path / "fsdp2")
+    summary = ckptkit.summarize(range_server.url("fsdp2/.metadata"))
+    assert summary.extras["extra"] == {"lr": 0.01, "name": "ckptkit"}
+    paths = [r.path for r in range_server.requests]
+    assert sorted(paths) == sorted(
+        f"/fsdp2/{name}"
+        for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt", "ckptkit.json")
+    )
+    assert summary.fetched == {"requests": 5, "bytes": sum(r.sent for r in range_server.requests)}
+
+
 def test_a_back_end_error_is_one_line_naming_it(files, s3_env, run, monkeypatch):
     s3_env.bucket("ckpts")
     s3_env.fs.put(str(files / "m.pt"), "ckpts/m.pt")

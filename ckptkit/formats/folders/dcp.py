@@ -21,16 +21,17 @@ from __future__ import annotations
 import io
 import os
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ckptkit.errors import FormatError, UnsafeCheckpointError
+from ckptkit.errors import FormatError, MissingFileError, UnsafeCheckpointError
 from ckptkit.formats.base.dtypes import DTYPES, from_safetensors
 from ckptkit.formats.base.tree import nodes
 from ckptkit.formats.files.safetensors import HF_SHARDING
 from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, Piece, check_cover
 from ckptkit.formats.io.rangefile import RangeFile
-from ckptkit.formats.io.remote import RemotePath, open_remote
+from ckptkit.formats.io.remote import RemotePath, Traffic
 from ckptkit.formats.pickles.machine import Global, Opaque, fields
 from ckptkit.formats.pickles.safe_globals import safe_globals
 from ckptkit.formats.pickles.unpickler import DATA_GLOBALS, TensorStub
@@ -45,6 +46,7 @@ DISTCP = "__0_0.distcp"  # the one data file ckptkit writes: rank 0's first, as 
 SIDECAR = "ckptkit.json"  # the conversion's metadata beside a DCP folder ckptkit wrote
 LIGHTNING_META = "meta.pt"  # Lightning's FSDP strategy saves the trainer's state beside DCP
 _DCP = "torch.distributed.checkpoint."
+_JOIN_GAP = 1024 * 1024  # values further apart than this in one file are fetched apart
 # DCP's own classes in .metadata: dataclasses of plain values, read as data, never imported.
 
 
@@ -80,14 +82,15 @@ class _Slice(io.RawIOBase):
         return len(data)
 
 
-def read_metadata(path: Path) -> dict[str, Any]:
-    """``.metadata``'s fields, read statically.
+def read_metadata(path: Path, data: bytes | None = None) -> dict[str, Any]:
+    """``.metadata``'s fields (``data``: its bytes, when they were read already), read
+    statically.
 
     Raises:
         UnsafeCheckpointError: it names globals beyond torch's safe set and DCP's classes.
         FormatError: it is damaged or not DCP metadata.
     """
-    findings = scan_pickle(path.read_bytes(), METADATA)
+    findings = scan_pickle(path.read_bytes() if data is None else data, METADATA)
     allowed = safe_globals() | DATA_GLOBALS  # DCP's own classes are data (DATA_GLOBALS)
     unsafe = [g for g in findings.globals if g not in allowed]
     if unsafe or findings.problems:
@@ -112,17 +115,30 @@ class DCPSource(ChunkedSource):
 
     def __init__(self, folder: Path, *, select: str | None = None, ema: bool = False) -> None:
         super().__init__(folder, "dcp")
-        self._remote_files: dict[str, RangeFile] = {}  # the .distcp files of a URL's folder
-        if (folder / METADATA).is_file():
-            self._adopt_tree(
-                lambda: self._tree(folder, read_metadata(folder / METADATA)), select=select, ema=ema
-            )
+        try:
+            self._read(folder, select, ema)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self, folder: Path, select: str | None, ema: bool) -> None:
+        self._files = _Files(folder, self._reader)
+        if self._files.has(METADATA):
+            meta = read_metadata(folder / METADATA, self._files.read(METADATA))
+            self._adopt_tree(lambda: self._tree(folder, meta), select=select, ema=ema)
         else:
             self._adopt_tree(lambda: self._hf_tree(folder), select=select, ema=ema)
-        if not (folder / METADATA).is_file() and not select:
-            self.selected_reason = "DCP's Hugging Face writer saves a flat state dict"
-        self.extras.update(_trainer_state(folder / LIGHTNING_META))
-        self.metadata = _sidecar(folder / SIDECAR)
+            if not select:
+                self.selected_reason = "DCP's Hugging Face writer saves a flat state dict"
+        if self._files.has(LIGHTNING_META):
+            self.extras.update(_trainer_state(folder / LIGHTNING_META, self._files))
+        if self._files.has(SIDECAR):
+            self.metadata = _sidecar(folder / SIDECAR, self._files.read(SIDECAR))
+
+    @property
+    def traffic(self) -> Traffic:
+        """A folder at a URL: every request reading it made (listing, .metadata, values)."""
+        return self._reader.traffic
 
     def _tree(self, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
         items = meta.get("state_dict_metadata")
@@ -148,6 +164,7 @@ class DCPSource(ChunkedSource):
                 int(place.get("offset", 0)),
                 int(place.get("length", 0)),
             )
+        self._files.prefetch(where[(str(fqn), None)] for fqn in items if (str(fqn), None) in where)
         tree: dict[str, Any] = {}
         for fqn, item in items.items():
             value = self._item(folder, str(fqn), item, where)
@@ -226,19 +243,13 @@ class DCPSource(ChunkedSource):
     def _fd(self, path: Path) -> int | RangeFile:
         """A local file's descriptor, or a file at a URL (read through a RangeFile, once)."""
         if isinstance(path, RemotePath):
-            if str(path) not in self._remote_files:
-                self._remote_files[str(path)] = RangeFile(self._reader.remote(path))
-            return self._remote_files[str(path)]
+            return self._files.file(path.name)
         if not path.is_file():
             raise FormatError(f"{path} is missing", "copy every rank's .distcp file there")
         return self._reader.fd(path)
 
     def _size(self, path: Path) -> int:
-        if isinstance(path, RemotePath):
-            fd = self._fd(path)
-            assert isinstance(fd, RangeFile)
-            return int(fd.remote.size)
-        return path.stat().st_size if path.is_file() else -1
+        return self._files.size(path.name)
 
     def _archive(self, path: Path, start: int, length: int, what: str) -> tuple[Any, Any]:
         """A chunk's (or value's) torch.save archive: its statically read root and layout."""
@@ -301,25 +312,105 @@ class DCPSource(ChunkedSource):
     def files(self) -> list[Path]:
         names = {c.file for t in self._tensors.values() for c in t.chunks}
         around = [self.path / n for n in (METADATA, LIGHTNING_META, SIDECAR)]
-        return sorted(names, key=str) + [p for p in around if p.is_file()]
+        return sorted(names, key=str) + [p for p in around if self._files.has(p.name)]
+
+    def file_size(self, path: Path) -> int:
+        """A file's size, from the folder's listing where it was listed (no request)."""
+        return self._files.size(path.name)
 
     def close(self) -> None:
-        for raw in self._remote_files.values():
-            raw.close()
-        self._remote_files.clear()
+        if hasattr(self, "_files"):
+            self._files.close()
         super().close()
 
 
-def _trainer_state(path: Path) -> dict[str, Any]:
+class _Files:
+    """The files of a DCP folder, on disk or at a URL. At a URL, one listing (where the store
+    lists) says which files are there and their sizes; over HTTP, a missing one is found by
+    one request, once. Each file at a URL is read through one RangeFile on the source's
+    reader, so every request counts in its ``traffic``."""
+
+    def __init__(self, folder: Path, reader: Any) -> None:
+        self.folder, self._reader = folder, reader
+        self._remote = isinstance(folder, RemotePath)
+        self._opened: dict[str, RangeFile] = {}
+        self._missing: set[str] = set()
+        self._listed: dict[str, int | None] | None = None
+        if isinstance(folder, RemotePath):
+            self._listed = folder.listing(reader.traffic)
+
+    def has(self, name: str) -> bool:
+        if not self._remote:
+            return (self.folder / name).is_file()
+        if self._listed is not None:
+            return name in self._listed and self._listed[name] is not None  # None: a folder
+        try:
+            self.size(name)
+        except MissingFileError:
+            return False
+        return True
+
+    def size(self, name: str) -> int:
+        """Its size (-1 for a local file that is not there)."""
+        if not self._remote:
+            path = self.folder / name
+            return path.stat().st_size if path.is_file() else -1
+        if name in self._missing:
+            raise MissingFileError(str(self.folder / name))
+        try:
+            return int(self.file(name).remote.size)
+        except MissingFileError:
+            self._missing.add(name)
+            raise
+
+    def file(self, name: str) -> RangeFile:
+        """The file at the URL, opened once."""
+        if name not in self._opened:
+            listed = (self._listed or {}).get(name)
+            self._opened[name] = RangeFile(self._reader.remote(self.folder / name, listed))
+        return self._opened[name]
+
+    def read(self, name: str) -> bytes:
+        """A small file's bytes."""
+        if not self._remote:
+            return (self.folder / name).read_bytes()
+        raw = self.file(name)
+        return raw.pread(0, raw.remote.size)
+
+    def prefetch(self, places: Iterable[Piece]) -> None:
+        """Fetch the given places of files at the URL, each file's in one request where they
+        lie close together (``dcp.save`` writes a rank's values first, side by side): the
+        plain values of a save are read together, not one request each."""
+        if not self._remote:
+            return
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for path, start, length in places:
+            spans.setdefault(path.name, []).append((start, start + length))
+        for name, found in spans.items():
+            found.sort()
+            begin, end = found[0]
+            for start, stop in found[1:]:
+                if start - end > _JOIN_GAP:
+                    self.file(name).prefetch(begin, end)
+                    begin = start
+                end = max(end, stop)
+            self.file(name).prefetch(begin, end)
+
+    def close(self) -> None:
+        for raw in self._opened.values():
+            raw.close()
+        self._opened.clear()
+
+
+def _trainer_state(path: Path, files: _Files) -> dict[str, Any]:
     """The plain values of Lightning's ``meta.pt`` (epoch, global_step, loops...), read
-    statically; empty when there is none."""
-    if not path.is_file():
-        return {}
+    statically."""
     from ckptkit.formats.files.torchfile import scan_torch_file
 
-    at_url = RangeFile(open_remote(path)) if isinstance(path, RemotePath) else None
+    at_url = files.file(path.name) if isinstance(path, RemotePath) else None
     scan, _, raw, _ = scan_torch_file(path, raw=at_url)
-    raw.close()
+    if at_url is None:
+        raw.close()
     root = scan.root if isinstance(scan.root, dict) else {}
     return {
         str(k): jsonable(v)
@@ -347,19 +438,17 @@ def _saved_offsets(path: Path, metadata: dict[str, Any]) -> dict[str, tuple[int,
     return offsets
 
 
-def _sidecar(path: Path) -> dict[str, str]:
-    """The metadata ckptkit wrote beside a DCP folder it made (str -> str), else empty."""
+def _sidecar(path: Path, data: bytes) -> dict[str, str]:
+    """The metadata ckptkit wrote beside a DCP folder it made (str -> str)."""
     import json
 
-    if not path.is_file():
-        return {}
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        found = json.loads(data)
+    except ValueError as exc:
         raise FormatError(f"{path} is damaged", "remove it or copy the folder again") from exc
-    if not isinstance(data, dict):
+    if not isinstance(found, dict):
         raise FormatError(f"{path} is damaged", "remove it or copy the folder again")
-    return {str(k): str(v) for k, v in data.items()}
+    return {str(k): str(v) for k, v in found.items()}
 
 
 def dcp_metadata(layout: list[tuple[str, str, tuple[int, ...], str, int, int]]) -> bytes:

@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from ckptkit.errors import FormatError
+from ckptkit.formats.io.remote import Traffic, open_remote
 
 __all__ = [
     "copy_range",
@@ -243,13 +244,13 @@ class RangeReader:
     def __init__(self) -> None:
         self._fds: dict[Any, int] = {}
         self._remotes: dict[str, Any] = {}  # a URL's Remote (``io.remote``), per URL
+        self.traffic = Traffic()  # the requests of every URL read, counted together
 
-    def remote(self, url: Any) -> Any:
-        """The Remote of a URL (a RemotePath), opened once and kept until :meth:`close`."""
+    def remote(self, url: Any, size: int | None = None) -> Any:
+        """The Remote of a URL (a RemotePath), opened once and kept until :meth:`close`;
+        ``size`` when a listing gave it."""
         if str(url) not in self._remotes:
-            from ckptkit.formats.io.remote import open_remote
-
-            self._remotes[str(url)] = open_remote(url)
+            self._remotes[str(url)] = open_remote(url, traffic=self.traffic, size=size)
         return self._remotes[str(url)]
 
     def fd(self, path: Any) -> int:

@@ -19,7 +19,7 @@ import threading
 import urllib.parse
 
 from ckptkit.errors import CkptkitError, MissingFileError
-from ckptkit.formats.io.remote import TIMEOUT_S, Remote, RemoteError, _Transient
+from ckptkit.formats.io.remote import TIMEOUT_S, Remote, RemoteError, Traffic, _Transient
 
 __all__ = ["HttpRemote"]
 
@@ -34,8 +34,8 @@ _Connection = http.client.HTTPConnection
 class HttpRemote(Remote):
     """An object at an ``http://`` or ``https://`` URL."""
 
-    def __init__(self, url: str) -> None:
-        super().__init__(url)
+    def __init__(self, url: str, traffic: Traffic | None = None, size: int | None = None) -> None:
+        super().__init__(url, traffic, size)
         self._lock = threading.Lock()
         self._idle: list[_Connection] = []  # kept alive between reads
         self._first: tuple[int, bytes] | None = None  # the read that found the size
@@ -140,6 +140,7 @@ class HttpRemote(Remote):
                 )
         except CkptkitError:  # a 404 (a FileNotFoundError, but not one to retry) or a 403
             conn.close()
+            self.traffic.add(0)
             raise
         except _Transient:  # a 5xx or a 429: answered, to be asked again
             conn.close()

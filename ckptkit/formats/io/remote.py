@@ -161,18 +161,32 @@ class RemotePath:
     def names(self) -> list[str] | None:
         """The names in the folder (the prefix) this URL names: empty when it is no folder;
         None for http(s), which has no listing."""
+        listed = self.listing()
+        return None if listed is None else list(listed)
+
+    def listing(self, traffic: Traffic | None = None) -> dict[str, int | None] | None:
+        """:meth:`names` with each one's size (None for a sub-folder), in one request, counted
+        in ``traffic`` when given."""
         if self.scheme in ("http", "https"):
             return None
         fs, path = filesystem(self.url)
         fs.invalidate_cache(path)  # fsspec caches listings: what was written since must show
         try:
-            found = fs.ls(path, detail=False)
+            found = fs.ls(path, detail=True)
         except (FileNotFoundError, NotADirectoryError):
-            return []
+            found = []
         except Exception as exc:  # the back-end's own: said, as a read's would be
             raise _failure(self.url, exc) from None
-        names = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
-        return [] if names == [self.name] else names  # a file lists itself
+        finally:
+            if traffic is not None:
+                traffic.add(0)
+        listed = {
+            str(info["name"]).rstrip("/").rsplit("/", 1)[-1]: (
+                int(info["size"]) if info.get("type") != "directory" else None
+            )
+            for info in found
+        }
+        return {} if list(listed) == [self.name] else listed  # a file lists itself
 
     def is_dir(self) -> bool:
         return False  # a URL names objects; a "folder" is a prefix, never opened as one
@@ -201,10 +215,10 @@ class Traffic:
 class Remote(ABC):
     """One remote object: its size and ranged reads, retried, counted in ``traffic``."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, traffic: Traffic | None = None, size: int | None = None) -> None:
         self.url = url
-        self.traffic = Traffic()
-        self._size: int | None = None
+        self.traffic = traffic or Traffic()  # one Traffic may count a whole folder's requests
+        self._size = size  # known from a listing: no request asks for it
 
     @property
     def size(self) -> int:
@@ -263,8 +277,11 @@ class _Transient(Exception):
     """A failure a retry may cure: a timeout, a dropped connection, a 5xx or a short body."""
 
 
-def open_remote(url: str | RemotePath) -> Remote:
-    """The remote object at ``url``.
+def open_remote(
+    url: str | RemotePath, *, traffic: Traffic | None = None, size: int | None = None
+) -> Remote:
+    """The remote object at ``url``, its requests counted in ``traffic`` (its own by
+    default); ``size`` when a listing gave it.
 
     Raises:
         UsageError: a scheme whose fsspec back-end is not installed (naming the extra).
@@ -275,15 +292,15 @@ def open_remote(url: str | RemotePath) -> Remote:
     if scheme in ("http", "https"):
         from ckptkit.formats.io.http import HttpRemote
 
-        return HttpRemote(url)
-    return FsspecRemote(url)
+        return HttpRemote(url, traffic, size)
+    return FsspecRemote(url, traffic, size)
 
 
 class FsspecRemote(Remote):
     """Any fsspec URL: ``fs.size`` once, ``fs.cat_file(path, start, end)`` for each range."""
 
-    def __init__(self, url: str) -> None:
-        super().__init__(url)
+    def __init__(self, url: str, traffic: Traffic | None = None, size: int | None = None) -> None:
+        super().__init__(url, traffic, size)
         self.fs, self.path = filesystem(url)
 
     def _stat(self) -> int:
@@ -304,8 +321,10 @@ class FsspecRemote(Remote):
         try:
             return method(*args, **kwargs)
         except FileNotFoundError:
+            self.traffic.add(0)
             raise MissingFileError(self.url) from None
         except PermissionError as exc:
+            self.traffic.add(0)
             raise RemoteError(
                 f"{self.url}: access denied ({exc})", "check the credentials"
             ) from None
