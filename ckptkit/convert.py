@@ -38,7 +38,7 @@ from ckptkit.formats.io.atomic import (
     check_output,
 )
 from ckptkit.formats.io.remote import RemotePath, as_path, filesystem, is_url
-from ckptkit.formats.io.upload import Uploads, staging_folder
+from ckptkit.formats.io.upload import PART, Uploads, staging_folder
 from ckptkit.formats.open import open_source
 from ckptkit.formats.output import output_format
 from ckptkit.formats.output.copier import Copier, Item
@@ -420,16 +420,19 @@ def _convert_to_url_folder(
 ) -> ConvertReport:
     """A folder at a URL, as a local one: ``s3://b/model/`` (a trailing slash) is written into
     (``model.safetensors``, or shards and their index), ``s3://b/model`` is a model folder (the
-    source's config and tokenizer files beside the weights). Made whole in a staging folder,
-    then uploaded and made visible together: weights first, the index last."""
+    source's config and tokenizer files beside the weights). Written into: each file uploaded
+    as it is written; a model folder: made whole in a staging folder, then uploaded; either
+    made visible together, weights first, the index last."""
     if options["part"] is not None:
         raise UsageError(
             f"--part writes shards beside a file: name it, e.g. {url}/model.safetensors"
         )
     with staging_folder() as stage, _named_at(url.parent, stage):
         local = stage / url.name
-        if into:
+        if into:  # the weights (or shards and index) uploaded as they are written
             local.mkdir()
+            report = _convert(src, local, Uploads(url, force=options["force"]), **options)
+            return _named_at_url(report, local, url, options)
         report = _convert(src, local, None, **options)
         if options["dry_run"]:
             return report
@@ -444,9 +447,19 @@ def _convert_to_url_folder(
             for path, name in zip(order, names, strict=True):
                 uploads.add(path, name)
             uploads.commit()
-    # Named as a local folder output is: its weights file (or the folder), at the URL.
+    return _named_at_url(report, local, url, options)
+
+
+def _named_at_url(
+    report: ConvertReport, local: Path, url: RemotePath, options: dict[str, Any]
+) -> ConvertReport:
+    """A folder output's report named as a local folder output is: its weights file (or the
+    folder), at the URL; with ``--force``, an earlier output's shards it did not write
+    removed there, as on disk."""
     report.destination = report.destination.replace(str(local), str(url))
     report.files = [f"{url}/{Path(name).relative_to(local).as_posix()}" for name in report.files]
+    if options["force"] and not options["dry_run"] and report.files:
+        _remove_stale_there(RemotePath(report.files[0]), report.files)
     return report
 
 
@@ -809,8 +822,15 @@ def _write(
         progress=lambda nbytes: bar.update(nbytes * share) if bar else None,
         workers=workers,
     )
+    streamed = uploads is not None and plan.fmt == "safetensors"  # uploaded as it is written
     writer = writer_for(
-        plan.fmt, copier, aliases=plan.aliases, header=header, special=plan.special, verify=verify
+        plan.fmt,
+        copier,
+        aliases=plan.aliases,
+        header=header,
+        special=plan.special,
+        verify=verify,
+        reserve=not streamed,
     )
     inputs = [plan.src]
     try:
@@ -825,9 +845,10 @@ def _write(
                 for path in plan.copies:
                     shutil.copyfile(path, tmp / path.name)
                 report.copied_files = [path.name for path in plan.copies]
-        elif uploads is not None:  # staged here one at a time, visible there all at once
+        elif uploads is not None:  # uploaded as written (or once whole), visible all at once
             with uploads:
-                _write_files(writer, copier, plan, plan.outputs, header, verify, uploads.add)
+                begin = _streamer(uploads, copier) if streamed else None
+                _write_files(writer, copier, plan, plan.outputs, header, verify, uploads.add, begin)
                 uploads.commit()
         else:
             # In order, or none: the index (last) appears only once every shard is in place.
@@ -850,17 +871,36 @@ def _write_files(
     header: dict[str, str],
     verify: bool,
     done: Callable[[Path, str], None] = lambda path, name: None,
+    begin: Callable[[Path, str], None] | None = None,
 ) -> None:
-    """Each shard to its temp path, then the index of a sharded output; ``done(temp, name)``
-    after each file is written and verified."""
+    """Each shard to its temp path, then the index of a sharded output; ``begin(temp, name)``
+    before a shard is written, ``done(temp, name)`` after each file is written and verified."""
     for shard, tmp, path in zip(plan.shards, temps, plan.outputs, strict=False):
+        if begin is not None:
+            begin(tmp, path.name)
         _write_shard(writer, copier, tmp, shard, path, plan, verify)
+        copier.drain()  # every range checked: a streamed file's parts all handed over
         done(tmp, path.name)
     if len(plan.outputs) > len(plan.shards):  # the index of a sharded output
         sizes = [[(i.spec.key, i.spec.nbytes) for i in s] for s in plan.shards]
         names = [p.name for p in plan.outputs[:-1]]
         temps[-1].write_text(index_document(sizes, names, header))
         done(temps[-1], plan.outputs[-1].name)
+
+
+def _streamer(uploads: Uploads, copier: Copier) -> Callable[[Path, str], None]:
+    """``begin(temp, name)``: a safetensors file is uploaded while it is written (see
+    ``io/upload.py``), its header kept on disk for the writer's check."""
+    from ckptkit.formats.files.safetensors import header_end
+
+    copier.crc_made, copier.batch_bytes = True, PART  # the disk holds a few parts, not more
+
+    def begin(tmp: Path, name: str) -> None:
+        stream = uploads.stream(tmp, name, keep=header_end)
+        mine = copier.fd(tmp)
+        copier.on_settled = lambda fd, end: stream.settled(end) if fd == mine else None
+
+    return begin
 
 
 def _is_merge(source: Source) -> bool:

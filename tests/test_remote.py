@@ -459,6 +459,88 @@ def test_a_failed_upload_leaves_no_object_and_no_open_upload(files, s3_env, run,
     assert client.list_multipart_uploads(Bucket="out").get("Uploads", []) == []
 
 
+class _StagedPeak:
+    """The most bytes the staging folder held on disk, sampled every few milliseconds while
+    a conversion runs (a real measurement: blocks allocated, holes not counted)."""
+
+    def __init__(self, folder: Path):
+        import threading
+
+        self.folder, self.peak, self._stop = folder, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample)
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            used = 0
+            for path in self.folder.rglob("*"):
+                try:
+                    used += path.stat().st_blocks * 512 if path.is_file() else 0
+                except FileNotFoundError:  # removed while listed
+                    pass
+            self.peak = max(self.peak, used)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def test_a_safetensors_output_is_uploaded_while_it_is_written(files, s3_env, monkeypatch):
+    """A 384 MiB output at S3 never lies whole on the local disk: each part goes up once
+    written and checked, and its range is freed (a hole punched); the object read back is the
+    source's bytes."""
+    stage = files / "stage"
+    stage.mkdir()
+    monkeypatch.setenv("CKPTKIT_STAGING", str(stage))
+    s3_env.bucket("out")
+    g = torch.Generator().manual_seed(0)
+    state = {f"w.{i}": torch.randn(2 * 2**20, generator=g) for i in range(48)}  # 8 MiB each
+    save_file(state, files / "big.safetensors")
+    with _StagedPeak(stage) as staged:
+        report = ckptkit.convert(files / "big.safetensors", "s3://out/m/model.safetensors")
+    size = s3_env.fs.size("out/m/model.safetensors")
+    assert report.verified and size > 384 * 2**20
+    assert 0 < staged.peak < size * 0.4, staged.peak  # ~130 MiB of 384 here; whole before
+    s3_env.fs.get("out/m/model.safetensors", str(files / "back.safetensors"))
+    ckptkit.convert(files / "big.safetensors", files / "local.safetensors")  # the same, on disk
+    assert (files / "back.safetensors").read_bytes() == (files / "local.safetensors").read_bytes()
+
+
+def test_a_cast_uploaded_while_written_is_checked_by_what_was_written(files, s3_env):
+    """Tensors made through torch (a cast) are checked by the CRC-32 of the bytes written,
+    since their parts have left the disk when the writer's check comes (made again from
+    the source, they would be compared with the zeros of a punched hole)."""
+    s3_env.bucket("out")
+    g = torch.Generator().manual_seed(1)
+    state = {f"w.{i}": torch.randn(4 * 2**20, generator=g) for i in range(4)}  # 64 MiB f32
+    save_file(state, files / "f32.safetensors")
+    report = ckptkit.convert(files / "f32.safetensors", "s3://out/h.safetensors", dtype="bf16")
+    assert report.verified and report.through_torch == 4
+    s3_env.fs.get("out/h.safetensors", str(files / "h.safetensors"))
+    back = load_file(files / "h.safetensors")
+    assert all(torch.equal(back[k], v.to(torch.bfloat16)) for k, v in state.items())
+
+
+def test_a_streamed_upload_that_fails_leaves_no_object_and_no_open_upload(files, s3_env, run):
+    """Parts of a single file are up when the cast of its last tensor overflows: the
+    multipart upload is aborted, nothing is listed, nothing stays staged."""
+    s3_env.bucket("out")
+    client = s3_env.client()
+    g = torch.Generator().manual_seed(0)
+    state = {f"a.{i}": torch.randn(2**20, 8, generator=g) for i in range(8)}  # 64 MB in fp16
+    state["zz.big"] = torch.full((8,), 1e30)  # overflows fp16, written last
+    save_file(state, files / "over.safetensors")
+    result = run(
+        "convert", files / "over.safetensors", "s3://out/one.safetensors", "--dtype", "fp16"
+    )
+    one_error(result, "inf")
+    assert _objects(s3_env, "out") == []
+    assert client.list_multipart_uploads(Bucket="out").get("Uploads", []) == []
+
+
 def test_an_http_output_and_a_folder_url_are_refused(files, range_server, run):
     one_error(run("convert", files / "m.pt", range_server.url("o.safetensors")), "HTTP")
     one_error(run("convert", files / "m.pt", "memory://x/outdir"), "memory://x/outdir", ".pt")

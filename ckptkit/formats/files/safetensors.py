@@ -396,11 +396,15 @@ def write_safetensors(
     specs: list[TensorSpec],
     metadata: dict[str, str],
     write_tensor: Callable[[int, TensorSpec], None],
+    *,
+    reserve: bool = True,
 ) -> int:
     """Write a safetensors file: the header, then each tensor in ``specs`` order.
 
     ``write_tensor(fd, spec)`` must append exactly ``spec.nbytes`` bytes at ``fd`` (a kernel copy
     from another file, or a tensor's bytes), so one tensor at a time is all that is in memory.
+    ``reserve``: the file's room is reserved on disk first (not for a file uploaded as it is
+    written, which never holds all its bytes at once).
 
     Returns:
         The offset of the data section.
@@ -410,7 +414,8 @@ def write_safetensors(
     # to disk when it is closed (auto_da_alloc), which would cost a second write-back.
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if _nonempty(dst) else 0)
     with open(os.open(dst, flags, 0o666), "wb", buffering=0) as f:
-        preallocate(f.fileno(), len(header) + sum(spec.nbytes for spec in specs))
+        if reserve:
+            preallocate(f.fileno(), len(header) + sum(spec.nbytes for spec in specs))
         write_all(f.fileno(), memoryview(header))
         for spec in specs:
             start = f.tell()
@@ -420,6 +425,12 @@ def write_safetensors(
                     f"tensor '{spec.key}' wrote {f.tell() - start} bytes, not {spec.nbytes}"
                 )
     return len(header)
+
+
+def header_end(fd: int) -> int:
+    """Where a safetensors file's data begins: its 8-byte length, then the header."""
+    (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    return 8 + int(length)
 
 
 def _nonempty(path: Path) -> bool:

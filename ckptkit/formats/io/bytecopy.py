@@ -74,6 +74,18 @@ def preallocate(fd: int, size: int) -> None:
             raise OSError(code, os.strerror(code))
 
 
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (Linux)
+
+
+def punch_hole(fd: int, offset: int, count: int) -> bool:
+    """Free a file's range on disk, keeping its size (the range reads back as zeros); False
+    where the system or filesystem cannot (the bytes then stay on disk)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "fallocate") or count <= 0:
+        return False
+    return bool(libc.fallocate(fd, _PUNCH_HOLE, offset, count) == 0)
+
+
 def copy_range(src_fd: int, offset: int, count: int, dst_fd: int) -> None:
     """Append ``count`` bytes of ``src_fd`` from ``offset`` at ``dst_fd``'s current position."""
     for method in _COPIERS:

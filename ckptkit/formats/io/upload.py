@@ -1,16 +1,19 @@
 """Outputs written to a URL: uploaded as soon as each is written and verified, made visible only
 when every one is, the last one (a sharded output's index) last; none of them on a failure.
 
-Each file is staged in a local folder (one file at a time: a sharded output needs the room of
-one shard), checked there as any output is, then streamed to the store through fsspec with
-``autocommit=False``. On S3 that is a multipart upload whose parts go up at once but which is
-completed (the object appears, whole) only by :meth:`Uploads.commit`; a failure before it
-aborts every upload, and a killed run leaves incomplete multipart uploads, which no reader lists
-as objects (``aws s3api list-multipart-uploads`` shows them; a bucket lifecycle rule removes
-them). The commits, one short request a file in order with the index last, are the one moment a
-failure leaves part of an output visible: shards without their index, never an index naming
-missing shards. fsspec's local and other back-ends write a temporary file and move it into
-place on commit.
+Each file is staged in a local folder, checked there as any output is, and streamed to the
+store through fsspec with ``autocommit=False``. A safetensors file goes up while it is written
+(:class:`Stream`): each part once its bytes are written and checked, after which its range
+leaves the local disk (a hole punched), so the disk holds the tensor being written and a few
+parts, never the file. Any other file goes up once it is whole (a ``.pt``'s check reads its
+records back from all over the file). On S3 that is a multipart upload whose parts go up at
+once but which is completed (the object appears, whole) only by :meth:`Uploads.commit`; a
+failure before it aborts every upload, and a killed run leaves incomplete multipart uploads,
+which no reader lists as objects (``aws s3api list-multipart-uploads`` shows them; a bucket
+lifecycle rule removes them). The commits, one short request a file in order with the index
+last, are the one moment a failure leaves part of an output visible: shards without their
+index, never an index naming missing shards. fsspec's local and other back-ends write a
+temporary file and move it into place on commit.
 """
 
 from __future__ import annotations
@@ -18,14 +21,16 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import OutputError, UsageError
+from ckptkit.formats.io.bytecopy import punch_hole, read_into
 from ckptkit.formats.io.remote import RemotePath, filesystem
 
-__all__ = ["Uploads", "staging_folder"]
+__all__ = ["Stream", "Uploads", "staging_folder"]
 
 PART = 16 * 1024 * 1024  # bytes an upload part (S3 wants 5 MiB at least, 10,000 parts at most)
 
@@ -54,6 +59,7 @@ class Uploads:
         self.folder, self.force = folder, force
         self.fs, self.root = filesystem(str(folder))
         self._open: list[Any] = []  # uploaded, not committed
+        self._streams: dict[Path, Stream] = {}  # being uploaded as they are written
 
     def url(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
@@ -111,11 +117,32 @@ class Uploads:
             "check the bucket, the credentials and the network",
         )
 
-    def add(self, local: Path, name: str) -> None:
-        """Upload ``local`` as ``name`` (not visible yet), then delete the local copy."""
+    def _handle(self, name: str) -> Any:
+        """An upload to ``name``, made visible only by :meth:`commit`."""
         try:
             handle = self.fs.open(self.url(name), "wb", autocommit=False, block_size=PART)
-            self._open.append(handle)
+        except Exception as exc:  # the back-end's own
+            raise self._error(exc) from None
+        self._open.append(handle)
+        return handle
+
+    def stream(self, local: Path, name: str, keep: Callable[[int], int]) -> Stream:
+        """Start uploading ``local`` (created empty here, then written by the caller) as
+        ``name`` while it is written; ``keep(fd)`` says how many of its first bytes stay on
+        disk until :meth:`add` (the header, which the writer's check reads back)."""
+        stream = Stream(self._handle(name), local, keep, self._error)
+        self._streams[local] = stream
+        return stream
+
+    def add(self, local: Path, name: str) -> None:
+        """Upload ``local`` as ``name`` (not visible yet), or the rest of it when it was being
+        streamed, then delete the local copy."""
+        if local in self._streams:
+            self._streams.pop(local).finish()
+            local.unlink()
+            return
+        handle = self._handle(name)
+        try:
             with open(local, "rb") as f:
                 while chunk := f.read(PART):
                     handle.write(chunk)
@@ -139,10 +166,14 @@ class Uploads:
 
     def discard(self) -> None:
         """Abort every upload not committed (nothing of them becomes visible)."""
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
         while self._open:
             handle = self._open.pop()
             with contextlib.suppress(Exception):  # the first failure is the one to report
                 handle.discard()
+                _closed(handle)
 
     def __enter__(self) -> Uploads:
         return self
@@ -150,3 +181,75 @@ class Uploads:
     def __exit__(self, kind: object, *rest: object) -> None:
         if kind is not None:
             self.discard()
+
+
+def _closed(handle: Any) -> None:
+    """A discarded upload marked closed: one still open (a stream cut short) would otherwise
+    be closed when collected, which sends its buffer (s3fs) from wherever that happens."""
+    if handle.closed:
+        return
+    try:
+        handle.closed = True  # s3fs: closing would upload what the discard threw away
+    except AttributeError:  # a file object whose ``closed`` is read-only: closed for real
+        handle.close()
+
+
+class Stream:
+    """A local file uploaded while it is written, a part at a time: :meth:`settled` says how
+    far its bytes are written and checked; every whole part before that goes up and its
+    range is freed on disk (a hole punched), except the first ``keep(fd)`` bytes, which stay
+    for the writer's check; :meth:`finish` sends the rest. Where holes cannot be punched the
+    file stays whole on disk, as a staged file would."""
+
+    def __init__(
+        self,
+        handle: Any,
+        path: Path,
+        keep: Callable[[int], int],
+        error: Callable[[Exception], Exception],
+    ) -> None:
+        self.handle, self.path = handle, path
+        self._keep, self._error = keep, error
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        self._kept: int | None = None
+        self._lock = threading.Lock()
+        self.sent = 0  # bytes handed to the upload
+
+    def settled(self, end: int) -> None:
+        """Bytes ``[0, end)`` are written and checked: their whole parts go up (none once
+        the stream is closed: a failed conversion's last ranges are checked after it)."""
+        with self._lock:  # the copier's thread sends; a failure's discard closes meanwhile
+            while self._fd >= 0 and end - self.sent >= PART:
+                self._send(self.sent + PART)
+
+    def finish(self) -> None:
+        """The rest goes up; the upload stays open until :meth:`Uploads.commit`."""
+        with self._lock:
+            self._send(os.fstat(self._fd).st_size)
+        try:
+            self.handle.close()
+        except Exception as exc:  # the back-end's own
+            raise self._error(exc) from None
+        finally:
+            self.close()
+
+    def _send(self, end: int) -> None:
+        if self._kept is None:
+            self._kept = self._keep(self._fd)
+        data = bytearray(end - self.sent)
+        if not read_into(self._fd, memoryview(data), self.sent):
+            raise OSError(f"{self.path} ends before byte {end}")
+        try:
+            self.handle.write(data)
+        except Exception as exc:  # the back-end's own
+            raise self._error(exc) from None
+        start = max(self.sent, self._kept)
+        if end > start:
+            punch_hole(self._fd, start, end - start)
+        self.sent = end
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1

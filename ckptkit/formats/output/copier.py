@@ -95,6 +95,13 @@ class Copier:
     _flushing: _Ranges = field(default_factory=lambda: _Ranges())  # written, still cached
     _flushing_bytes: int = 0
     workers: int = 8  # ranged requests in flight for a source at a URL
+    # Set for an output uploaded as it is written (``io/upload.py``): called in the worker
+    # thread with (fd, end) once a range is written and checked, in the order written; and
+    # the bytes made through torch are checked by their CRC-32 as written, since the file
+    # will no longer hold them when the writer's check comes.
+    on_settled: Callable[[int, int], None] | None = None
+    crc_made: bool = False
+    batch_bytes: int = BATCH_BYTES  # smaller for a streamed output: its disk use follows it
     _fetcher: Prefetcher | None = None
     _sources_remotes: dict[str, Remote] | None = None  # the source's own, by URL
 
@@ -117,7 +124,7 @@ class Copier:
             self._compared.add(key)
         self._batch.append((key, source, self.fd(dst), start, count))
         self._batch_bytes += count
-        if len(self._batch) >= BATCH_RANGES or self._batch_bytes >= BATCH_BYTES:
+        if len(self._batch) >= BATCH_RANGES or self._batch_bytes >= self.batch_bytes:
             self._hand_over()
 
     def _hand_over(self) -> None:
@@ -131,6 +138,10 @@ class Copier:
             self._pending.popleft().result()
         batch, self._batch, self._batch_bytes = self._batch, [], 0
         self._pending.append(self._checker.submit(self._settle_all, batch))
+
+    def drain(self) -> None:
+        """Every range written so far compared (and its write-back started)."""
+        self._drain()
 
     def _drain(self) -> None:
         """Every range written so far compared (and its write-back started)."""
@@ -147,6 +158,8 @@ class Copier:
             except Exception as exc:  # kept for checked(), which raises it
                 if source is not None:
                     self._failed.setdefault(key, exc)
+            if self.on_settled is not None:  # its failure fails the conversion (result())
+                self.on_settled(fd, start + count)
 
     def _settle(
         self, source: tuple[int, int] | int | None, fd: int, start: int, count: int
@@ -251,13 +264,15 @@ class Copier:
                 self.copied += 1
             else:
                 start = os.lseek(fd, 0, os.SEEK_CUR)
-                overflowed = False
+                overflowed, crc = False, 0
                 for before, after in self._pieces(item):
                     overflowed = overflowed or (item.cast and _overflows(before, after))
                     write_all(fd, _raw(after))
+                    crc = zlib.crc32(_raw(after), crc) if self.crc_made else 0
                 if overflowed:
                     self.overflowed.append(spec.key)
-                self._written(spec.key, dst, start, spec.nbytes, None)  # compared in the end
+                # Compared in the end (made again from the source), or by its CRC-32 now.
+                self._written(spec.key, dst, start, spec.nbytes, crc if self.crc_made else None)
                 self.through_torch += 1
             self.progress(spec.nbytes)
 

@@ -58,6 +58,7 @@ class _Writer:
     header: dict[str, str]
     verify_while_writing: bool = True  # compare copied bytes as they are written
     special: frozenset[str] = field(default_factory=frozenset)  # kept as torch values
+    reserve: bool = True  # room reserved on disk first (not for a file uploaded as written)
     folder: ClassVar[bool] = False
 
     def write(self, tmp: Path, items: list[Item]) -> None:
@@ -74,7 +75,7 @@ class SafetensorsWriter(_Writer):
         write = self.copier.tensor_writer(
             {i.spec.key: i for i in items}, tmp, self.verify_while_writing
         )
-        write_safetensors(tmp, [i.spec for i in items], self.header, write)
+        write_safetensors(tmp, [i.spec for i in items], self.header, write, reserve=self.reserve)
 
     def verify(self, tmp: Path, items: list[Item], shown: Path) -> None:
         """Re-read the header and compare every tensor's bytes with its source: copied ones as
@@ -267,7 +268,8 @@ def writer_for(
     header: dict[str, str],
     special: frozenset[str] = frozenset(),
     verify: bool = True,
+    reserve: bool = True,
 ) -> Writer:
     """The writer of output format ``fmt`` (``safetensors``, ``torch`` or ``dcp``)."""
     kind = "torch-values" if fmt == "torch" and special else fmt
-    return WRITERS[kind](copier, aliases, header, verify, special)
+    return WRITERS[kind](copier, aliases, header, verify, special, reserve)
