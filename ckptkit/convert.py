@@ -822,7 +822,7 @@ def _write(
         progress=lambda nbytes: bar.update(nbytes * share) if bar else None,
         workers=workers,
     )
-    streamed = uploads is not None and plan.fmt == "safetensors"  # uploaded as it is written
+    streamed = uploads is not None  # each file uploaded as it is written
     writer = writer_for(
         plan.fmt,
         copier,
@@ -889,16 +889,16 @@ def _write_files(
 
 
 def _streamer(uploads: Uploads, copier: Copier) -> Callable[[Path, str], None]:
-    """``begin(temp, name)``: a safetensors file is uploaded while it is written (see
-    ``io/upload.py``), its header kept on disk for the writer's check."""
-    from ckptkit.formats.files.safetensors import header_end
-
+    """``begin(temp, name)``: each output file is uploaded while it is written (see
+    ``io/upload.py``)."""
     copier.crc_made, copier.batch_bytes = True, PART  # the disk holds a few parts, not more
 
     def begin(tmp: Path, name: str) -> None:
-        stream = uploads.stream(tmp, name, keep=header_end)
+        stream = uploads.stream(tmp, name)
         mine = copier.fd(tmp)
-        copier.on_settled = lambda fd, end: stream.settled(end) if fd == mine else None
+        copier.on_settled = lambda fd, start, end: (
+            stream.settled(start, end) if fd == mine else None
+        )
 
     return begin
 

@@ -427,12 +427,6 @@ def write_safetensors(
     return len(header)
 
 
-def header_end(fd: int) -> int:
-    """Where a safetensors file's data begins: its 8-byte length, then the header."""
-    (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-    return 8 + int(length)
-
-
 def _nonempty(path: Path) -> bool:
     try:
         return os.path.getsize(path) > 0

@@ -2,18 +2,17 @@
 when every one is, the last one (a sharded output's index) last; none of them on a failure.
 
 Each file is staged in a local folder, checked there as any output is, and streamed to the
-store through fsspec with ``autocommit=False``. A safetensors file goes up while it is written
-(:class:`Stream`): each part once its bytes are written and checked, after which its range
-leaves the local disk (a hole punched), so the disk holds the tensor being written and a few
-parts, never the file. Any other file goes up once it is whole (a ``.pt``'s check reads its
-records back from all over the file). On S3 that is a multipart upload whose parts go up at
-once but which is completed (the object appears, whole) only by :meth:`Uploads.commit`; a
-failure before it aborts every upload, and a killed run leaves incomplete multipart uploads,
-which no reader lists as objects (``aws s3api list-multipart-uploads`` shows them; a bucket
-lifecycle rule removes them). The commits, one short request a file in order with the index
-last, are the one moment a failure leaves part of an output visible: shards without their
-index, never an index naming missing shards. fsspec's local and other back-ends write a
-temporary file and move it into place on commit.
+store through fsspec with ``autocommit=False``, while it is written (:class:`Stream`): each
+part once its bytes are written and checked, after which the tensor bytes in it leave the
+local disk (a hole punched), so the disk holds the tensor being written, a few parts and the
+file's small records (a header, a zip's), never the file. On S3 that is a multipart upload
+whose parts go up at once but which is completed (the object appears, whole) only by
+:meth:`Uploads.commit`; a failure before it aborts every upload, and a killed run leaves
+incomplete multipart uploads, which no reader lists as objects (``aws s3api
+list-multipart-uploads`` shows them; a bucket lifecycle rule removes them). The commits, one
+short request a file in order with the index last, are the one moment a failure leaves part
+of an output visible: shards without their index, never an index naming missing shards.
+fsspec's local and other back-ends write a temporary file and move it into place on commit.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import contextlib
 import os
 import tempfile
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -126,11 +126,10 @@ class Uploads:
         self._open.append(handle)
         return handle
 
-    def stream(self, local: Path, name: str, keep: Callable[[int], int]) -> Stream:
+    def stream(self, local: Path, name: str) -> Stream:
         """Start uploading ``local`` (created empty here, then written by the caller) as
-        ``name`` while it is written; ``keep(fd)`` says how many of its first bytes stay on
-        disk until :meth:`add` (the header, which the writer's check reads back)."""
-        stream = Stream(self._handle(name), local, keep, self._error)
+        ``name`` while it is written (see :class:`Stream`); :meth:`add` sends the rest."""
+        stream = Stream(self._handle(name), local, self._error)
         self._streams[local] = stream
         return stream
 
@@ -195,31 +194,29 @@ def _closed(handle: Any) -> None:
 
 
 class Stream:
-    """A local file uploaded while it is written, a part at a time: :meth:`settled` says how
-    far its bytes are written and checked; every whole part before that goes up and its
-    range is freed on disk (a hole punched), except the first ``keep(fd)`` bytes, which stay
-    for the writer's check; :meth:`finish` sends the rest. Where holes cannot be punched the
-    file stays whole on disk, as a staged file would."""
+    """A local file uploaded while it is written, a part at a time. :meth:`settled` names
+    each range of tensor bytes once it is written and checked (in the order written, so all
+    bytes before it are written too); every whole part before it goes up, and the tensor
+    bytes in it are freed on disk (a hole punched). What lies between tensors (a header, a
+    zip's records) stays for the writer's check; :meth:`finish` sends the rest. Where holes
+    cannot be punched the file stays whole on disk, as a staged file would."""
 
-    def __init__(
-        self,
-        handle: Any,
-        path: Path,
-        keep: Callable[[int], int],
-        error: Callable[[Exception], Exception],
-    ) -> None:
-        self.handle, self.path = handle, path
-        self._keep, self._error = keep, error
+    def __init__(self, handle: Any, path: Path, error: Callable[[Exception], Exception]) -> None:
+        self.handle, self.path, self._error = handle, path, error
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-        self._kept: int | None = None
         self._lock = threading.Lock()
+        self._tensors: deque[tuple[int, int]] = deque()  # settled, not yet freed
         self.sent = 0  # bytes handed to the upload
 
-    def settled(self, end: int) -> None:
-        """Bytes ``[0, end)`` are written and checked: their whole parts go up (none once
-        the stream is closed: a failed conversion's last ranges are checked after it)."""
+    def settled(self, start: int, end: int) -> None:
+        """Tensor bytes ``[start, end)`` are written and checked: the whole parts before
+        ``end`` go up (none once the stream is closed: a failed conversion's last ranges are
+        checked after it)."""
         with self._lock:  # the copier's thread sends; a failure's discard closes meanwhile
-            while self._fd >= 0 and end - self.sent >= PART:
+            if self._fd < 0:
+                return
+            self._tensors.append((start, end))
+            while end - self.sent >= PART:
                 self._send(self.sent + PART)
 
     def finish(self) -> None:
@@ -234,8 +231,6 @@ class Stream:
             self.close()
 
     def _send(self, end: int) -> None:
-        if self._kept is None:
-            self._kept = self._keep(self._fd)
         data = bytearray(end - self.sent)
         if not read_into(self._fd, memoryview(data), self.sent):
             raise OSError(f"{self.path} ends before byte {end}")
@@ -243,9 +238,14 @@ class Stream:
             self.handle.write(data)
         except Exception as exc:  # the back-end's own
             raise self._error(exc) from None
-        start = max(self.sent, self._kept)
-        if end > start:
-            punch_hole(self._fd, start, end - start)
+        while self._tensors and self._tensors[0][0] < end:  # the tensor bytes sent: freed
+            first, last = self._tensors[0]
+            low, high = max(first, self.sent), min(last, end)
+            if high > low:
+                punch_hole(self._fd, low, high - low)
+            if last > end:
+                break
+            self._tensors.popleft()
         self.sent = end
 
     def close(self) -> None:

@@ -96,10 +96,10 @@ class Copier:
     _flushing_bytes: int = 0
     workers: int = 8  # ranged requests in flight for a source at a URL
     # Set for an output uploaded as it is written (``io/upload.py``): called in the worker
-    # thread with (fd, end) once a range is written and checked, in the order written; and
+    # thread with (fd, start, end) once a range is written and checked, in the order written;
     # the bytes made through torch are checked by their CRC-32 as written, since the file
     # will no longer hold them when the writer's check comes.
-    on_settled: Callable[[int, int], None] | None = None
+    on_settled: Callable[[int, int, int], None] | None = None
     crc_made: bool = False
     batch_bytes: int = BATCH_BYTES  # smaller for a streamed output: its disk use follows it
     _fetcher: Prefetcher | None = None
@@ -159,7 +159,7 @@ class Copier:
                 if source is not None:
                     self._failed.setdefault(key, exc)
             if self.on_settled is not None:  # its failure fails the conversion (result())
-                self.on_settled(fd, start + count)
+                self.on_settled(fd, start, start + count)
 
     def _settle(
         self, source: tuple[int, int] | int | None, fd: int, start: int, count: int

@@ -119,7 +119,8 @@ class TorchWriter(_Writer):
         estimate = len(pickled) + sum(i.spec.nbytes for i in unique.values()) + 256 * len(unique)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o666)  # atomic_outputs' empty temp file
         try:
-            preallocate(fd, estimate + 4096)
+            if self.reserve:
+                preallocate(fd, estimate + 4096)
             archive = begin_archive(fd, pickled)
             for record, item in unique.items():
                 stream = functools.partial(write, fd, item.spec)
