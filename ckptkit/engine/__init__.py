@@ -66,7 +66,7 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
 
     config = config or TrainConfig(**options)  # type: ignore[arg-type]
     config.check()
-    if is_url(config.out):  # trained in a local folder, mirrored to the URL as it commits
+    if is_url(config.out):  # staged here, mirrored there as it commits (DCP shards: written there)
         from ckptkit.engine.remote import staged_run
 
         with staged_run(config) as local:

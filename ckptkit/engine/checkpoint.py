@@ -5,7 +5,10 @@ previous checkpoint complete and findable.
 A DCP checkpoint (``--save-format dcp``) is a folder: every rank writes its own shards into a
 temp folder with ``torch.distributed.checkpoint.save`` (``.metadata`` last), rank 0 adds
 ``meta.pt`` (the rest of the training state, as Lightning's FSDP strategy keeps it) and renames
-the folder into place; then ``latest`` moves, then pruning, as for a file.
+the folder into place; then ``latest`` moves, then pruning, as for a file. In a run whose
+``--out`` is a URL the shards go straight there (torch's ``FsspecWriter``), under the final name
+(object storage renames no folder): ``meta.pt`` first, ``.metadata`` last, then ``latest``; a
+save without ``.metadata`` is incomplete, and :mod:`ckptkit.engine.remote` removes it.
 
 With a :class:`~ckptkit.engine.saver.BackgroundSaver` both kinds are written on a thread: the
 state is first staged to CPU memory, and the same steps run once the bytes are written (a DCP
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -30,10 +34,11 @@ from ckptkit.engine.distributed import quiet_single_process_dcp
 from ckptkit.engine.payload import DIGEST, META, MODEL, TRAIN_STATE, load_payload
 from ckptkit.engine.ptwriter import write_payload
 from ckptkit.engine.saver import BackgroundSaver, Staging, dcp_stager, staged
-from ckptkit.errors import CkptkitError, FormatError, UsageError
+from ckptkit.errors import CkptkitError, FormatError, OutputError, UsageError
 from ckptkit.formats.base.tensors import as_bytes, dtype_name
 from ckptkit.formats.folders.runs import BEST, CHECKPOINT_NAME, LATEST, list_checkpoints
 from ckptkit.formats.io.atomic import atomic_folder, atomic_output
+from ckptkit.formats.io.remote import as_path, filesystem, is_url
 
 __all__ = [
     "checkpoint_name",
@@ -177,7 +182,7 @@ def commit_dcp(
         shards: what ``dcp.save`` writes, each rank its own shards (``model``, ``optim``).
         train_state: the rest, written by rank 0 as ``meta.pt`` (plain values and tensors).
         is_main: this is rank 0, which makes the temp folder, renames it and moves ``latest``.
-        share: gives every rank rank 0's value (the temp folder's name).
+        share: gives every rank rank 0's value (where the shards go).
         saver: write in the background: ``dcp.async_save`` stages the shards to CPU memory and
             writes them on a thread; rank 0's saver commits once every rank's part is written
             (DCP gathers the ranks' results before it writes ``.metadata``).
@@ -186,56 +191,109 @@ def commit_dcp(
     """
     import torch.distributed.checkpoint as dcp
 
+    from ckptkit.engine.remote import dcp_url, push  # (remote imports this module)
+
     quiet_single_process_dcp()
     final = folder / checkpoint_name(epoch, "dcp", step=step)
+    url = dcp_url(final.name)  # --out URL: the shards go there, none staged here
     if saver is not None:
         saver.wait()  # one save in flight, on every rank
 
-    def write(tmp: Path) -> Callable[[], Any]:
+    def write(target: str) -> Callable[[], Any]:
         """Start this rank's part; returns what waits for it."""
+        where = _dcp_target(target)
         if saver is None:  # collective; rank 0 writes .metadata last
-            dcp.save(shards, checkpoint_id=tmp)
+            dcp.save(shards, **where)
             return lambda: None
         future = dcp.async_save(
-            shards,
-            checkpoint_id=tmp,
-            process_group=group,
-            async_stager=dcp_stager(staging or Staging()),
+            shards, **where, process_group=group, async_stager=dcp_stager(staging or Staging())
         )
         assert isinstance(future, Future)  # the thread executor's (a process one answers else)
         return future.result
 
     if not is_main:
-        written = write(Path(share(None)))  # into rank 0's temp folder
+        written = write(share(None))  # rank 0's temp folder, or the URL once rank 0 cleared it
         if saver is not None:
             saver.submit(written)
         return final
-    folder.mkdir(parents=True, exist_ok=True)
-    if saver is not None:  # written later, from copies
-        train_state = staged(train_state)
-    # A temp folder beside the checkpoint, renamed into place (replacing the same epoch saved
-    # by an earlier, resumed run); a killed run's is removed by the next save.
-    with contextlib.ExitStack() as stack:
-        tmp = stack.enter_context(atomic_folder(final, force=True))
-        share(str(tmp))
-        written = write(tmp)
-        pending = stack.pop_all()  # the folder is committed once its shards are written
+    if url is not None:
+        complete = _start_at_url(url, train_state, share, write)
+    else:  # written later, from copies, in the background
+        state = train_state if saver is None else staged(train_state)
+        complete = _start_in_folder(final, state, share, write)
 
     def finish() -> None:
-        with pending:  # renamed on success, removed on failure
-            written()
-            with atomic_output(tmp / TRAIN_STATE, force=True) as part:
-                _torch_save(train_state, part)
+        complete()
         _publish(folder, final, keep_last=keep_last, best=best)
-        from ckptkit.engine.remote import push  # (remote imports this module)
-
-        push(folder, keep_last=keep_last)  # --out URL: mirrored (shards, .metadata, latest)
+        push(folder, keep_last=keep_last)  # --out URL: the logs, then latest, then pruning
 
     if saver is None:
         finish()
     else:
         saver.submit(finish)
     return final
+
+
+def _dcp_target(target: str) -> dict[str, Any]:
+    """``dcp.save``'s arguments for a folder here, or for a URL: torch's ``FsspecWriter``
+    (which writes ``.metadata`` last, as a temp name renamed, once every rank's shards are
+    written). No fsync at a URL: an object is whole once uploaded, and DCP would sync the
+    whole machine's disks for each (an fsspec file has no descriptor)."""
+    if not is_url(target):
+        return {"checkpoint_id": Path(target)}
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return {"storage_writer": FsspecWriter(target, sync_files=False)}
+
+
+def _start_in_folder(
+    final: Path,
+    train_state: dict[str, Any],
+    share: Callable[[str | None], str],
+    write: Callable[[str], Callable[[], Any]],
+) -> Callable[[], None]:
+    """Rank 0's part of a DCP save here: a temp folder beside the checkpoint, renamed into
+    place (replacing the same epoch saved by an earlier, resumed run) once the shards and
+    ``meta.pt`` are in it; a killed run's is removed by the next save. Returns what completes
+    it."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(atomic_folder(final, force=True))
+        share(str(tmp))
+        written = write(str(tmp))
+        pending = stack.pop_all()  # the folder is committed once its shards are written
+
+    def complete() -> None:
+        with pending:  # renamed on success, removed on failure
+            written()
+            with atomic_output(tmp / TRAIN_STATE, force=True) as part:
+                _torch_save(train_state, part)
+
+    return complete
+
+
+def _start_at_url(
+    url: str,
+    train_state: dict[str, Any],
+    share: Callable[[str | None], str],
+    write: Callable[[str], Callable[[], Any]],
+) -> Callable[[], Any]:
+    """Rank 0's part of a DCP save at a URL, under its final name (no folder is renamed on
+    object storage): what an earlier run left under that name removed, then ``meta.pt``
+    written, then the shards, ``.metadata`` last. Returns what completes it."""
+    fs, path = filesystem(url)
+    buffer = io.BytesIO()
+    torch.save(train_state, buffer)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(path, recursive=True)
+        fs.pipe_file(f"{path}/{TRAIN_STATE}", buffer.getvalue())
+    except OSError as exc:  # the back-end's own (denied, unreachable): said in one line
+        raise OutputError(
+            f"cannot write {url}: {exc}", "check the bucket and the credentials"
+        ) from None
+    share(url)  # the other ranks write once it is cleared
+    return write(url)
 
 
 class _RecordingFile:
@@ -295,10 +353,13 @@ def _prune(folder: Path, keep_last: int, *, keep: Path) -> None:
 
 
 def find_resume(resume: str | None, folder: Path) -> Path | None:
-    """The checkpoint to resume from: an explicit path, or with ``auto`` the one ``latest``
-    names if it loads, else the newest complete checkpoint in ``folder``, else None."""
+    """The checkpoint to resume from: an explicit path (a DCP checkpoint's URL, read in place,
+    standing as a Path), or with ``auto`` the one ``latest`` names if it loads, else the newest
+    complete checkpoint in ``folder``, else None."""
     if resume is None:
         return None
+    if is_url(resume):  # a DCP checkpoint at a URL, read in place
+        return _complete_at_url(resume)
     if resume != "auto":
         path = Path(resume)
         if not path.is_file() and not (path / ".metadata").is_file():
@@ -323,3 +384,20 @@ def find_resume(resume: str | None, folder: Path) -> Path | None:
             "resume from a path, or start in an empty --out",
         )
     return None
+
+
+def _complete_at_url(url: str) -> Path:
+    """The DCP checkpoint at ``url`` (standing as a Path), once its ``.metadata`` shows it
+    complete.
+
+    Raises:
+        CkptkitError: it is missing or incomplete (a killed run's save, or no DCP folder).
+    """
+    from ckptkit.engine.remote import dcp_complete  # (remote imports this module)
+
+    if not dcp_complete(url):
+        raise CkptkitError(
+            f"cannot resume: {url} holds no complete DCP checkpoint (no .metadata)",
+            "check --resume",
+        )
+    return as_path(url)

@@ -11,6 +11,7 @@ the run's metadata under :data:`ckptkit.meta.TRAINING_KEY`. :func:`file_payload`
 
 from __future__ import annotations
 
+import io
 import pickle
 import platform
 import random
@@ -32,6 +33,7 @@ from ckptkit.engine.distributed import (
 from ckptkit.engine.runlog import logger
 from ckptkit.errors import FormatError, UsageError
 from ckptkit.formats.base.tree import map_leaves
+from ckptkit.formats.io.remote import is_url
 from ckptkit.keys import match_keys, mismatch_message
 from ckptkit.meta import TRAINING_KEY, version
 from ckptkit.text import escape
@@ -255,7 +257,7 @@ def load_payload(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     tensors instead of reading them."""
     if path.suffix == ".safetensors":
         return _load_weights(path)
-    if path.is_dir():
+    if is_url(path) or path.is_dir():  # a DCP checkpoint (the only kind resumed at a URL)
         return _dcp_train_state(path)
     payload = _safe_load(path, mmap=mmap)
     if (
@@ -271,6 +273,8 @@ def load_payload(path: Path, *, mmap: bool = False) -> dict[str, Any]:
 
 def _safe_load(path: Path, *, mmap: bool = False) -> Any:
     try:
+        if is_url(path):  # a DCP checkpoint's meta.pt: small, read whole
+            return torch.load(io.BytesIO(path.read_bytes()), map_location="cpu", weights_only=True)
         mapped = mmap and zipfile.is_zipfile(path)
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
     except Exception as exc:
@@ -301,11 +305,12 @@ def _load_weights(path: Path) -> dict[str, Any]:
 
 
 def _dcp_train_state(path: Path) -> dict[str, Any]:
-    """A DCP checkpoint's ``meta.pt``, its ``.metadata`` checked (read statically): the shards
-    themselves are read by :func:`load_dcp`."""
+    """A DCP checkpoint's ``meta.pt``, its ``.metadata`` checked (read statically), here or at
+    a URL: the shards themselves are read by :func:`load_dcp`."""
     from ckptkit.formats.folders.dcp import METADATA, read_metadata
 
-    items = read_metadata(path / METADATA).get("state_dict_metadata")  # FormatError if damaged
+    metadata = path / METADATA
+    items = read_metadata(metadata, metadata.read_bytes()).get("state_dict_metadata")
     payload = _safe_load(path / TRAIN_STATE) if (path / TRAIN_STATE).is_file() else {}
     if not isinstance(payload, Mapping) or not isinstance(items, Mapping):
         raise FormatError(f"{path} is not a training checkpoint", "check it with ckptkit inspect")
@@ -316,19 +321,29 @@ def _dcp_train_state(path: Path) -> dict[str, Any]:
 
 def load_dcp(path: Path, shards: dict[str, Any]) -> None:
     """Fill ``shards`` (``model``, ``optim``: each rank's own, as saved) from a DCP
-    checkpoint; DCP reshards to this run's world. Plain values stored in it are read with
-    torch's safe loader (DCP's default planner would unpickle them in full)."""
+    checkpoint, here or at a URL (torch's ``FsspecReader``: nothing downloaded first); DCP
+    reshards to this run's world. Plain values stored in it are read with torch's safe loader
+    (DCP's default planner would unpickle them in full)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     quiet_single_process_dcp()
     try:
-        dcp.load(shards, checkpoint_id=path, planner=_safe_load_planner())
+        dcp.load(shards, **_dcp_source(path), planner=_safe_load_planner())
     except (Exception, CheckpointException) as exc:
         raise FormatError(
             f"cannot resume from {path}: {_dcp_failure(exc)}",
             "check it with `ckptkit inspect`; resume with the same --model",
         ) from exc
+
+
+def _dcp_source(path: Path) -> dict[str, Any]:
+    """``dcp.load``'s arguments for a folder here, or for one at a URL."""
+    if not is_url(path):
+        return {"checkpoint_id": path}
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return {"storage_reader": FsspecReader(str(path))}
 
 
 def _dcp_failure(exc: BaseException) -> str:

@@ -9,8 +9,15 @@ event folder too), then the
 ``latest`` or ``best`` names). A
 reader of the URL therefore never finds ``latest`` naming a partial file. ``--resume auto``
 downloads the checkpoint the URL's ``latest`` names (on each node, before its workers start)
-and resumes from it. DCP checkpoints (folders every rank writes into) are mirrored file by file,
-``.metadata`` last; on several nodes, where each node stages its own shards, they are refused.
+and resumes from it.
+
+A DCP checkpoint (``--save-format dcp``) is never staged: every rank writes its shards straight
+to the URL with torch's ``FsspecWriter`` (so it works on any number of nodes), and every rank
+reads them back from there with ``FsspecReader``. A folder cannot be renamed into place on
+object storage, so the save is written under its final name, ``meta.pt`` first and DCP's
+``.metadata`` last; ``latest`` moves only once ``.metadata`` is there. A save without
+``.metadata`` is incomplete (a killed run's): no pointer names it, a resume refuses it, and the
+next run at the URL removes it before it trains.
 """
 
 from __future__ import annotations
@@ -25,13 +32,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ckptkit.engine.checkpoint import RUN_LOGS
+from ckptkit.engine.checkpoint import RUN_LOGS, find_resume
 from ckptkit.errors import UsageError
 from ckptkit.formats.folders.runs import BEST, CHECKPOINT_NAME, LATEST, list_checkpoints
 from ckptkit.formats.io.remote import RemotePath, filesystem, is_url
 from ckptkit.formats.io.upload import Uploads
 
-__all__ = ["MIRROR_ENV", "staged_run", "push", "shown_path"]
+__all__ = ["MIRROR_ENV", "staged_run", "push", "shown_path", "dcp_url", "dcp_complete"]
 
 # Set for the workers: the URL their (local) --out is mirrored to.
 MIRROR_ENV = "CKPTKIT_OUT_URL"
@@ -40,20 +47,14 @@ MIRROR_ENV = "CKPTKIT_OUT_URL"
 @contextlib.contextmanager
 def staged_run(config: Any) -> Iterator[Any]:
     """The config with ``out`` a local staging folder mirrored to the URL ``config.out``; the
-    URL's run checked (fresh, or resumed from its ``latest``, downloaded here first).
+    URL's run checked (fresh, or resumed from its ``latest``: a file downloaded here first, a
+    DCP checkpoint named by its URL), and the incomplete DCP saves a killed run left removed.
 
     Raises:
-        UsageError: DCP checkpoints on several nodes, or a URL run that is not fresh without
-            --resume or --overwrite.
+        UsageError: an HTTP URL, or a URL run that is not fresh without --resume or
+            --overwrite.
     """
     url = RemotePath(config.out)
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if config.save_format == "dcp" and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:
-        raise UsageError(
-            f"--save-format dcp on several nodes writes each node's shards to its own staging "
-            f"folder, which ckptkit does not gather to {url}",
-            "save pt or safetensors checkpoints to a URL, or a dcp run to a shared --out",
-        )
     Uploads(url, force=True)  # an HTTP URL is refused here, before anything
     fs, root = filesystem(str(url))
     stage = Path(os.environ.get("CKPTKIT_STAGING") or tempfile.gettempdir())
@@ -61,10 +62,9 @@ def staged_run(config: Any) -> Iterator[Any]:
     try:
         _check_fresh(fs, root, url, config)
         _check_writable(fs, root, url)
-        if config.resume == "auto":
-            _pull_latest(fs, root, folder)
-        elif config.resume is not None and is_url(config.resume):  # a checkpoint at a URL
-            config = replace(config, resume=str(_pull(RemotePath(config.resume), folder)))
+        config = replace(config, resume=_resume(fs, root, url, config.resume, folder))
+        if os.environ.get("RANK", "0") == "0":  # once: under torchrun every rank stages
+            _remove_incomplete(fs, root, url)
         previous = os.environ.get(MIRROR_ENV)
         os.environ[MIRROR_ENV] = str(url)
         try:
@@ -107,48 +107,92 @@ def _check_writable(fs: Any, root: str, url: RemotePath) -> None:
         ) from None
 
 
-def _pull(url: RemotePath, folder: Path) -> Path:
-    """A checkpoint at a URL (a file, or a DCP folder) downloaded into ``folder``."""
+def _remove_incomplete(fs: Any, root: str, url: RemotePath) -> None:
+    """Remove the DCP saves at the URL that have no ``.metadata``: a killed run's, which no
+    pointer names (DCP writes ``.metadata`` last, and ``latest`` moves after it)."""
+    for name in url.names() or []:
+        match = CHECKPOINT_NAME.fullmatch(name)
+        if match and not match.group(3) and not dcp_complete(str(url / name)):
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(f"{root.rstrip('/')}/{name}", recursive=True)
+
+
+def _resume(fs: Any, root: str, url: RemotePath, resume: str | None, folder: Path) -> str | None:
+    """``--resume`` for the run in ``folder``: ``auto`` with what the URL's ``latest`` names
+    pulled (or its URL, for a DCP checkpoint); a checkpoint URL likewise."""
+    if resume == "auto":
+        return _pull_latest(fs, root, url, folder)
+    if resume is not None and is_url(resume):
+        return _pull(RemotePath(resume), folder)
+    return resume
+
+
+def _pull(url: RemotePath, folder: Path) -> str:
+    """A checkpoint at a URL to resume from: a file downloaded into ``folder`` (its path), or
+    a DCP folder, read in place by every rank (its URL, once found complete)."""
     fs, path = filesystem(str(url))
+    if fs.isdir(path):
+        return str(find_resume(str(url), folder))
     local = folder / url.name
     try:
-        if fs.isdir(path):
-            fs.get(path.rstrip("/") + "/", str(local) + "/", recursive=True)
-        else:
-            fs.get_file(path, str(local))
+        fs.get_file(path, str(local))
     except FileNotFoundError:
         raise UsageError(f"cannot resume: {url} does not exist", "check --resume") from None
-    return local
+    return str(local)
 
 
-def _pull_latest(fs: Any, root: str, folder: Path) -> None:
-    """The checkpoint the URL's ``latest`` names, and the pointer, into ``folder``."""
+def _pull_latest(fs: Any, root: str, url: RemotePath, folder: Path) -> str:
+    """``--resume auto`` from the URL: its logs pulled, and the checkpoint its ``latest``
+    names: a file downloaded with the pointer (``auto`` finds it here), or a DCP folder's URL
+    (read in place by every rank)."""
     base = root.rstrip("/")
     try:
         name = fs.cat_file(f"{base}/{LATEST}").decode().strip()
     except FileNotFoundError:
-        return  # nothing to resume: a fresh run, as locally
-    if "." not in name:  # a DCP checkpoint: a folder
-        fs.get(f"{base}/{name}/", str(folder / name) + "/", recursive=True)
-    for suffix in (".pt", ".safetensors") if "." in name else ():
-        remote = f"{base}/{name.rsplit('.', 1)[0]}{suffix}"
-        if fs.exists(remote):
-            fs.get_file(remote, str(folder / Path(remote).name))
-    (folder / LATEST).write_text(name + "\n")
+        return "auto"  # nothing to resume: a fresh run, as locally
     for log in RUN_LOGS:  # the logs go on where they stopped (each rewound to the step)
         with contextlib.suppress(FileNotFoundError):
             if fs.isdir(f"{base}/{log}"):  # TensorBoard's event folder
                 fs.get(f"{base}/{log}/", str(folder / log) + "/", recursive=True)
             else:
                 fs.get_file(f"{base}/{log}", str(folder / log))
+    if "." not in name:  # a DCP checkpoint: a folder, checked complete by the resume
+        return str(url / name)
+    for suffix in (".pt", ".safetensors"):
+        remote = f"{base}/{name.rsplit('.', 1)[0]}{suffix}"
+        if fs.exists(remote):
+            fs.get_file(remote, str(folder / Path(remote).name))
+    (folder / LATEST).write_text(name + "\n")
+    return "auto"
+
+
+def dcp_url(name: str) -> str | None:
+    """Where the DCP checkpoint ``name`` of a run mirrored to a URL is written: at the URL,
+    by every rank. None for a local run."""
+    url = _mirror_url()
+    return f"{url.rstrip('/')}/{name}" if url else None
+
+
+def dcp_complete(url: str) -> bool:
+    """Whether the DCP checkpoint at ``url`` is complete: DCP writes its ``.metadata`` last."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(path)  # a listing cached before the save ended must not hide it
+    return bool(fs.exists(f"{path.rstrip('/')}/.metadata"))
+
+
+def _mirror_url() -> str | None:
+    """The URL this run is mirrored to (``$CKPTKIT_OUT_URL``), if any."""
+    url = os.environ.get(MIRROR_ENV)
+    return url if url and is_url(url) else None
 
 
 def push(folder: Path, keep_last: int | None = None) -> None:
     """Mirror ``folder`` (a run's staging folder) to the URL in ``$CKPTKIT_OUT_URL``: new
     checkpoint files, then the logs, then the pointers, each visible only when whole; then, with
-    ``keep_last``, the URL's older checkpoints pruned. No URL, or not rank 0: nothing."""
-    url = os.environ.get(MIRROR_ENV)
-    if not url or not is_url(url) or os.environ.get("RANK", "0") != "0":
+    ``keep_last``, the URL's older checkpoints pruned. No URL, or not rank 0: nothing. (DCP
+    checkpoints are not here: every rank wrote its shards to the URL already.)"""
+    url = _mirror_url()
+    if not url or os.environ.get("RANK", "0") != "0":
         return  # no URL; or not rank 0 (under torchrun each rank stages: rank 0's is the run)
     target = RemotePath(url)
     uploads = Uploads(target, force=True)
@@ -157,9 +201,8 @@ def push(folder: Path, keep_last: int | None = None) -> None:
     with uploads:
         for checkpoint in checkpoints:  # checkpoints are written once: only new ones go up
             for path in _files_of(checkpoint):
-                top = path.relative_to(folder).parts[0]  # the file, or the DCP folder
-                if top not in there:
-                    _stage_copy_and_add(uploads, path, path.relative_to(folder).as_posix())
+                if path.name not in there:
+                    _stage_copy_and_add(uploads, path)
         for name in RUN_LOGS:  # the JSONL logs, and the TensorBoard event folder's files
             log = folder / name
             for path in sorted(log.rglob("*")) if log.is_dir() else [log]:
@@ -195,17 +238,14 @@ def _prune_there(uploads: Uploads, folder: Path, keep_last: int) -> None:
 
 
 def shown_path(path: Path) -> str:
-    """A path of the run folder as the user named it: at the URL, for a mirrored run."""
-    url = os.environ.get(MIRROR_ENV)
-    return f"{url.rstrip('/')}/{path.name}" if url and is_url(url) else str(path)
+    """A path of the run folder as the user named it: at the URL, for a mirrored run (a
+    checkpoint read at a URL, as it is)."""
+    url = _mirror_url()
+    return f"{url.rstrip('/')}/{path.name}" if url and not is_url(path) else str(path)
 
 
 def _files_of(checkpoint: Path) -> list[Path]:
-    """A checkpoint's files: its ``.pt`` and ``.safetensors``, or a DCP folder's files with
-    ``.metadata`` last (a reader finds the save by it)."""
-    if checkpoint.is_dir():
-        inside = sorted(p for p in checkpoint.rglob("*") if p.is_file())
-        return sorted(inside, key=lambda p: p.name == ".metadata")
+    """A checkpoint's files: its ``.pt`` and ``.safetensors``."""
     stem = checkpoint.with_suffix("")
     return [p for p in (stem.with_suffix(".pt"), stem.with_suffix(".safetensors")) if p.is_file()]
 
