@@ -30,6 +30,7 @@ from ckptkit.errors import (
 from ckptkit.formats.base.dtypes import DTYPES, TensorSpec
 from ckptkit.formats.base.source import KEPT_IN_TORCH, KINDS, Source, TensorInfo
 from ckptkit.formats.base.tree import DroppedPart
+from ckptkit.formats.folders.dcp import DISTCP, METADATA, SIDECAR
 from ckptkit.formats.folders.layouts import folder_files
 from ckptkit.formats.io.atomic import (
     atomic_folder,
@@ -374,7 +375,7 @@ def convert_checkpoint(
         return _convert(src, Path(dst), None, **options)  # type: ignore[arg-type]
     url = RemotePath(str(dst))
     if output.to == "dcp":
-        raise UsageError(f"{url}: a DCP output is written to a local folder", "drop --to dcp")
+        return _convert_to_url_dcp(src, url, options)
     if not url.suffix:  # a folder: "s3://b/model/" (into it) or a model folder "s3://b/model"
         return _convert_to_url_folder(src, url, str(dst).endswith("/"), options)
     if url.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
@@ -413,6 +414,32 @@ def _named_at(url: RemotePath, stage: Path) -> Iterator[None]:
         exc.message = exc.message.replace(str(stage), str(url))
         exc.args = (exc.message,)
         raise
+
+
+DCP_FILES = (DISTCP, SIDECAR, METADATA)  # what a DCP output holds, in the order it goes up
+
+
+def _convert_to_url_dcp(src: str | Path, url: RemotePath, options: dict[str, Any]) -> ConvertReport:
+    """A DCP folder at a URL, as ``dcp.save`` lays one out: its chunks' file uploaded as it is
+    written, then ``ckptkit.json``, then ``.metadata`` (a reader finds the save by it), made
+    visible together. A folder that holds anything needs ``--force``, which then removes what
+    this save did not write (another save's rank files)."""
+    if options["part"] is not None:
+        raise UsageError(f"{url}: --part writes shards of a safetensors or .pt output")
+    earlier = url.names() or []
+    if earlier and not options["force"] and not options["dry_run"]:
+        raise OutputError(f"output {url} exists", "pass --force to replace it")
+    with staging_folder() as stage, _named_at(url.parent, stage):
+        local = stage / url.name
+        report = _convert(src, local, Uploads(url, force=True), **options)
+    report.destination = str(url)
+    report.files = [str(url / name) for name in DCP_FILES]
+    if not options["dry_run"]:
+        fs, root = filesystem(str(url))
+        for name in set(earlier) - set(DCP_FILES):
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(f"{root.rstrip('/')}/{name}", recursive=True)
+    return report
 
 
 def _convert_to_url_folder(
@@ -531,8 +558,9 @@ def _convert(
                 for path in [] if folder else plan.outputs + index:
                     check = check_folder_output if fmt == "dcp" else check_output
                     check(path, force=force, inputs=[src])
-                if uploads is not None:
-                    uploads.check([path.name for path in plan.outputs + index])
+                if uploads is not None:  # a DCP folder's files, or each output file
+                    names = DCP_FILES if fmt == "dcp" else [p.name for p in plan.outputs + index]
+                    uploads.check(list(names))
                 _write(
                     source,
                     plan,
@@ -834,7 +862,17 @@ def _write(
     )
     inputs = [plan.src]
     try:
-        if writer.folder:
+        if writer.folder and uploads is not None:  # a DCP folder at a URL
+            tmp = plan.outputs[0]
+            tmp.mkdir()
+            with uploads:
+                _streamer(uploads, copier)(tmp / DCP_FILES[0], DCP_FILES[0])
+                _write_shard(writer, copier, tmp, plan.shards[0], plan.outputs[0], plan, verify)
+                copier.drain()
+                for name in DCP_FILES:  # .metadata last: a reader finds the save by it
+                    uploads.add(tmp / name, name)
+                uploads.commit()
+        elif writer.folder:
             with atomic_folder(plan.outputs[0], force=force, inputs=inputs) as tmp:
                 _write_shard(writer, copier, tmp, plan.shards[0], plan.outputs[0], plan, verify)
         elif plan.folder is not None:  # a model folder appears whole, or not at all
@@ -895,9 +933,9 @@ def _streamer(uploads: Uploads, copier: Copier) -> Callable[[Path, str], None]:
 
     def begin(tmp: Path, name: str) -> None:
         stream = uploads.stream(tmp, name)
-        mine = copier.fd(tmp)
+        # The copier's descriptor of the file (opened when its first range is written).
         copier.on_settled = lambda fd, start, end: (
-            stream.settled(start, end) if fd == mine else None
+            stream.settled(start, end) if fd == copier.fd(tmp) else None
         )
 
     return begin

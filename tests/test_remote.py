@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import servers
 import torch
-from helpers import FIXTURE_DIR, ROOT
+from helpers import FIXTURE_DIR, ROOT, single_process_dcp
 from safetensors.torch import load_file, save_file
 
 import ckptkit
@@ -276,7 +276,7 @@ def test_library_errors_are_ckptkit_errors(range_server):
     with pytest.raises(CkptkitError):
         ckptkit.summarize(range_server.url("nothing-here.safetensors"))
     with pytest.raises(UsageError):
-        ckptkit.convert("memory://x/y.pt", "memory://x/z", to="dcp")
+        ckptkit.convert("memory://x/y.pt", range_server.url("out.safetensors"))  # read only
 
 
 # ------------------------------------------------------------------- fetched ahead
@@ -546,6 +546,30 @@ def test_a_streamed_upload_that_fails_leaves_no_object_and_no_open_upload(files,
     one_error(result, "inf")
     assert _objects(s3_env, "out") == []
     assert client.list_multipart_uploads(Bucket="out").get("Uploads", []) == []
+
+
+def test_a_dcp_output_at_a_url_is_what_torch_reads(files, s3_env, run):
+    """``--to dcp`` at an S3 URL: the chunks' file uploaded as written, ``.metadata`` last;
+    torch's own reader (``dcp.load`` through ``FsspecReader``) gives the tensors back, ckptkit
+    reads it from the URL, and the folder is refused when it holds anything, unless --force
+    (which removes what this save did not write)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    s3_env.bucket("out")
+    report = ckptkit.convert(files / "m.pt", "s3://out/save", to="dcp")
+    assert report.verified and report.destination == "s3://out/save"
+    assert _objects(s3_env, "out/save") == sorted([".metadata", "__0_0.distcp", "ckptkit.json"])
+    back = {k: torch.empty_like(v) for k, v in STATE.items()}
+    with single_process_dcp():
+        dcp.load(back, storage_reader=FsspecReader("s3://out/save"), no_dist=True)
+    assert all(torch.equal(back[k], v) for k, v in STATE.items())
+    assert ckptkit.diff("s3://out/save", files / "m.pt").equal
+    one_error(run("convert", files / "m.pt", "s3://out/save", "--to", "dcp"), "exists", "--force")
+    s3_env.fs.pipe("out/save/__1_0.distcp", b"another save's rank file")
+    again = run("convert", files / "m.pt", "s3://out/save", "--to", "dcp", "--force")
+    assert again.exit_code == 0, again.stderr
+    assert "__1_0.distcp" not in _objects(s3_env, "out/save")
 
 
 def test_an_http_output_and_a_folder_url_are_refused(files, range_server, run):

@@ -127,8 +127,8 @@ class Uploads:
         return handle
 
     def stream(self, local: Path, name: str) -> Stream:
-        """Start uploading ``local`` (created empty here, then written by the caller) as
-        ``name`` while it is written (see :class:`Stream`); :meth:`add` sends the rest."""
+        """Start uploading ``local`` (about to be written by the caller) as ``name`` while it
+        is written (see :class:`Stream`); :meth:`add` sends the rest."""
         stream = Stream(self._handle(name), local, self._error)
         self._streams[local] = stream
         return stream
@@ -203,7 +203,8 @@ class Stream:
 
     def __init__(self, handle: Any, path: Path, error: Callable[[Exception], Exception]) -> None:
         self.handle, self.path, self._error = handle, path, error
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        self._fd: int | None = None  # opened when first sent: the writer creates the file
+        self._closed = False
         self._lock = threading.Lock()
         self._tensors: deque[tuple[int, int]] = deque()  # settled, not yet freed
         self.sent = 0  # bytes handed to the upload
@@ -213,7 +214,7 @@ class Stream:
         ``end`` go up (none once the stream is closed: a failed conversion's last ranges are
         checked after it)."""
         with self._lock:  # the copier's thread sends; a failure's discard closes meanwhile
-            if self._fd < 0:
+            if self._closed:
                 return
             self._tensors.append((start, end))
             while end - self.sent >= PART:
@@ -222,7 +223,7 @@ class Stream:
     def finish(self) -> None:
         """The rest goes up; the upload stays open until :meth:`Uploads.commit`."""
         with self._lock:
-            self._send(os.fstat(self._fd).st_size)
+            self._send(os.fstat(self._file()).st_size)
         try:
             self.handle.close()
         except Exception as exc:  # the back-end's own
@@ -230,9 +231,14 @@ class Stream:
         finally:
             self.close()
 
+    def _file(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR)
+        return self._fd
+
     def _send(self, end: int) -> None:
         data = bytearray(end - self.sent)
-        if not read_into(self._fd, memoryview(data), self.sent):
+        if not read_into(self._file(), memoryview(data), self.sent):
             raise OSError(f"{self.path} ends before byte {end}")
         try:
             self.handle.write(data)
@@ -242,7 +248,7 @@ class Stream:
             first, last = self._tensors[0]
             low, high = max(first, self.sent), min(last, end)
             if high > low:
-                punch_hole(self._fd, low, high - low)
+                punch_hole(self._file(), low, high - low)
             if last > end:
                 break
             self._tensors.popleft()
@@ -250,6 +256,7 @@ class Stream:
 
     def close(self) -> None:
         with self._lock:
-            if self._fd >= 0:
+            self._closed = True
+            if self._fd is not None:
                 os.close(self._fd)
-                self._fd = -1
+                self._fd = None
