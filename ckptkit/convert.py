@@ -447,33 +447,17 @@ def _convert_to_url_folder(
 ) -> ConvertReport:
     """A folder at a URL, as a local one: ``s3://b/model/`` (a trailing slash) is written into
     (``model.safetensors``, or shards and their index), ``s3://b/model`` is a model folder (the
-    source's config and tokenizer files beside the weights). Written into: each file uploaded
-    as it is written; a model folder: made whole in a staging folder, then uploaded; either
-    made visible together, weights first, the index last."""
+    source's config and tokenizer files beside the weights, uploaded first). Each file is
+    uploaded as it is written; all are made visible together, the index last."""
     if options["part"] is not None:
         raise UsageError(
             f"--part writes shards beside a file: name it, e.g. {url}/model.safetensors"
         )
     with staging_folder() as stage, _named_at(url.parent, stage):
         local = stage / url.name
-        if into:  # the weights (or shards and index) uploaded as they are written
+        if into:
             local.mkdir()
-            report = _convert(src, local, Uploads(url, force=options["force"]), **options)
-            return _named_at_url(report, local, url, options)
-        report = _convert(src, local, None, **options)
-        if options["dry_run"]:
-            return report
-        uploads = Uploads(url, force=options["force"])
-        files = sorted(p for p in local.rglob("*") if p.is_file())
-        last = [p for p in files if p.name.endswith(".index.json")]
-        order = [p for p in files if p.suffix in (".safetensors", ".bin", ".pt") and p not in last]
-        order += [p for p in files if p not in order and p not in last] + last
-        names = [p.relative_to(local).as_posix() for p in order]
-        uploads.check(names)
-        with uploads:
-            for path, name in zip(order, names, strict=True):
-                uploads.add(path, name)
-            uploads.commit()
+        report = _convert(src, local, Uploads(url, force=options["force"]), **options)
     return _named_at_url(report, local, url, options)
 
 
@@ -559,8 +543,8 @@ def _convert(
                     check = check_folder_output if fmt == "dcp" else check_output
                     check(path, force=force, inputs=[src])
                 if uploads is not None:  # a DCP folder's files, or each output file
-                    names = DCP_FILES if fmt == "dcp" else [p.name for p in plan.outputs + index]
-                    uploads.check(list(names))
+                    names = [p.name for p in plan.outputs + index + plan.copies]
+                    uploads.check(list(DCP_FILES) if fmt == "dcp" else names)
                 _write(
                     source,
                     plan,
@@ -850,7 +834,6 @@ def _write(
         progress=lambda nbytes: bar.update(nbytes * share) if bar else None,
         workers=workers,
     )
-    streamed = uploads is not None  # each file uploaded as it is written
     writer = writer_for(
         plan.fmt,
         copier,
@@ -858,7 +841,7 @@ def _write(
         header=header,
         special=plan.special,
         verify=verify,
-        reserve=not streamed,
+        reserve=uploads is None,  # a file uploaded as written never lies whole on disk
     )
     inputs = [plan.src]
     try:
@@ -875,6 +858,17 @@ def _write(
         elif writer.folder:
             with atomic_folder(plan.outputs[0], force=force, inputs=inputs) as tmp:
                 _write_shard(writer, copier, tmp, plan.shards[0], plan.outputs[0], plan, verify)
+        elif uploads is not None:  # uploaded as written, visible all at once
+            with uploads:
+                if plan.folder is not None:  # a model folder: its config files too, first
+                    plan.folder.mkdir()
+                    for path in plan.copies:
+                        shutil.copyfile(path, plan.folder / path.name)
+                        uploads.add(plan.folder / path.name, path.name)
+                    report.copied_files = [path.name for path in plan.copies]
+                begin = _streamer(uploads, copier)
+                _write_files(writer, copier, plan, plan.outputs, header, verify, uploads.add, begin)
+                uploads.commit()
         elif plan.folder is not None:  # a model folder appears whole, or not at all
             with atomic_folder(plan.folder, force=force, inputs=inputs) as tmp:
                 _write_files(
@@ -883,11 +877,6 @@ def _write(
                 for path in plan.copies:
                     shutil.copyfile(path, tmp / path.name)
                 report.copied_files = [path.name for path in plan.copies]
-        elif uploads is not None:  # uploaded as written (or once whole), visible all at once
-            with uploads:
-                begin = _streamer(uploads, copier) if streamed else None
-                _write_files(writer, copier, plan, plan.outputs, header, verify, uploads.add, begin)
-                uploads.commit()
         else:
             # In order, or none: the index (last) appears only once every shard is in place.
             with atomic_outputs(plan.outputs, force=force, inputs=inputs) as temps:
