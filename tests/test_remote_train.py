@@ -105,8 +105,9 @@ def test_a_run_saves_to_s3_prunes_there_and_resumes_exactly(s3_env, tmp_path, mo
     assert [n for n in objects(s3_env, "runs/a") if n.startswith("ckpt")] == [
         "ckpt-epoch0002.pt", "ckpt-epoch0004.pt"
     ]  # fmt: skip
-    s3_env.fs.rm("runs/a/best")
-    train(mode="single", epochs=5, out="s3://runs/a", resume="auto", keep_last=2)
+    s3_env.fs.rm(["runs/a/best", "runs/a/latest"])  # a lost pointer: the newest still found
+    again = train(mode="single", epochs=5, out="s3://runs/a", resume="auto", keep_last=2)
+    assert again.resumed_from == "s3://runs/a/ckpt-epoch0004.pt"  # not a fresh run
     assert [n for n in objects(s3_env, "runs/a") if n.startswith("ckpt")] == [
         "ckpt-epoch0004.pt", "ckpt-epoch0005.pt"
     ]  # fmt: skip

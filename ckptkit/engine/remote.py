@@ -148,8 +148,11 @@ def _pull_latest(fs: Any, root: str, url: RemotePath, folder: Path) -> str:
     base = root.rstrip("/")
     try:
         name = fs.cat_file(f"{base}/{LATEST}").decode().strip()
-    except FileNotFoundError:
-        return "auto"  # nothing to resume: a fresh run, as locally
+    except FileNotFoundError:  # as locally: the newest complete checkpoint, else a fresh run
+        newest = _newest_there(url)
+        if newest is None:
+            return "auto"
+        name = newest
     for log in RUN_LOGS:  # the logs go on where they stopped (each rewound to the step)
         with contextlib.suppress(FileNotFoundError):
             if fs.isdir(f"{base}/{log}"):  # TensorBoard's event folder
@@ -216,6 +219,21 @@ def push(folder: Path, keep_last: int | None = None) -> None:
         _prune_there(uploads, folder, keep_last)
 
 
+def _when(match: re.Match[str]) -> tuple[int, int]:
+    """A checkpoint name's place in the run: an epoch's end before the steps after it."""
+    return int(match.group(1)), int(match.group(2)) if match.group(2) else -1
+
+
+def _newest_there(url: RemotePath) -> str | None:
+    """The newest complete checkpoint at the URL (a file, or a DCP folder with its
+    ``.metadata``), for a run whose ``latest`` is missing; None when there is none."""
+    found = [(m, n) for n in url.names() or [] if (m := CHECKPOINT_NAME.fullmatch(n))]
+    for _, name in sorted(found, key=lambda mn: _when(mn[0]), reverse=True):
+        if "." in name or dcp_complete(str(url / name)):
+            return name
+    return None
+
+
 def _prune_there(uploads: Uploads, folder: Path, keep_last: int) -> None:
     """``--keep-last`` applied to the URL's own checkpoints (a resumed run's older ones too, as
     a local run prunes its folder), never one that the URL's ``latest`` or ``best`` names."""
@@ -225,14 +243,10 @@ def _prune_there(uploads: Uploads, folder: Path, keep_last: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             kept.add(uploads.fs.cat_file(uploads.url(pointer)).decode().strip())
     found = [(m, n) for n in there if (m := CHECKPOINT_NAME.fullmatch(n))]
-
-    def at(m: re.Match[str]) -> tuple[int, int]:  # an epoch's end before the steps after it
-        return int(m.group(1)), int(m.group(2)) if m.group(2) else -1
-
-    old = set(sorted({at(m) for m, _ in found})[:-keep_last])
+    old = set(sorted({_when(m) for m, _ in found})[:-keep_last])
     for m, name in found:
         stem = name.split(".", 1)[0]
-        if at(m) in old and not {stem, stem + ".pt", stem + ".safetensors"} & kept:
+        if _when(m) in old and not {stem, stem + ".pt", stem + ".safetensors"} & kept:
             with contextlib.suppress(FileNotFoundError):
                 uploads.fs.rm(uploads.url(name), recursive=True)
 
