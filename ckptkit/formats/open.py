@@ -4,6 +4,11 @@ Folder layouts are tried first (a diffusers pipeline, a model folder by diffuser
 variant, DCP, every rank's files, DeepSpeed, a model folder, a sharded index), then a single file
 by its content. Nothing in the checkpoint runs; torch is imported only
 when a tensor is loaded.
+
+A folder at a URL (a prefix: ``s3://bucket/run``) is told by the same checks, which a
+:class:`~ckptkit.formats.io.remote.RemotePath` answers from one listing per folder; its files
+are then read with ranged requests. Over HTTP nothing is listed: only a DCP folder (found by its
+``.metadata``) or a file can be named there.
 """
 
 from __future__ import annotations
@@ -11,7 +16,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError, UsageError
+from ckptkit.errors import (
+    CkptkitError,
+    FormatError,
+    MissingFileError,
+    SelectError,
+    UnsafeCheckpointError,
+    UsageError,
+)
 from ckptkit.formats.base.source import Source
 from ckptkit.formats.files.readings import detect_format, remote_kind
 from ckptkit.formats.folders.diffusers import (
@@ -24,7 +36,6 @@ from ckptkit.formats.folders.diffusers import (
     weights_in,
 )
 from ckptkit.formats.folders.layouts import (
-    MODEL_FILES,
     adapter_file_in,
     find_dcp,
     find_deepspeed,
@@ -32,9 +43,8 @@ from ckptkit.formats.folders.layouts import (
     model_file_in,
 )
 from ckptkit.formats.folders.rank_files import find_rank_files
-from ckptkit.formats.folders.runs import LATEST, run_checkpoint
-from ckptkit.formats.io.rangefile import RangeFile
-from ckptkit.formats.io.remote import RemotePath, is_url, open_remote
+from ckptkit.formats.folders.runs import run_checkpoint
+from ckptkit.formats.io.remote import RemotePath, as_path, is_url
 
 __all__ = ["open_source", "checkpoint_index"]
 
@@ -95,10 +105,11 @@ def open_source(
         UsageError: ``variant`` for a file, ``names_from`` for anything but an ``EMAModel``.
     """
     if is_url(path):
-        url = RemotePath(str(path))
-        if variant is not None:
-            raise UsageError(f"--variant picks the weights of a model folder, and {url} is a file")
-        source = _open_url(url, select, trust, allow_globals, check_safety, ema)
+        # One given by a reader of a folder keeps what was learnt of it (listings, probes).
+        url = path if isinstance(path, RemotePath) else RemotePath(str(path))
+        # --variant with --names-from picks the weights of the model named there
+        own_variant = variant if names_from is None else None
+        source = _open_url(url, select, trust, allow_globals, check_safety, ema, own_variant)
         return _named(url, source, names_from, variant, unnamed)  # type: ignore[arg-type]
     path = Path(path)
     if variant is not None and names_from is None and not path.is_dir():
@@ -120,6 +131,24 @@ def _open(
     ema: bool,
     variant: str | None,
 ) -> Source:
+    layout = _open_layout(path, select, trust, allow_globals, check_safety, ema, variant)
+    if layout is not None:
+        return layout
+    return _open_file(path, select, trust, allow_globals, check_safety, ema)
+
+
+def _open_layout(
+    path: Path,
+    select: str | None,
+    trust: bool,
+    allow_globals: Iterable[str],
+    check_safety: bool,
+    ema: bool,
+    variant: str | None,
+) -> Source | None:
+    """The reader of what a folder (or a glob of rank files) holds by its layout, a local one
+    or one at a URL (a RemotePath answers the layouts' checks from its listings); None for a
+    single file."""
     run = run_checkpoint(path, select)
     if run is not None:  # ckptkit train's --out folder: the checkpoint `latest` names
         checkpoint, why = run
@@ -133,10 +162,7 @@ def _open(
         )
         source.selected_reason += f"; {checkpoint.name}, {why}"
         return source
-    folder = _open_folder(path, select, trust, allow_globals, ema, variant)
-    if folder is not None:
-        return folder
-    return _open_file(path, select, trust, allow_globals, check_safety, ema)
+    return _open_folder(path, select, trust, allow_globals, ema, variant)
 
 
 def _named(
@@ -148,7 +174,9 @@ def _named(
 
     if source.unnamed and names_from is not None:
         try:
-            return ShadowNamedSource(source, Path(names_from), opener=open_source, variant=variant)
+            return ShadowNamedSource(
+                source, as_path(names_from), opener=open_source, variant=variant
+            )
         except BaseException:
             source.close()
             raise
@@ -213,7 +241,7 @@ def _open_weights(
     else:
         source = open_source(weights.path, trust=trust, allow_globals=allow_globals)
     source.selected_reason = describe_weights(weights)
-    source.folder = path
+    source.folder = _local(path)
     source.weights_name = WEIGHTS_NAME if weights.diffusers else None
     return source
 
@@ -233,7 +261,14 @@ def _open_folder(
             return diffusers
     dcp = find_dcp(path)
     if dcp is not None:  # torch.distributed.checkpoint (FSDP, Lightning's FSDP strategy)
-        from ckptkit.formats.folders.dcp import DCPSource
+        from ckptkit.formats.folders.dcp import METADATA, DCPSource
+
+        if isinstance(dcp, RemotePath) and not (dcp / METADATA).is_file():
+            raise FormatError(
+                f"{dcp} is a DCP save by torch's Hugging Face writer (no .metadata), which "
+                "ckptkit reads from a local copy only",
+                "download the folder and give the local copy",
+            )
 
         return DCPSource(dcp, select=select, ema=ema)
     ranks = None if checkpoint_index(path) else find_rank_files(path)
@@ -269,7 +304,7 @@ def _open_folder(
             source.selected_reason = f"{model_file.name} of the folder" + (
                 f"; --select {' or '.join(others)} for another" if others else ""
             )
-            source.folder = path
+            source.folder = _local(path)
             return source
     if index is not None:
         from ckptkit.formats.folders.sharded import ShardedSource
@@ -277,7 +312,7 @@ def _open_folder(
         if select not in (None, ""):
             raise FormatError(f"{path} is a sharded state dict", "drop --select")
         sharded = ShardedSource(index, opener=open_source, allow_globals=allow_globals)
-        sharded.folder = index.parent
+        sharded.folder = _local(index.parent)
         return sharded
     return None
 
@@ -289,16 +324,60 @@ def _open_url(
     allow_globals: Iterable[str],
     check_safety: bool,
     ema: bool,
+    variant: str | None,
 ) -> Source:
-    """The reader of one checkpoint file at a URL: its headers read with ranged requests,
-    its tensors fetched when they are loaded."""
+    """The reader of a checkpoint at a URL: one file, its headers read with ranged requests and
+    its tensors fetched when they are loaded; or a folder (a prefix) or a glob of rank files,
+    listed and read by its layout as a local folder is."""
     if trust:
         raise UsageError(
             f"--trust runs torch's full unpickler, which reads {url} from a local disk",
             "download it first, or drop --trust",
         )
-    if not url.suffix and url.name != ".metadata":
-        url = _in_folder(url)  # a folder (a prefix): the file its layout reads
+    if _is_glob(url) or (not url.suffix and url.name != ".metadata"):
+        folder = _open_url_folder(url, select, allow_globals, check_safety, ema, variant)
+        if folder is not None:
+            return folder
+        return _open_url_file(url, select, allow_globals, check_safety, ema, variant)
+    try:
+        return _open_url_file(url, select, allow_globals, check_safety, ema, variant)
+    except (MissingFileError, UsageError):
+        # No object: a folder named like a file (Lightning's DeepSpeed epoch=0-step=3.ckpt/)?
+        folder = None
+        if _is_folder(url):
+            folder = _open_url_folder(url, select, allow_globals, check_safety, ema, variant)
+        if folder is None:
+            raise
+        return folder
+
+
+def _is_glob(url: RemotePath) -> bool:
+    return any(c in url.name for c in "*?[")
+
+
+def _is_folder(url: RemotePath) -> bool:
+    """Whether a URL that is no object is a folder (a prefix holding some): one listing."""
+    try:
+        return url.listable and url.is_dir()
+    except CkptkitError:  # the error that came first says it
+        return False
+
+
+def _open_url_file(
+    url: RemotePath,
+    select: str | None,
+    allow_globals: Iterable[str],
+    check_safety: bool,
+    ema: bool,
+    variant: str | None,
+) -> Source:
+    """The reader of one file at a URL (DCP's ``.metadata`` and a shard index included)."""
+    if variant is not None:
+        raise UsageError(
+            f"--variant picks the weights of a model folder, and {url} is a file",
+            "drop --variant",
+            api_hint="drop variant=",
+        )
     if url.name == ".metadata":
         from ckptkit.formats.folders.dcp import DCPSource  # a DCP folder: .metadata, then chunks
 
@@ -309,7 +388,7 @@ def _open_url(
         if select not in (None, ""):
             raise FormatError(f"{url} is a sharded state dict", "drop --select")
         return ShardedSource(url, opener=open_source, allow_globals=allow_globals)  # type: ignore[arg-type]
-    raw = RangeFile(open_remote(url))
+    raw = url.open_range()  # what a layout's check fetched of it is not fetched again
     try:
         kind = remote_kind(url, raw)
         if kind == "gguf":
@@ -331,53 +410,79 @@ def _open_url(
             ema=ema,
             raw=raw,
         )
+    except UnsafeCheckpointError as exc:  # one rank's file of a sharded save: name the set
+        from ckptkit.formats.pickles.unpickler import SHARDED_KINDS
+
+        raw.close()
+        sharded = [k for k in SHARDED_KINDS for g in exc.globals if g.endswith("." + k)]
+        if not sharded:
+            raise
+        from ckptkit.formats.folders.rank_files import one_rank_refusal
+
+        raise one_rank_refusal(url, sharded[0]) from None  # type: ignore[arg-type]
     except BaseException:
         raw.close()
         raise
 
 
-# What a folder at a URL is read by, in the order a local folder's layout is tried: a DCP
-# save, a sharded index, then the single weights files of transformers and diffusers folders.
-_FOLDER_FILES = (
-    ".metadata",
-    "model.safetensors.index.json",
-    "diffusion_pytorch_model.safetensors.index.json",
-    "pytorch_model.bin.index.json",
-    *MODEL_FILES,
-    "diffusion_pytorch_model.safetensors",
-    "diffusion_pytorch_model.bin",
-)
+# Over HTTP, where nothing is listed: how to name a folder instead.
+_LISTABLE = "give its s3:// (or other listable) URL, or download it and give the local copy"
 
 
-def _in_folder(url: RemotePath) -> RemotePath:
-    """The file a URL without a suffix stands for when it is a folder (a model repository, a
-    DCP save): found by listing it, as a local folder's layout is found by its names; a URL
-    that is no folder is given back as it is (then read as a file)."""
-    names = url.names()
-    if names is None:  # http(s): no listing; a DCP folder is still found by its .metadata
+def _open_url_folder(
+    url: RemotePath,
+    select: str | None,
+    allow_globals: Iterable[str],
+    check_safety: bool,
+    ema: bool,
+    variant: str | None,
+) -> Source | None:
+    """The reader of a folder at a URL (a model repository, a DCP save, DeepSpeed's, every
+    rank's files, a diffusers pipeline...) or of a glob of rank files, by the layout a local
+    folder is read by (:func:`_open_layout`, its checks answered from one listing per folder);
+    None when the URL is no folder (then read as a file)."""
+    glob = _is_glob(url)
+    if not url.listable:  # http(s): no listing; a DCP folder is still found by its .metadata
+        if glob:
+            raise FormatError(f"{url} is a glob, and files cannot be listed over HTTP", _LISTABLE)
         if (url / ".metadata").is_file():
-            return url / ".metadata"
+            from ckptkit.formats.folders.dcp import DCPSource
+
+            return DCPSource(url, select=select, ema=ema)  # type: ignore[arg-type]
         if not url.is_file():
             raise FormatError(
                 f"{url} is no file, and a folder cannot be listed over HTTP",
-                "give the checkpoint file's URL",
+                "give the checkpoint file's URL; for a folder, " + _LISTABLE,
             )
-        return url
-    if not names:
-        return url
-    if LATEST in names:  # ckptkit train's --out: the checkpoint `latest` names
-        pointed = (url / LATEST).read_text().strip()
-        if pointed in names:
-            return _in_folder(url / pointed) if "." not in pointed else url / pointed
-    for name in _FOLDER_FILES:
-        if name in names:
-            return url / name
-    shown = ", ".join(sorted(n for n in names if not n.startswith("."))[:8])
-    raise FormatError(
-        f"{url} is a folder with no DCP save, sharded index, model.safetensors, "
-        "pytorch_model.bin or diffusers weights (it holds: " + (shown or "nothing") + ")",
-        "give the checkpoint file's URL",
+        return None
+    names = (url.parent if glob else url).listed() or {}
+    if not glob and not names:
+        return None  # no folder: an object (or nothing) there
+    source = _open_layout(
+        url,  # type: ignore[arg-type]
+        select,
+        False,
+        allow_globals,
+        check_safety,
+        ema,
+        variant,
     )
+    if source is None:
+        shown = ", ".join(sorted(n for n in names if not n.startswith("."))[:8])
+        raise FormatError(
+            f"{url} is a folder with no DCP save, sharded index, model.safetensors, "
+            "pytorch_model.bin, diffusers, PEFT, DeepSpeed or rank files (it holds: "
+            + (shown or "nothing")
+            + ")",
+            "give the checkpoint file's URL",
+        )
+    return source
+
+
+def _local(path: Path) -> Path | None:
+    """A folder beside whose weights a converted copy takes its files (config.json...): a
+    local one (a folder at a URL is read, not copied from)."""
+    return None if isinstance(path, RemotePath) else path
 
 
 def _open_file(

@@ -30,6 +30,8 @@ from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tree import DroppedPart, nodes, select_state_dict
 from ckptkit.formats.io.bytecopy import RangeReader
+from ckptkit.formats.io.rangefile import RangeFile
+from ckptkit.formats.io.remote import RemotePath, Traffic
 from ckptkit.formats.pickles.unpickler import TensorStub
 
 if TYPE_CHECKING:
@@ -80,12 +82,22 @@ class _Part:
 
 
 class _TorchFile:
-    """One of the folder's torch files, read statically."""
+    """One of the folder's torch files, read statically: a local one, or one at a URL (its
+    directory and pickle read with ranged requests through ``reader``'s connection to it, which
+    later reads its tensors' bytes)."""
 
-    def __init__(self, path: Path, allowed: frozenset[str]) -> None:
+    def __init__(self, path: Path, allowed: frozenset[str], reader: RangeReader) -> None:
         from ckptkit.formats.files.torchfile import scan_torch_file
 
-        scan, self.layout, self.raw, self.readings = scan_torch_file(path, allowed)
+        raw = None
+        if isinstance(path, RemotePath):
+            raw = RangeFile(reader.remote(path, path.listed_size()))  # its size: listed
+        try:
+            scan, self.layout, self.raw, self.readings = scan_torch_file(path, allowed, raw=raw)
+        except BaseException:
+            if raw is not None:
+                raw.close()
+            raise
         self.path, self.root = path, scan.root
 
     def piece(self, stub: Any, what: str) -> Piece:
@@ -148,6 +160,8 @@ class DeepSpeedSource(Source):
         self._parts: dict[str, _Part] = {}
         self._aliases: dict[str, str] = {}
         self._reader = RangeReader()
+        if isinstance(folder, RemotePath):  # the listings that found the layout: its requests
+            folder.claim(self._reader.traffic)
         try:
             self._read(select or "fp32")
         except BaseException:
@@ -155,9 +169,14 @@ class DeepSpeedSource(Source):
             raise
 
     def _open(self, path: Path) -> _TorchFile:
-        opened = _TorchFile(path, DEEPSPEED_GLOBALS)
+        opened = _TorchFile(path, DEEPSPEED_GLOBALS, self._reader)
         self._files.append(opened)
         return opened
+
+    @property
+    def traffic(self) -> Traffic:
+        """A folder at a URL: every request reading it made (listings, headers, pickles)."""
+        return self._reader.traffic
 
     def _read(self, select: str) -> None:
         tag = self.tag

@@ -230,6 +230,9 @@ def pipeline_component(folder: Path, select: str | None) -> Component:
             holding weights.
     """
     components = pipeline_components(folder)
+    found = next((c for c in components if select and c.name == select), None)
+    if found is not None and found.holds_weights():
+        return found  # the others' folders are not looked into (at a URL: not listed)
     weighted = [c for c in components if c.holds_weights()]
     data = read_model_index(folder)
     cls = data.get("_class_name", "pipeline")
@@ -242,7 +245,6 @@ def pipeline_component(folder: Path, select: str | None) -> Component:
             f"take one with --select {example}",
             api_hint=f"take one with select='{example}'",
         )
-    found = next((c for c in components if c.name == select), None)
     if found is None:
         raise SelectError(
             f"{folder} is a diffusers pipeline with no component '{select}'; its components "
@@ -250,14 +252,12 @@ def pipeline_component(folder: Path, select: str | None) -> Component:
             f"take one with --select {example}",
             api_hint=f"take one with select='{example}'",
         )
-    if found not in weighted:
-        raise SelectError(
-            f"the '{select}' component ({found.cls}) of {folder} holds no weights; those that "
-            f"do: {_listed(weighted)}",
-            f"take one with --select {example}",
-            api_hint=f"take one with select='{example}'",
-        )
-    return found
+    raise SelectError(
+        f"the '{select}' component ({found.cls}) of {folder} holds no weights; those that "
+        f"do: {_listed(weighted)}",
+        f"take one with --select {example}",
+        api_hint=f"take one with select='{example}'",
+    )
 
 
 # ------------------------------------------------------------------- EMAModel's shadow_params
@@ -408,6 +408,7 @@ class ShadowNamedSource(Source):
             weights_name=model.weights_name,
         )
         self.inner = ema
+        self.remote_file = getattr(ema, "remote_file", None)  # at a URL: the file read through
         self._key = dict(zip(names, ema.keys(), strict=True))
         self._name = {key: name for name, key in self._key.items()}
 

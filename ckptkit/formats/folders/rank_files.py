@@ -30,6 +30,8 @@ from typing import Any
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, check_cover
+from ckptkit.formats.io.rangefile import RangeFile
+from ckptkit.formats.io.remote import RemotePath, Traffic
 from ckptkit.formats.pickles.machine import Opaque, build_state, fields
 from ckptkit.formats.pickles.unpickler import SHARDED_KINDS, TensorStub, UnsupportedTensor
 
@@ -147,6 +149,8 @@ class RankFilesSource(ChunkedSource):
     ) -> None:
         super().__init__(where, "rank files")
         self._files = files
+        if isinstance(where, RemotePath):  # the listing that found the files: its request
+            where.claim(self._reader.traffic)
 
         def build() -> Any:
             roots, parts = self._read(files)
@@ -160,7 +164,17 @@ class RankFilesSource(ChunkedSource):
 
         roots, parts = [], []
         for file in files:
-            scan, layout, raw, _ = scan_torch_file(file, RANK_GLOBALS | SHARDED_TENSOR_GLOBALS)
+            at_url = None
+            if isinstance(file, RemotePath):  # read through the connection that reads its data
+                at_url = RangeFile(self._reader.remote(file, file.listed_size()))
+            try:
+                scan, layout, raw, _ = scan_torch_file(
+                    file, RANK_GLOBALS | SHARDED_TENSOR_GLOBALS, raw=at_url
+                )
+            except BaseException:
+                if at_url is not None:
+                    at_url.close()
+                raise
             try:
                 found: dict[tuple[str, ...], Any] = {}
                 for path, leaf in _leaves(scan.root, ()):
@@ -295,6 +309,11 @@ class RankFilesSource(ChunkedSource):
 
     def files(self) -> list[Path]:
         return list(self._files)
+
+    @property
+    def traffic(self) -> Traffic:
+        """Files at a URL: every request reading them made (the listing, headers, pickles)."""
+        return self._reader.traffic
 
 
 def _sharded_kind(file: Path) -> str | None:

@@ -14,13 +14,15 @@ one :class:`RemoteError` naming the URL.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
 from ckptkit.errors import CkptkitError, MissingFileError, UsageError
@@ -79,15 +81,45 @@ def as_path(path: str | os.PathLike[str]) -> Path:
     return cast(Path, RemotePath(str(path))) if is_url(str(path)) else Path(path)
 
 
+class _Tree:
+    """What was learnt of one tree of URLs (a folder, its sub-folders and files) while it is
+    read, shared by the RemotePaths made from one another (``/``, ``parent``): each folder's
+    listing, made once; small files read whole; files' first bytes read for a layout's check,
+    and the files they were read through, handed on to their reader; and the requests made for
+    these (``pending``) until a reader claims them (:meth:`RemotePath.claim`). A RemotePath made
+    anew from a string starts a new tree: nothing learnt before is trusted."""
+
+    __slots__ = ("lock", "listings", "contents", "heads", "probes", "pending")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.listings: dict[str, dict[str, int | None]] = {}
+        self.contents: dict[str, bytes] = {}
+        self.heads: dict[str, tuple[bytes, int]] = {}  # url -> (first bytes, how many asked)
+        self.probes: dict[str, Any] = {}  # url -> the RangeFile its head was read through
+        self.pending = Traffic()
+
+
+# Small files a layout reads whole (DeepSpeed's latest, model_index.json), kept for a second look.
+_KEPT_CONTENT = 1024 * 1024
+
+
 class RemotePath:
     """A URL where a :class:`pathlib.Path` would be: ``name``, ``suffix``, ``parent``, ``/``
     and ``str`` as a path gives them. No ``__fspath__``: nothing can open it as a local file by
-    mistake."""
+    mistake.
 
-    __slots__ = ("url",)
+    A folder (a prefix) answers as a local folder does, for the layouts' checks: ``is_dir``,
+    ``iterdir``, ``glob``, and ``is_file``, ``exists`` and ``size`` of what it holds, all from
+    one listing per folder, made when first asked and kept by every RemotePath of the same tree
+    (made from one another). http(s) has no listing: there ``is_dir`` is False, ``iterdir`` and
+    ``glob`` refuse, and ``is_file`` asks (a request)."""
 
-    def __init__(self, url: str | RemotePath) -> None:
+    __slots__ = ("url", "_tree")
+
+    def __init__(self, url: str | RemotePath, *, _tree: _Tree | None = None) -> None:
         self.url = str(url).rstrip("/") if str(url).count("/") > 3 else str(url)
+        self._tree = _tree if _tree is not None else _Tree()
 
     def __str__(self) -> str:
         return self.url
@@ -95,8 +127,14 @@ class RemotePath:
     def __repr__(self) -> str:
         return f"RemotePath({self.url!r})"
 
+    def __reduce__(self) -> tuple[Any, ...]:  # what it has learnt stays behind
+        return (RemotePath, (self.url,))
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RemotePath) and other.url == self.url
+
+    def __lt__(self, other: RemotePath) -> bool:  # sorted() as paths are
+        return self.url < other.url
 
     def __hash__(self) -> int:
         return hash(self.url)
@@ -119,29 +157,65 @@ class RemotePath:
     @property
     def parent(self) -> RemotePath:
         head, _, _ = self.url.rpartition("/")
-        return RemotePath(head) if "://" in head and not head.endswith(":/") else self
+        if "://" in head and not head.endswith(":/"):
+            return RemotePath(head, _tree=self._tree)
+        return self
 
     def __truediv__(self, name: str) -> RemotePath:
-        return RemotePath(f"{self.url}/{name}")
+        return RemotePath(f"{self.url}/{name}", _tree=self._tree)
 
     def with_name(self, name: str) -> RemotePath:
         return self.parent / name
 
+    def relative_to(self, other: RemotePath) -> PurePosixPath:
+        """The part of this URL under ``other`` (a folder's file as ``tag/name``)."""
+        base = str(other).rstrip("/") + "/"
+        if not self.url.startswith(base):
+            raise ValueError(f"{self.url} is not under {other}")
+        return PurePosixPath(self.url[len(base) :])
+
+    @property
+    def listable(self) -> bool:
+        """Whether its scheme lists folders (http(s) does not)."""
+        return self.scheme not in ("http", "https")
+
+    # ------------------------------------------------------------------ objects
+
     def read_bytes(self) -> bytes:
-        """A small object's bytes (an index, DCP's ``.metadata``), in one or two requests."""
-        remote = open_remote(self)
+        """A small object's bytes (an index, DCP's ``.metadata``), in one or two requests.
+        In a folder listed to find its layout (its size came with the listing): one request,
+        counted with that listing's, and a small one read once per tree."""
+        with self._tree.lock:
+            kept = self._tree.contents.get(self.url)
+        if kept is not None:
+            return kept
+        size = self.listed_size()
+        remote = open_remote(
+            self, traffic=self._tree.pending if size is not None else None, size=size
+        )
         try:
-            return remote.read(0, remote.size)
+            data = remote.read(0, remote.size)
         finally:
             remote.close()
+        if size is not None and size <= _KEPT_CONTENT:  # in a listed folder: read once
+            with self._tree.lock:
+                self._tree.contents[self.url] = data
+        return data
 
-    def read_text(self) -> str:
-        return self.read_bytes().decode("utf-8")
+    def read_text(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return self.read_bytes().decode(encoding, errors)
 
     def is_file(self) -> bool:
-        """Whether an object is there (a request; its size asked). One that cannot be read
-        (a 403 where listing is not allowed) counts as not there: a probe, not a read."""
-        remote = open_remote(self)
+        """Whether an object is there: from its folder's listing where that was made, else a
+        request (its size asked). One that cannot be read (a 403 where listing is not allowed)
+        counts as not there: a probe, not a read."""
+        entry = self._entry()
+        if entry is not None:
+            return entry[0] and entry[1] is not None
+        with self._tree.lock:
+            if self._tree.listings.get(self.url):  # a folder, listed
+                return False
+        remote = open_remote(self, traffic=self._tree.pending)
         try:
             remote.size  # noqa: B018 - asked for its request
             return True
@@ -151,24 +225,110 @@ class RemotePath:
             remote.close()
 
     def size(self) -> int:
-        """The object's size (a request)."""
+        """The object's size: from its folder's listing where that was made, else a request."""
+        listed = self.listed_size()
+        if listed is not None:
+            return listed
         remote = open_remote(self)
         try:
             return remote.size
         finally:
             remote.close()
 
+    def listed_size(self) -> int | None:
+        """Its size where its folder's listing (made already) gave it, else None."""
+        entry = self._entry()
+        return entry[1] if entry is not None and entry[0] else None
+
+    def open_range(self, traffic: Traffic | None = None) -> Any:
+        """The object as a :class:`~ckptkit.formats.io.rangefile.RangeFile`, owned by the
+        caller, its requests counted in ``traffic`` (its own by default): the one :meth:`head`
+        read through where there is one (what it fetched is not fetched again), else one made
+        now (its size from the listing where known). The requests made in this tree to find
+        it (see :meth:`claim`) are counted there too."""
+        with self._tree.lock:
+            raw = self._tree.probes.pop(self.url, None)
+        if raw is None:
+            from ckptkit.formats.io.rangefile import RangeFile
+
+            raw = RangeFile(open_remote(self, traffic=traffic, size=self.listed_size()))
+        else:  # its requests went to the tree's pending ones, claimed below
+            raw.remote.traffic = traffic or Traffic()
+        self.claim(raw.remote.traffic)
+        return raw
+
+    def head(self, count: int) -> bytes:
+        """The object's first ``count`` bytes (fewer in a smaller object), for a layout's check
+        (a safetensors header's): read through a RangeFile kept for :meth:`open_range` to hand
+        on (one ranged request of at least its read-ahead), and kept: asked again, even once
+        the file was handed on, they cost nothing."""
+        with self._tree.lock:
+            kept = self._tree.heads.get(self.url)
+        if kept is not None and kept[1] >= count:
+            return kept[0][:count]
+        from ckptkit.formats.io.rangefile import RangeFile
+
+        size = self.listed_size()
+        with self._tree.lock:
+            raw = self._tree.probes.get(self.url)
+            if raw is None:
+                remote = open_remote(self, traffic=self._tree.pending, size=size)
+                raw = self._tree.probes[self.url] = RangeFile(remote)
+        data = raw.pread(0, count)
+        with self._tree.lock:
+            self._tree.heads[self.url] = (data, count)
+        return data
+
+    # ------------------------------------------------------------------ folders
+
     def names(self) -> list[str] | None:
-        """The names in the folder (the prefix) this URL names: empty when it is no folder;
-        None for http(s), which has no listing."""
+        """The names in the folder (the prefix) this URL names, listed now: empty when it is
+        no folder; None for http(s), which has no listing."""
         listed = self.listing()
         return None if listed is None else list(listed)
 
     def listing(self, traffic: Traffic | None = None) -> dict[str, int | None] | None:
         """:meth:`names` with each one's size (None for a sub-folder), in one request, counted
-        in ``traffic`` when given."""
-        if self.scheme in ("http", "https"):
+        in ``traffic`` when given. A reader that gives ``traffic`` for a folder its layout was
+        found by takes the listing made for that (and the requests made to find it: see
+        :meth:`claim`); without ``traffic``, the folder is listed anew."""
+        if not self.listable:
             return None
+        if traffic is not None:
+            with self._tree.lock:
+                kept = self._tree.listings.get(self.url)
+            if kept is not None:
+                self.claim(traffic)
+                return dict(kept)
+        return self._list(traffic)
+
+    def listed(self) -> dict[str, int | None] | None:
+        """:meth:`listing`, made once per tree (the folder checks' answers come from it);
+        None for http(s)."""
+        if not self.listable:
+            return None
+        with self._tree.lock:
+            kept = self._tree.listings.get(self.url)
+        if kept is None:
+            found = self._list(self._tree.pending)
+            with self._tree.lock:
+                kept = self._tree.listings.setdefault(self.url, found)
+        return kept
+
+    def claim(self, traffic: Traffic) -> None:
+        """Count in ``traffic`` the requests made in this tree so far (listings, small files
+        read, probes' size asked) and not yet counted by a reader: what finding the layout
+        cost goes to the reader of that layout."""
+        pending = self._tree.pending
+        with pending.lock:
+            requests, nbytes = pending.requests, pending.bytes
+            pending.requests = pending.bytes = 0
+        with traffic.lock:
+            traffic.requests += requests
+            traffic.bytes += nbytes
+
+    def _list(self, traffic: Traffic | None) -> dict[str, int | None]:
+        """The folder listed now (one request), fsspec's cached listing dropped first."""
         fs, path = filesystem(self.url)
         fs.invalidate_cache(path)  # fsspec caches listings: what was written since must show
         try:
@@ -188,8 +348,57 @@ class RemotePath:
         }
         return {} if list(listed) == [self.name] else listed  # a file lists itself
 
+    def _entry(self) -> tuple[bool, int | None] | None:
+        """This URL in its folder's listing, where that was made: (there, its size, None for
+        a sub-folder); None when its folder was not listed."""
+        parent = self.parent
+        if parent.url == self.url:
+            return None
+        with self._tree.lock:
+            listed = self._tree.listings.get(parent.url)
+        if listed is None:
+            return None
+        return (self.name in listed, listed.get(self.name))
+
     def is_dir(self) -> bool:
-        return False  # a URL names objects; a "folder" is a prefix, never opened as one
+        """Whether it is a folder (a prefix holding objects): from its folder's listing where
+        that was made, else from its own (made now, and kept). Never over http(s)."""
+        entry = self._entry()
+        if entry is not None:
+            return entry[0] and entry[1] is None
+        return bool(self.listed())
+
+    def exists(self) -> bool:
+        return self.is_file() or self.is_dir()
+
+    def iterdir(self) -> Iterator[RemotePath]:
+        """What the folder holds, from its listing.
+
+        Raises:
+            RemoteError: over http(s), which has no listing.
+        """
+        return iter([self / name for name in self._listed_or_refused()])
+
+    def glob(self, pattern: str) -> Iterator[RemotePath]:
+        """What the folder holds by a pattern of one name (``*.index.json``), from its
+        listing; not recursive.
+
+        Raises:
+            RemoteError: over http(s), which has no listing.
+        """
+        if "/" in pattern:
+            raise ValueError(f"a folder at a URL is globbed one level at a time, not {pattern!r}")
+        listed = self._listed_or_refused()
+        return iter([self / name for name in listed if fnmatch.fnmatchcase(name, pattern)])
+
+    def _listed_or_refused(self) -> dict[str, int | None]:
+        listed = self.listed()
+        if listed is None:
+            raise RemoteError(
+                f"{self} is a folder, and a folder cannot be listed over HTTP",
+                "give its s3:// (or other listable) URL, or download it and give the local copy",
+            )
+        return listed
 
 
 @dataclass
