@@ -12,6 +12,10 @@ from helpers import FIXTURE_DIR
 
 from ckptkit.cli import cli
 
+# gcsfs reads this once, when it is imported (see servers.GcsServer): off before any test file
+# imports it, or each gs:// bucket costs 60 s of gRPC retries against the emulator.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 
 @pytest.fixture
 def fixture_copy(tmp_path):

@@ -6,6 +6,9 @@ than an import, which ruff would call redefined by the test's argument of the sa
 * :class:`RangeServer` - a read-only HTTP/1.1 file server (GET, HEAD, single byte ranges) that
   records every request and injects faults (503, dropped connections, stalls) and throttling.
   Fixture: ``range_server`` (serves ``tmp_path``).
+* :class:`GcsServer` - gcp-storage-emulator's Google Cloud Storage (JSON API, in memory) in a
+  thread, read and written by gcsfs. Fixture: ``gcs_env`` (per test: a fresh server, a bucket
+  ``ckpts``, and the settings that point ``gs://`` at it).
 * :class:`S3Server` - moto's S3 in a thread. Fixtures: ``s3_server`` (session: starting moto
   costs a second or so), ``s3`` (per test: state reset, fake credentials, an s3fs filesystem)
   and ``s3_env`` (``s3`` plus the settings that point a plain ``fsspec.open("s3://...")`` at
@@ -479,13 +482,40 @@ def drop_cached_filesystems(*extra) -> None:
     import fsspec
 
     classes = []
-    for protocol in ("s3", "http"):
+    for protocol in ("s3", "http", "gs"):
         with contextlib.suppress(ImportError, ValueError):
             classes.append(fsspec.get_filesystem_class(protocol))
     for fs in [*extra, *(fs for cls in classes for fs in list(cls._cache.values()))]:
         _close_filesystem(fs)
     for cls in classes:
         cls.clear_instance_cache()
+
+
+class GcsServer:
+    """gcp-storage-emulator on 127.0.0.1, port from the OS, objects in memory, with one bucket.
+
+    gcsfs 2026 finds the server through ``STORAGE_EMULATOR_HOST`` (anonymous, plain HTTP).
+    Its experimental zonal-bucket support (on by default) asks a gRPC control plane for each
+    bucket's layout, which the emulator does not serve: 60 s of retries per bucket, then a
+    fallback. ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false``, read when gcsfs is imported, turns
+    it off; tests/conftest.py sets it before any test file imports gcsfs."""
+
+    def __init__(self, bucket: str = "ckpts"):
+        self.bucket, self.endpoint_url, self._server = bucket, None, None
+
+    def __enter__(self) -> GcsServer:
+        from gcp_storage_emulator.server import create_server
+
+        self._server = create_server(LOOPBACK, 0, in_memory=True, default_bucket=self.bucket)
+        self._server.start()
+        port = self._server._api._httpd.server_address[1]
+        self.endpoint_url = f"http://{LOOPBACK}:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop()
 
 
 class S3Server:
@@ -645,3 +675,18 @@ def s3_env(s3, monkeypatch) -> S3:
     conf = {**fsspec.config.conf.get("s3", {}), "endpoint_url": s3.endpoint_url}
     monkeypatch.setitem(fsspec.config.conf, "s3", conf)
     return s3
+
+
+@pytest.fixture
+def gcs_env(monkeypatch) -> Iterator[GcsServer]:
+    """A :class:`GcsServer` (bucket ``ckpts``) that ``gs://`` URLs go to; cached gs
+    filesystems dropped before and after."""
+    import gcsfs
+
+    if gcsfs.GCSFileSystem.__name__ != "GCSFileSystem":  # imported with it on: see GcsServer
+        pytest.fail("gcsfs was imported before GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false was set")
+    drop_cached_filesystems()
+    with GcsServer() as server:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.endpoint_url)
+        yield server
+        drop_cached_filesystems()

@@ -172,6 +172,7 @@ class Uploads:
             handle = self._open.pop()
             with contextlib.suppress(Exception):  # the first failure is the one to report
                 handle.discard()
+            with contextlib.suppress(Exception):  # marked closed even if the discard failed
                 _closed(handle)
 
     def __enter__(self) -> Uploads:
