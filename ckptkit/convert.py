@@ -863,7 +863,7 @@ def _write(
                 if plan.folder is not None:  # a model folder: its config files too, first
                     plan.folder.mkdir()
                     for path in plan.copies:
-                        shutil.copyfile(path, plan.folder / path.name)
+                        _copy_file(path, plan.folder / path.name)
                         uploads.add(plan.folder / path.name, path.name)
                     report.copied_files = [path.name for path in plan.copies]
                 begin = _streamer(uploads, copier)
@@ -875,7 +875,7 @@ def _write(
                     writer, copier, plan, [tmp / p.name for p in plan.outputs], header, verify
                 )
                 for path in plan.copies:
-                    shutil.copyfile(path, tmp / path.name)
+                    _copy_file(path, tmp / path.name)
                 report.copied_files = [path.name for path in plan.copies]
         else:
             # In order, or none: the index (last) appears only once every shard is in place.
@@ -888,6 +888,15 @@ def _write(
         copier.close()
         if bar:
             bar.close()
+
+
+def _copy_file(path: Path, dst: Path) -> None:
+    """A model folder's small file (config.json...) copied beside the weights, from a local
+    folder or one at a URL."""
+    if isinstance(path, RemotePath):
+        dst.write_bytes(path.read_bytes())
+    else:
+        shutil.copyfile(path, dst)
 
 
 def _write_files(

@@ -182,7 +182,8 @@ def summarize(
     remote = is_url(path)
     # A URL stands where a Path would (name, suffix, parent): never opened as a local file.
     path = cast(Path, RemotePath(str(path))) if remote else Path(path)
-    if not remote and select is None and names_from is None and is_pipeline(path):
+    # (A URL with a suffix names a file, or a glob: no folder listed to find out.)
+    if select is None and names_from is None and not (remote and path.suffix) and is_pipeline(path):
         return _pipeline(path, variant)
     # Reading is static, so an unsafe file can be shown too; its verdict comes from the same
     # parse the reader made.
@@ -267,6 +268,7 @@ def _pipeline(folder: Path, variant: str | None) -> Summary:
 
     index = read_model_index(folder)
     components = []
+    fetched = {"requests": 0, "bytes": 0} if isinstance(folder, RemotePath) else None
     for component in pipeline_components(folder):
         row: dict[str, Any] = {
             "name": component.name,
@@ -280,6 +282,9 @@ def _pipeline(folder: Path, variant: str | None) -> Summary:
                     entries = source.entries()
                     aliases = source.aliases()
                     safety = _safety(source)
+                    if fetched is not None:  # at a URL: what each component's headers cost
+                        for what, count in _fetched(source).items():
+                            fetched[what] += count
                     dtypes: dict[str, int] = defaultdict(int)
                     for key, info in entries:
                         if key not in aliases:
@@ -299,11 +304,11 @@ def _pipeline(folder: Path, variant: str | None) -> Summary:
             except CkptkitError as exc:
                 row["error"] = exc.cli_text
         components.append(row)
-    files = [p for p in folder.rglob("*") if p.is_file()]
     return Summary(
         path=str(folder),
         format="diffusers pipeline",
-        file_size=sum(p.stat().st_size for p in files),
+        file_size=_tree_size(folder),
+        fetched=fetched,
         selected_reason="a diffusers pipeline: --select COMPONENT takes one",
         pipeline={
             "class": index.get("_class_name"),
@@ -311,6 +316,16 @@ def _pipeline(folder: Path, variant: str | None) -> Summary:
             "components": components,
         },
     )
+
+
+def _tree_size(folder: Path) -> int:
+    """The bytes of every file under a folder (at a URL: one recursive listing)."""
+    if isinstance(folder, RemotePath):
+        from ckptkit.formats.io.remote import filesystem
+
+        fs, root = filesystem(str(folder))
+        return int(fs.du(root))
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def _folder_parts(folder: Path, opened: ScanReport | None) -> list[dict[str, Any]]:

@@ -737,6 +737,27 @@ def test_a_folder_url_output_is_written_into_or_as_a_model_folder(files, s3_env,
     assert ckptkit.diff(back, base).equal
 
 
+def test_a_model_folder_at_a_url_converts_to_a_model_folder(files, s3_env):
+    """A transformers folder at a URL, converted to a model folder here and at a URL: its
+    config and tokenizer files are copied beside the weights, as from a local folder, and
+    transformers loads the result."""
+    from transformers import AutoModel
+
+    base = FIXTURE_DIR / "adapters" / "bert_base"
+    s3_env.bucket("repo")
+    s3_env.fs.put(str(base) + "/", "repo/bert/", recursive=True)
+    report = ckptkit.convert("s3://repo/bert", files / "bert", dtype="bf16")
+    assert report.verified and "config.json" in report.copied_files
+    assert (files / "bert" / "config.json").read_bytes() == (base / "config.json").read_bytes()
+    loaded, original = AutoModel.from_pretrained(files / "bert"), AutoModel.from_pretrained(base)
+    for (name, value), (_, before) in zip(
+        loaded.state_dict().items(), original.state_dict().items(), strict=True
+    ):
+        assert torch.equal(value, before.to(torch.bfloat16).to(value.dtype)), name
+    again = ckptkit.convert("s3://repo/bert", "s3://repo/bert-bf16", dtype="bf16")
+    assert again.verified and "config.json" in _objects(s3_env, "repo/bert-bf16")
+
+
 def test_scan_of_a_folder_url_scans_each_checkpoint_in_it(files, s3_env, run):
     s3_env.bucket("mixed")
     s3_env.fs.put(str(FIXTURE_DIR / "malicious.pt"), "mixed/run/malicious.pt")

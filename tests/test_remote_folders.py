@@ -181,6 +181,9 @@ def test_a_diffusers_pipeline_at_s3_gives_its_components(s3_env, tmp_path, run):
         # other components' folders are not listed
         assert summary.fetched["requests"] == 4
     same_conversion(url, PIPELINE, tmp_path, select="unet")
+    whole, local = ckptkit.summarize(url), ckptkit.summarize(PIPELINE)  # the component table
+    assert whole.format == "diffusers pipeline" and whole.pipeline == local.pipeline
+    assert whole.file_size == local.file_size and whole.fetched["requests"] > 0
     one_error(run("convert", url, "o.safetensors"), "is a diffusers pipeline", "--select unet")
     one_error(run("convert", url, "o.safetensors", "--select", "scheduler"), "holds no weights")
 
@@ -229,9 +232,14 @@ def test_a_folder_over_http_that_must_be_listed_is_one_line_naming_the_fix(
     assert not (tmp_path / "o.safetensors").exists()
 
 
-def test_a_dcp_hugging_face_writer_folder_at_s3_is_refused_naming_the_fix(s3_env, run):
+def test_a_dcp_hugging_face_writer_folder_at_s3_is_read_in_place(s3_env, tmp_path):
+    """DCP's Hugging Face writer (no .metadata): each rank's .safetensors header, read with
+    ranged requests, gives where its chunks lie, as locally."""
     url = upload(s3_env, DCP / "hf", "dcp/hf")
-    one_error(run("inspect", url), "Hugging Face writer", "download the folder")
+    summary, local = ckptkit.summarize(url), ckptkit.summarize(DCP / "hf")
+    assert summary.format == "dcp" and summary.to_dict()["tensors"] == local.to_dict()["tensors"]
+    report = ckptkit.convert(url, tmp_path / "o.safetensors")
+    assert report.verified and ckptkit.diff(tmp_path / "o.safetensors", DCP / "hf").equal
 
 
 def test_a_url_path_learns_a_folder_once_and_forgets_it_when_made_anew(s3_env):

@@ -241,7 +241,7 @@ def _open_weights(
     else:
         source = open_source(weights.path, trust=trust, allow_globals=allow_globals)
     source.selected_reason = describe_weights(weights)
-    source.folder = _local(path)
+    source.folder = path
     source.weights_name = WEIGHTS_NAME if weights.diffusers else None
     return source
 
@@ -261,14 +261,7 @@ def _open_folder(
             return diffusers
     dcp = find_dcp(path)
     if dcp is not None:  # torch.distributed.checkpoint (FSDP, Lightning's FSDP strategy)
-        from ckptkit.formats.folders.dcp import METADATA, DCPSource
-
-        if isinstance(dcp, RemotePath) and not (dcp / METADATA).is_file():
-            raise FormatError(
-                f"{dcp} is a DCP save by torch's Hugging Face writer (no .metadata), which "
-                "ckptkit reads from a local copy only",
-                "download the folder and give the local copy",
-            )
+        from ckptkit.formats.folders.dcp import DCPSource
 
         return DCPSource(dcp, select=select, ema=ema)
     ranks = None if checkpoint_index(path) else find_rank_files(path)
@@ -304,7 +297,7 @@ def _open_folder(
             source.selected_reason = f"{model_file.name} of the folder" + (
                 f"; --select {' or '.join(others)} for another" if others else ""
             )
-            source.folder = _local(path)
+            source.folder = path
             return source
     if index is not None:
         from ckptkit.formats.folders.sharded import ShardedSource
@@ -312,7 +305,7 @@ def _open_folder(
         if select not in (None, ""):
             raise FormatError(f"{path} is a sharded state dict", "drop --select")
         sharded = ShardedSource(index, opener=open_source, allow_globals=allow_globals)
-        sharded.folder = _local(index.parent)
+        sharded.folder = index.parent
         return sharded
     return None
 
@@ -477,12 +470,6 @@ def _open_url_folder(
             "give the checkpoint file's URL",
         )
     return source
-
-
-def _local(path: Path) -> Path | None:
-    """A folder beside whose weights a converted copy takes its files (config.json...): a
-    local one (a folder at a URL is read, not copied from)."""
-    return None if isinstance(path, RemotePath) else path
 
 
 def _open_file(

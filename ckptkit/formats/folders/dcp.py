@@ -183,7 +183,8 @@ class DCPSource(ChunkedSource):
 
         found: dict[str, tuple[str, list[Chunk]]] = {}
         for path in sorted(folder.glob("*.safetensors")):
-            header, data_start = read_header(path)
+            raw = self._files.file(path.name) if isinstance(path, RemotePath) else None
+            header, data_start = read_header(path, raw=raw)
             offsets = _saved_offsets(path, header.pop("__metadata__", None) or {})
             for key, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
                 dtype, sizes = from_safetensors(entry["dtype"]).name, tuple(entry["shape"])
