@@ -841,7 +841,7 @@ def _write(
         header=header,
         special=plan.special,
         verify=verify,
-        reserve=uploads is None,  # a file uploaded as written never lies whole on disk
+        reserve=uploads is None or not uploads.deferred,  # one uploaded as written: never whole
     )
     inputs = [plan.src]
     try:
@@ -849,12 +849,14 @@ def _write(
             tmp = plan.outputs[0]
             tmp.mkdir()
             with uploads:
-                _streamer(uploads, copier)(tmp / DCP_FILES[0], DCP_FILES[0])
+                begin = _streamer(uploads, copier, verify)
+                if begin is not None:
+                    begin(tmp / DCP_FILES[0], DCP_FILES[0])
                 _write_shard(writer, copier, tmp, plan.shards[0], plan.outputs[0], plan, verify)
-                copier.drain()
+                copier.forget(tmp / DCP_FILES[0])
                 for name in DCP_FILES:  # .metadata last: a reader finds the save by it
                     uploads.add(tmp / name, name)
-                uploads.commit()
+                uploads.commit(entry_first=True)
         elif writer.folder:
             with atomic_folder(plan.outputs[0], force=force, inputs=inputs) as tmp:
                 _write_shard(writer, copier, tmp, plan.shards[0], plan.outputs[0], plan, verify)
@@ -866,9 +868,9 @@ def _write(
                         _copy_file(path, plan.folder / path.name)
                         uploads.add(plan.folder / path.name, path.name)
                     report.copied_files = [path.name for path in plan.copies]
-                begin = _streamer(uploads, copier)
+                begin = _streamer(uploads, copier, verify)
                 _write_files(writer, copier, plan, plan.outputs, header, verify, uploads.add, begin)
-                uploads.commit()
+                uploads.commit(entry_first=True)
         elif plan.folder is not None:  # a model folder appears whole, or not at all
             with atomic_folder(plan.folder, force=force, inputs=inputs) as tmp:
                 _write_files(
@@ -915,7 +917,7 @@ def _write_files(
         if begin is not None:
             begin(tmp, path.name)
         _write_shard(writer, copier, tmp, shard, path, plan, verify)
-        copier.drain()  # every range checked: a streamed file's parts all handed over
+        copier.forget(tmp)  # every range checked (a streamed file's parts handed over)
         done(tmp, path.name)
     if len(plan.outputs) > len(plan.shards):  # the index of a sharded output
         sizes = [[(i.spec.key, i.spec.nbytes) for i in s] for s in plan.shards]
@@ -924,10 +926,14 @@ def _write_files(
         done(temps[-1], plan.outputs[-1].name)
 
 
-def _streamer(uploads: Uploads, copier: Copier) -> Callable[[Path, str], None]:
+def _streamer(uploads: Uploads, copier: Copier, verify: bool) -> Callable[[Path, str], None] | None:
     """``begin(temp, name)``: each output file is uploaded while it is written (see
-    ``io/upload.py``)."""
-    copier.crc_made, copier.batch_bytes = True, PART  # the disk holds a few parts, not more
+    ``io/upload.py``); None where the store cannot defer a commit (then each goes up whole).
+    Tensors made through torch are then checked by the CRC-32 of the bytes written, since
+    their bytes have left the disk when the writer's check comes."""
+    if not uploads.deferred:
+        return None
+    copier.crc_made, copier.batch_bytes = verify, PART  # the disk holds a few parts
 
     def begin(tmp: Path, name: str) -> None:
         stream = uploads.stream(tmp, name)
@@ -1005,7 +1011,7 @@ def _refuse_special(src: Path, entries: dict[str, TensorInfo], fmt: str) -> None
         elif info.kind in ("DTensor", "ShardedTensor"):  # as when torch's safe set lacks it
             from ckptkit.formats.folders.rank_files import one_rank_refusal
 
-            raise one_rank_refusal(Path(src), info.kind)
+            raise one_rank_refusal(src, info.kind)
         else:
             hint = "convert it to a dense tensor in PyTorch first"
         raise FormatError(f"tensor '{key}' in {src} is {what}; ckptkit cannot convert it", hint)

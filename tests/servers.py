@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 LOOPBACK = "127.0.0.1"
-FAULT_KINDS = ("503", "drop", "slow")
+FAULT_KINDS = ("503", "403", "drop", "slow")
 _CHUNK = 64 * 1024
 
 
@@ -160,6 +160,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._answer(302, body, {"Location": moved})
             elif fault is not None and fault.kind == "503":
                 self._answer(503, body, {"Retry-After": "0"})
+            elif fault is not None and fault.kind == "403":  # a bucket's missing key, unlisted
+                self._answer(403, body, {})
             elif fault is not None and fault.kind == "slow":
                 owner._sleep(fault.seconds)
                 self._file(path, rng, body, drop=False)
@@ -365,7 +367,8 @@ class RangeServer:
     ) -> None:
         """Answer the next ``times`` requests whose path contains ``match`` (None: any) badly.
 
-        ``"503"``: 503 Service Unavailable (empty body, ``Retry-After: 0``). ``"drop"``: the
+        ``"503"``: 503 Service Unavailable (empty body, ``Retry-After: 0``). ``"403"``: 403
+        Forbidden, as S3 and GCS answer for a missing key where listing is not allowed. ``"drop"``: the
         headers of the proper answer (its full Content-Length), half of its body, then the
         connection closes: a short read for the client. ``"slow"``: ``seconds`` of silence
         before the proper answer (make it longer than the client's timeout); stopping the
@@ -502,13 +505,21 @@ class GcsServer:
 
     def __init__(self, bucket: str = "ckpts"):
         self.bucket, self.endpoint_url, self._server = bucket, None, None
+        self.errors: list[str] = []  # what the handlers raised, but a client hanging up
+
+    def _handle_error(self, request, client_address) -> None:
+        kind, error, _ = sys.exc_info()
+        if not isinstance(error, (BrokenPipeError, ConnectionResetError)):
+            self.errors.append(f"{kind.__name__ if kind else '?'}: {error}")
 
     def __enter__(self) -> GcsServer:
         from gcp_storage_emulator.server import create_server
 
         self._server = create_server(LOOPBACK, 0, in_memory=True, default_bucket=self.bucket)
         self._server.start()
-        port = self._server._api._httpd.server_address[1]
+        httpd = self._server._api._httpd
+        httpd.handle_error = self._handle_error  # no traceback printed (CliRunner captures it)
+        port = httpd.server_address[1]
         self.endpoint_url = f"http://{LOOPBACK}:{port}"
         return self
 
@@ -690,3 +701,4 @@ def gcs_env(monkeypatch) -> Iterator[GcsServer]:
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.endpoint_url)
         yield server
         drop_cached_filesystems()
+    assert not server.errors, server.errors

@@ -4,6 +4,7 @@ and bytes counted by the servers themselves; faults injected by the server."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
@@ -571,6 +572,60 @@ def test_a_dcp_output_at_a_url_is_what_torch_reads(files, s3_env, run):
     assert "__1_0.distcp" not in _objects(s3_env, "out/save")
 
 
+def test_a_dcp_output_replaced_at_a_url_never_mixes_two_saves(files, s3_env, monkeypatch):
+    """--force over a DCP save at a URL: the old .metadata (byte offsets into the old chunks)
+    goes before the new files are committed, so a failure among the commits leaves no save
+    to read, never the old .metadata over the new chunks (torch would load wrong values)."""
+    import ckptkit.formats.io.upload as upload
+
+    s3_env.bucket("out")
+    ckptkit.convert(files / "m.pt", "s3://out/save", to="dcp")
+    other = {k: v + 1 for k, v in STATE.items()}
+    torch.save({"model": dict(reversed(list(other.items())))}, files / "other.pt")
+    real_commit = upload.Uploads.commit
+
+    def commit(self, **options):  # the last commit (.metadata) fails, as a network might
+        def fail():
+            raise OSError("connection reset")
+
+        self._open[-1][0].commit = fail
+        real_commit(self, **options)
+
+    monkeypatch.setattr(upload.Uploads, "commit", commit)
+    with pytest.raises(CkptkitError, match="connection reset"):
+        ckptkit.convert(files / "other.pt", "s3://out/save", to="dcp", force=True)
+    assert ".metadata" not in _objects(s3_env, "out/save")
+    with pytest.raises(CkptkitError):
+        ckptkit.summarize("s3://out/save")
+
+
+def test_a_failed_conversion_to_memory_leaves_nothing(files, run):
+    """fsspec's memory:// stores a file when it is opened (no deferred commit): there the
+    output goes up whole once written, and a failure removes what went up."""
+    import fsspec
+
+    state = {f"a.{i}": torch.randn(2**16, 4) for i in range(4)}
+    state["zz.big"] = torch.full((8,), 1e30)  # overflows fp16
+    save_file(state, files / "over.safetensors")
+    one_error(
+        run("convert", files / "over.safetensors", "memory://o/x.safetensors", "--dtype", "fp16"),
+        "inf",
+    )
+    assert not fsspec.filesystem("memory").exists("/o/x.safetensors")
+
+
+def test_sparse_tensors_go_to_a_url_through_torch_save(files, s3_env):
+    """A .pt output holding a sparse tensor is written by torch.save (not laid out by ckptkit)
+    in the staging folder, then uploaded whole."""
+    s3_env.bucket("out")
+    state = {"dense": torch.randn(4, 4), "sparse": torch.randn(6, 6).relu().to_sparse()}
+    torch.save(state, files / "sp.pt")
+    report = ckptkit.convert(files / "sp.pt", "s3://out/sp.pt")
+    assert report.verified
+    back = torch.load(io.BytesIO(s3_env.fs.cat("out/sp.pt")), weights_only=True)
+    assert torch.equal(back["sparse"].to_dense(), state["sparse"].to_dense())
+
+
 def test_an_http_output_and_a_folder_url_are_refused(files, range_server, run):
     one_error(run("convert", files / "m.pt", range_server.url("o.safetensors")), "HTTP")
     one_error(run("convert", files / "m.pt", "memory://x/outdir"), "memory://x/outdir", ".pt")
@@ -605,6 +660,16 @@ def test_a_dcp_folder_at_a_url_is_inspected_from_its_metadata_alone(tmp_path, s3
     assert summary.fetched is not None and summary.fetched["requests"] == 3  # list, read, values
     values_file = (FIXTURE_DIR / "dcp" / "fsdp2" / "__1_0.distcp").stat().st_size
     assert summary.fetched["bytes"] < metadata + values_file  # not the values' file whole
+
+
+def test_a_dcp_folder_whose_missing_side_files_answer_403_is_read(tmp_path, range_server):
+    """A bucket that does not let one list answers 403 for a missing key: the probe of
+    meta.pt and ckptkit.json finds them absent, as a 404 would."""
+    shutil.copytree(FIXTURE_DIR / "dcp" / "fsdp2", tmp_path / "fsdp2")
+    range_server.fail("403", match="meta.pt")
+    range_server.fail("403", match="ckptkit.json")
+    summary = ckptkit.summarize(range_server.url("fsdp2/.metadata"))
+    assert summary.format == "dcp" and summary.extras["step"] == 3
 
 
 def test_a_dcp_folder_over_http_reads_metadata_values_and_probes(tmp_path, range_server):

@@ -261,6 +261,11 @@ def test_an_incomplete_dcp_save_at_the_url_is_never_resumed_and_goes(s3_env, run
     assert "s3://runs/k/ckpt-epoch0009 holds no complete DCP checkpoint" in result.stderr
     assert len(result.stderr.splitlines()) == 1
     assert s3_env.fs.cat("runs/k/latest") == b"ckpt-epoch0002\n"  # nothing trained
+    # latest naming a save cut short (its .metadata gone: a save of that name, killed): the
+    # newest complete one is resumed, as locally, not a fresh run and not a failure
+    s3_env.fs.rm("runs/k/ckpt-epoch0002/.metadata")
+    again = train(epochs=2, resume="auto", **dcp)
+    assert again.resumed_from == "s3://runs/k/ckpt-epoch0001"
 
 
 def test_resume_from_a_checkpoint_url_and_urls_that_cannot_be_written(

@@ -146,20 +146,16 @@ def _pull_latest(fs: Any, root: str, url: RemotePath, folder: Path) -> str:
     names: a file downloaded with the pointer (``auto`` finds it here), or a DCP folder's URL
     (read in place by every rank)."""
     base = root.rstrip("/")
-    try:
-        name = fs.cat_file(f"{base}/{LATEST}").decode().strip()
-    except FileNotFoundError:  # as locally: the newest complete checkpoint, else a fresh run
-        newest = _newest_there(url)
-        if newest is None:
-            return "auto"
-        name = newest
+    name = _resumable(fs, base, url)
+    if name is None:
+        return "auto"  # nothing to resume: a fresh run, as locally
     for log in RUN_LOGS:  # the logs go on where they stopped (each rewound to the step)
         with contextlib.suppress(FileNotFoundError):
             if fs.isdir(f"{base}/{log}"):  # TensorBoard's event folder
                 fs.get(f"{base}/{log}/", str(folder / log) + "/", recursive=True)
             else:
                 fs.get_file(f"{base}/{log}", str(folder / log))
-    if "." not in name:  # a DCP checkpoint: a folder, checked complete by the resume
+    if "." not in name:  # a DCP checkpoint: a folder, read in place
         return str(url / name)
     for suffix in (".pt", ".safetensors"):
         remote = f"{base}/{name.rsplit('.', 1)[0]}{suffix}"
@@ -167,6 +163,19 @@ def _pull_latest(fs: Any, root: str, url: RemotePath, folder: Path) -> str:
             fs.get_file(remote, str(folder / Path(remote).name))
     (folder / LATEST).write_text(name + "\n")
     return "auto"
+
+
+def _resumable(fs: Any, base: str, url: RemotePath) -> str | None:
+    """What ``--resume auto`` takes at the URL, as locally: what ``latest`` names, unless that
+    is a DCP save left incomplete (one of the same name cut short), else the newest complete
+    checkpoint; None when there is none."""
+    try:
+        name = fs.cat_file(f"{base}/{LATEST}").decode().strip()
+    except FileNotFoundError:
+        return _newest_there(url)
+    if "." not in name and not dcp_complete(str(url / name)):
+        return _newest_there(url) or name  # none complete: the resume says this one is not
+    return name
 
 
 def dcp_url(name: str) -> str | None:

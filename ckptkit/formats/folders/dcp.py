@@ -31,7 +31,7 @@ from ckptkit.formats.base.tree import nodes
 from ckptkit.formats.files.safetensors import HF_SHARDING
 from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, Piece, check_cover
 from ckptkit.formats.io.rangefile import RangeFile
-from ckptkit.formats.io.remote import RemotePath, Traffic
+from ckptkit.formats.io.remote import RemoteError, RemotePath, Traffic
 from ckptkit.formats.pickles.machine import Global, Opaque, fields
 from ckptkit.formats.pickles.safe_globals import safe_globals
 from ckptkit.formats.pickles.unpickler import DATA_GLOBALS, TensorStub
@@ -347,7 +347,7 @@ class _Files:
             return name in self._listed and self._listed[name] is not None  # None: a folder
         try:
             self.size(name)
-        except MissingFileError:
+        except (MissingFileError, RemoteError):  # a 403 where listing is not allowed: absent
             return False
         return True
 
@@ -360,7 +360,7 @@ class _Files:
             raise MissingFileError(str(self.folder / name))
         try:
             return int(self.file(name).remote.size)
-        except MissingFileError:
+        except (MissingFileError, RemoteError):
             self._missing.add(name)
             raise
 

@@ -270,6 +270,12 @@ class RangeReader:
             self._fds[path] = os.open(path, os.O_RDONLY)
         return self._fds[path]
 
+    def forget(self, path: Any) -> None:
+        """Close ``path``'s descriptor (an output uploaded and deleted: its blocks freed)."""
+        fd = self._fds.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+
     def read(self, pieces: Any, buf: memoryview) -> None:
         """Fill ``buf`` with the ``(path, offset, length)`` pieces, end to end.
 

@@ -58,8 +58,11 @@ class Uploads:
             )
         self.folder, self.force = folder, force
         self.fs, self.root = filesystem(str(folder))
-        self._open: list[Any] = []  # uploaded, not committed
+        self._open: list[tuple[Any, str]] = []  # (upload, name): uploaded, not committed
         self._streams: dict[Path, Stream] = {}  # being uploaded as they are written
+        # fsspec's memory:// stores a file when it is opened (autocommit=False is ignored):
+        # there an output is written whole, then uploaded, and removed again on a failure.
+        self.deferred = folder.scheme != "memory"
 
     def url(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
@@ -123,7 +126,7 @@ class Uploads:
             handle = self.fs.open(self.url(name), "wb", autocommit=False, block_size=PART)
         except Exception as exc:  # the back-end's own
             raise self._error(exc) from None
-        self._open.append(handle)
+        self._open.append((handle, name))
         return handle
 
     def stream(self, local: Path, name: str) -> Stream:
@@ -137,7 +140,8 @@ class Uploads:
         """Upload ``local`` as ``name`` (not visible yet), or the rest of it when it was being
         streamed, then delete the local copy."""
         if local in self._streams:
-            self._streams.pop(local).finish()
+            self._streams[local].finish()  # closed whatever comes of it
+            del self._streams[local]
             local.unlink()
             return
         handle = self._handle(name)
@@ -154,11 +158,17 @@ class Uploads:
             raise self._error(exc) from None
         local.unlink()
 
-    def commit(self) -> None:
-        """Make every upload visible, in the order added (a sharded output's index last)."""
+    def commit(self, *, entry_first: bool = False) -> None:
+        """Make every upload visible, in the order added (a sharded output's index last).
+        With ``entry_first``, an output of several files loses its old last file first (an
+        index, DCP's ``.metadata``: what a reader finds it by), so that no reader meets the
+        old one naming the new files while they are committed (DCP's names byte offsets)."""
         try:
+            if entry_first and len(self._open) > 1:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(self.url(self._open[-1][1]))
             while self._open:
-                self._open[0].commit()
+                self._open[0][0].commit()
                 self._open.pop(0)
         except Exception as exc:
             raise self._error(exc) from None
@@ -169,11 +179,14 @@ class Uploads:
             stream.close()
         self._streams.clear()
         while self._open:
-            handle = self._open.pop()
+            handle, name = self._open.pop()
             with contextlib.suppress(Exception):  # the first failure is the one to report
                 handle.discard()
             with contextlib.suppress(Exception):  # marked closed even if the discard failed
                 _closed(handle)
+            if not self.deferred:  # stored when opened: removed
+                with contextlib.suppress(Exception):
+                    self.fs.rm(self.url(name))
 
     def __enter__(self) -> Uploads:
         return self
@@ -222,13 +235,15 @@ class Stream:
                 self._send(self.sent + PART)
 
     def finish(self) -> None:
-        """The rest goes up; the upload stays open until :meth:`Uploads.commit`."""
-        with self._lock:
-            self._send(os.fstat(self._file()).st_size)
+        """The rest goes up; the upload stays open until :meth:`Uploads.commit`. The file is
+        closed whatever comes of it."""
         try:
-            self.handle.close()
-        except Exception as exc:  # the back-end's own
-            raise self._error(exc) from None
+            with self._lock:
+                self._send(os.fstat(self._file()).st_size)
+            try:
+                self.handle.close()
+            except Exception as exc:  # the back-end's own
+                raise self._error(exc) from None
         finally:
             self.close()
 

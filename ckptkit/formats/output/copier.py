@@ -139,10 +139,6 @@ class Copier:
         batch, self._batch, self._batch_bytes = self._batch, [], 0
         self._pending.append(self._checker.submit(self._settle_all, batch))
 
-    def drain(self) -> None:
-        """Every range written so far compared (and its write-back started)."""
-        self._drain()
-
     def _drain(self) -> None:
         """Every range written so far compared (and its write-back started)."""
         self._hand_over()
@@ -189,6 +185,15 @@ class Copier:
     def fd(self, path: Path) -> int:
         """An open descriptor of ``path`` (the source's files and the outputs alike)."""
         return self._files.fd(path)
+
+    def forget(self, path: Path) -> None:
+        """Close the descriptor of an output that is done with: every range checked first,
+        and every written range out of the page cache (none is left naming a closed fd)."""
+        self._drain()
+        while len(self._flushing):
+            release_pages(*self._flushing.popleft())
+        self._flushing_bytes = 0
+        self._files.forget(path)
 
     def checked(self, key: str) -> bool | None:
         """Whether the copied bytes of ``key`` matched their source as they were written; None
@@ -381,6 +386,9 @@ class _Ranges:
 
     def first_count(self) -> int:
         return self.counts[self.head]
+
+    def __len__(self) -> int:
+        return len(self.fds) - self.head
 
     def popleft(self) -> tuple[int, int, int]:
         at = self.head

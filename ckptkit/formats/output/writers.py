@@ -164,7 +164,9 @@ class TorchValuesWriter(_Writer):
         versions = source.module_versions({i.old: i.spec.key for i in items})
         if versions is not None:  # as state_dict() leaves them: quantized modules read them
             values._metadata = versions  # type: ignore[attr-defined]
-        with open(tmp, "r+b") as f:  # the temp file atomic_outputs made
+        # The temp file atomic_outputs made (not truncated: see write_safetensors), or a new
+        # one in an upload's staging folder.
+        with open(tmp, "r+b" if tmp.exists() else "xb") as f:
             torch.save(values, f)
 
     def verify(self, tmp: Path, items: list[Item], shown: Path) -> None:
@@ -224,7 +226,8 @@ class DCPWriter(_Writer):
         where: dict[str, tuple[int, int]] = {}
         fd = os.open(data, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
-            preallocate(fd, sum(i.spec.nbytes + 2048 for i in items))
+            if self.reserve:
+                preallocate(fd, sum(i.spec.nbytes + 2048 for i in items))
             for item in items:
                 if item.spec.key in self.aliases:
                     self.copier.progress(item.spec.nbytes)  # written once, with its target
