@@ -488,6 +488,7 @@ class _StagedPeak:
         self._thread.join()
 
 
+@pytest.mark.slow  # 2 x 384 MiB through moto
 @pytest.mark.parametrize("name", ["model.safetensors", "model.pt"])
 def test_an_output_is_uploaded_while_it_is_written(files, s3_env, monkeypatch, name):
     """A 384 MiB output at S3 never lies whole on the local disk: each part goes up once
