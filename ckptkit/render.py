@@ -214,14 +214,7 @@ def _render(node: dict[str, Any], level: int, depth: int | None, lines: list[str
 @_terminal_safe
 def summary_lines(summary: Any) -> list[str]:
     """The header of the default view: one fact a line."""
-    where = "at the URL" if summary.fetched is not None else "on disk"
-    lines = [f"{summary.path}  ({summary.format}, {human_size(summary.file_size)} {where})"]
-    if summary.fetched is not None:
-        lines.append(
-            f"fetched     {plural(summary.fetched['requests'], 'request')}, "
-            f"{human_size(summary.fetched['bytes'])} of its {human_size(summary.file_size)} "
-            "(headers, read 256 kB at a time)"
-        )
+    lines = _where_lines(summary)
     if summary.shards:
         lines.append(f"shards      {len(summary.shards)}: {', '.join(summary.shards)}")
     width = max((len(p["name"]) for p in summary.parts), default=0)
@@ -359,12 +352,24 @@ def adapter_lines(adapter: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _where_lines(summary: Any) -> list[str]:
+    """The path, format and size, on disk or at a URL; and what reading it there fetched."""
+    where = "at the URL" if summary.fetched is not None else "on disk"
+    lines = [f"{summary.path}  ({summary.format}, {human_size(summary.file_size)} {where})"]
+    if summary.fetched is not None:
+        lines.append(
+            f"fetched     {plural(summary.fetched['requests'], 'request')}, "
+            f"{human_size(summary.fetched['bytes'])} of its {human_size(summary.file_size)} "
+            "(headers, read 256 kB at a time)"
+        )
+    return lines
+
+
 def _pipeline_lines(summary: Any) -> list[str]:
     """A diffusers pipeline folder: its components, and how to take one."""
     pipe = summary.pipeline
     version = f", diffusers {pipe['diffusers_version']}" if pipe["diffusers_version"] else ""
-    lines = [
-        f"{summary.path}  ({summary.format}, {human_size(summary.file_size)} on disk)",
+    lines = _where_lines(summary) + [
         f"pipeline    {pipe['class']}{version}, {plural(len(pipe['components']), 'component')}",
     ]
     width = max((len(c["name"]) for c in pipe["components"]), default=0)

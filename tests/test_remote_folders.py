@@ -184,6 +184,8 @@ def test_a_diffusers_pipeline_at_s3_gives_its_components(s3_env, tmp_path, run):
     whole, local = ckptkit.summarize(url), ckptkit.summarize(PIPELINE)  # the component table
     assert whole.format == "diffusers pipeline" and whole.pipeline == local.pipeline
     assert whole.file_size == local.file_size and whole.fetched["requests"] > 0
+    shown = run("inspect", url).stdout.splitlines()
+    assert "at the URL" in shown[0] and shown[1].startswith("fetched")
     one_error(run("convert", url, "o.safetensors"), "is a diffusers pipeline", "--select unet")
     one_error(run("convert", url, "o.safetensors", "--select", "scheduler"), "holds no weights")
 
