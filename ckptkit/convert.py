@@ -38,7 +38,7 @@ from ckptkit.formats.io.atomic import (
     check_folder_output,
     check_output,
 )
-from ckptkit.formats.io.remote import RemotePath, as_path, filesystem, is_url
+from ckptkit.formats.io.remote import RemotePath, as_path, is_url
 from ckptkit.formats.io.upload import PART, Uploads, staging_folder
 from ckptkit.formats.open import open_source
 from ckptkit.formats.output import output_format
@@ -398,11 +398,7 @@ def _remove_stale_there(url: RemotePath, written: list[str]) -> None:
     """``--force`` at a URL, as on disk: an earlier conversion's shards and index beside the
     output that this one did not write (a model now in 3 shards, not 8) are deleted."""
     stale = stale_names(url.name, [Path(f).name for f in written], url.parent.names() or [])
-    if stale:
-        fs, root = filesystem(str(url.parent))
-        for name in stale:
-            with contextlib.suppress(FileNotFoundError):
-                fs.rm(f"{root.rstrip('/')}/{name}")
+    Uploads(url.parent, force=True).remove(stale)
 
 
 @contextlib.contextmanager
@@ -429,16 +425,13 @@ def _convert_to_url_dcp(src: str | Path, url: RemotePath, options: dict[str, Any
     earlier = url.names() or []
     if earlier and not options["force"] and not options["dry_run"]:
         raise OutputError(f"output {url} exists", "pass --force to replace it")
+    uploads = Uploads(url, force=True)
     with staging_folder() as stage, _named_at(url.parent, stage):
-        local = stage / url.name
-        report = _convert(src, local, Uploads(url, force=True), **options)
+        report = _convert(src, stage / url.name, uploads, **options)
     report.destination = str(url)
     report.files = [str(url / name) for name in DCP_FILES]
     if not options["dry_run"]:
-        fs, root = filesystem(str(url))
-        for name in set(earlier) - set(DCP_FILES):
-            with contextlib.suppress(FileNotFoundError):
-                fs.rm(f"{root.rstrip('/')}/{name}", recursive=True)
+        uploads.remove(set(earlier) - set(DCP_FILES))
     return report
 
 

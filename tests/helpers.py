@@ -64,6 +64,17 @@ def same_tree(a, b) -> bool:
     return a == b
 
 
+def one_error(result, *needles):
+    """A CLI run that failed with one ``Error:`` line (no traceback) naming each needle; the
+    line."""
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
 @contextlib.contextmanager
 def single_process_dcp():
     """Around a deliberate ``dcp.save`` or ``dcp.load`` in one process without a process group:

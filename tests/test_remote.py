@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import servers
 import torch
-from helpers import FIXTURE_DIR, ROOT, single_process_dcp
+from helpers import FIXTURE_DIR, ROOT, one_error, single_process_dcp
 from safetensors.torch import load_file, save_file
 
 import ckptkit
@@ -48,15 +48,6 @@ def files(tmp_path):
 @pytest.fixture
 def fast_retries(monkeypatch):
     monkeypatch.setattr(remote_module, "BACKOFF_S", 0.01)
-
-
-def one_error(result, *needles):
-    assert result.exit_code != 0 and "Traceback" not in result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 def grown_in_a_child(imports: str, body: str, *args: object) -> tuple[str, float]:

@@ -10,7 +10,7 @@ import shutil
 import fsspec
 import pytest
 import servers
-from helpers import FIXTURE_DIR
+from helpers import FIXTURE_DIR, one_error
 from safetensors.torch import load_file
 
 import ckptkit
@@ -27,15 +27,6 @@ DCP = FIXTURE_DIR / "dcp"
 PIPELINE = FIXTURE_DIR / "diffusers" / "pipeline"
 ACCELERATE = FIXTURE_DIR / "accelerate_state"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
-
-
-def one_error(result, *needles):
-    assert result.exit_code != 0 and "Traceback" not in result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 def upload(s3, local, key):

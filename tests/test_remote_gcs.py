@@ -7,6 +7,7 @@ import gcsfs
 import pytest
 import servers
 import torch
+from helpers import one_error
 from safetensors.torch import save_file
 
 import ckptkit
@@ -31,14 +32,6 @@ def gcs(gcs_env):
 def objects(fs, prefix):
     fs.invalidate_cache()
     return sorted(p.rsplit("/", 1)[-1] for p in fs.find(prefix))
-
-
-def one_error(result, *needles):
-    assert result.exit_code != 0 and "Traceback" not in result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def test_inspect_of_gs_reads_headers_with_ranged_requests(tmp_path, gcs):

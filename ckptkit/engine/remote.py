@@ -256,8 +256,7 @@ def _prune_there(uploads: Uploads, folder: Path, keep_last: int) -> None:
     for m, name in found:
         stem = name.split(".", 1)[0]
         if _when(m) in old and not {stem, stem + ".pt", stem + ".safetensors"} & kept:
-            with contextlib.suppress(FileNotFoundError):
-                uploads.fs.rm(uploads.url(name), recursive=True)
+            uploads.remove([name])
 
 
 def shown_path(path: Path) -> str:

@@ -54,6 +54,11 @@ def dcp_sharding_info(path: Path) -> str | None:
             text = f.read(min(length, 100_000_000)) if length > 1 else b""
     except OSError:
         return None
+    return sharding_info_in(text)
+
+
+def sharding_info_in(text: bytes) -> str | None:
+    """:func:`dcp_sharding_info` of a header's JSON text (read from a file or a URL)."""
     if HF_SHARDING.encode() not in text:
         return None
     try:

@@ -7,13 +7,12 @@ functions tell them apart without reading a tensor. Stdlib only.
 
 from __future__ import annotations
 
-import json
 import re
 import struct
 from pathlib import Path
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.files.safetensors import HF_SHARDING, dcp_sharding_info
+from ckptkit.formats.files.safetensors import dcp_sharding_info, sharding_info_in
 from ckptkit.formats.folders.diffusers import WEIGHTS_STEM, is_index_name, part_kind
 from ckptkit.formats.folders.runs import CHECKPOINT_NAME, CHECKPOINT_STEM, is_run_folder
 from ckptkit.formats.io.remote import RemotePath
@@ -233,11 +232,4 @@ def _sharding_info(path: Path) -> str | None:
     head = path.head(8)
     (length,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
     text = path.head(8 + min(length, 100_000_000))[8:] if length > 1 else b""
-    if HF_SHARDING.encode() not in text:
-        return None
-    try:
-        meta = json.loads(text).get("__metadata__") or {}
-    except (ValueError, AttributeError, RecursionError):
-        return None
-    value = meta.get(HF_SHARDING) if isinstance(meta, dict) else None
-    return value if isinstance(value, str) else None
+    return sharding_info_in(text)

@@ -22,7 +22,7 @@ import os
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,12 @@ class Uploads:
                         UploadId=upload["UploadId"],
                     )
 
+    def remove(self, names: Iterable[str]) -> None:
+        """Delete these objects (or folders) of the folder; one not there is skipped."""
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.url(name), recursive=True)
+
     def _exists(self, name: str) -> bool:
         try:
             return bool(self.fs.exists(self.url(name)))
@@ -165,8 +171,7 @@ class Uploads:
         old one naming the new files while they are committed (DCP's names byte offsets)."""
         try:
             if entry_first and len(self._open) > 1:
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm(self.url(self._open[-1][1]))
+                self.remove([self._open[-1][1]])
             while self._open:
                 self._open[0][0].commit()
                 self._open.pop(0)
@@ -186,7 +191,7 @@ class Uploads:
                 _closed(handle)
             if not self.deferred:  # stored when opened: removed
                 with contextlib.suppress(Exception):
-                    self.fs.rm(self.url(name))
+                    self.remove([name])
 
     def __enter__(self) -> Uploads:
         return self
