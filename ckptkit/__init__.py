@@ -7,10 +7,35 @@ imports only what it uses, and torch only when a tensor is actually needed.
 
 from __future__ import annotations
 
-import importlib
 import sys
-import types
-from typing import TYPE_CHECKING, Any
+
+
+def _run_as_module() -> bool:
+    """Whether this import is ``python -m ckptkit`` (or ``torchrun -m ckptkit``, whose workers
+    are started that way) locating the module: ``sys.argv`` is ``["-m"]`` only then."""
+    if sys.argv[:1] != ["-m"]:
+        return False
+    args = getattr(sys, "orig_argv", [])
+    for i, arg in enumerate(args[1:], 1):
+        if arg.startswith("-m"):
+            name = arg[2:] or (args[i + 1] if i + 1 < len(args) else "")
+            return name == "ckptkit" or name.startswith("ckptkit.")
+    return False
+
+
+# `python -m` puts the current folder first on sys.path, so a downloaded folder's click.py or
+# torch.py would run at the first import: drop it before importing anything, as `python -P`
+# does. A trusted unpickle puts it back while it runs (torchfile._current_folder_importable).
+if _run_as_module() and not sys.flags.safe_path and sys.path:
+    import os
+
+    if sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
+
+# Imported after the current folder left sys.path.
+import importlib  # noqa: E402
+import types  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from ckptkit.convert import ConvertReport, convert, merge_adapters

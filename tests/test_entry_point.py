@@ -1,0 +1,74 @@
+"""``python -m ckptkit`` run inside a downloaded folder imports nothing from it (as ``python -P``
+does): a ``click.py`` or ``torch.py`` lying there never runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+BAIT = "import pathlib; pathlib.Path(__file__).with_suffix('.ran').write_text('ran')\n"
+
+
+def _bait_folder(tmp_path):
+    for name in ("click", "torch", "tqdm", "safetensors", "json"):
+        (tmp_path / f"{name}.py").write_text(BAIT)
+    return tmp_path
+
+
+def _env():
+    # ckptkit itself from this checkout; the current folder is what is under test.
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("PYTHONSAFEPATH", None)
+    return env
+
+
+def test_python_m_ckptkit_runs_nothing_from_the_current_folder(tmp_path):
+    folder = _bait_folder(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "inspect", str(ROOT / "fixtures" / "ddp.pt")],
+        cwd=folder,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "state dict" in done.stdout
+    assert not list(folder.glob("*.ran")), "a module in the current folder was imported"
+
+
+def test_the_bait_is_real(tmp_path):
+    """The same folder does hijack a plain ``python -c 'import click'``: the test above can fail."""
+    folder = _bait_folder(tmp_path)
+    subprocess.run(
+        [sys.executable, "-c", "import click"], cwd=folder, env=_env(), check=True, timeout=60
+    )
+    assert (folder / "click.ran").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_m_ckptkit_runs_nothing_from_the_current_folder(tmp_path):
+    folder = _bait_folder(tmp_path)
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "torchrun"),  # its own sys.path: the script's folder
+            "--nproc-per-node",
+            "1",
+            "-m",
+            "ckptkit",
+            "inspect",
+            str(ROOT / "fixtures" / "ddp.pt"),
+        ],
+        cwd=folder,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert not list(folder.glob("*.ran")), "a module in the current folder was imported"
+    assert done.returncode == 0, done.stderr
