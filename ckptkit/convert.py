@@ -413,13 +413,19 @@ def _named_at(url: RemotePath, stage: Path) -> Iterator[None]:
 
 
 DCP_FILES = (DISTCP, SIDECAR, METADATA)  # what a DCP output holds, in the order it goes up
+# What --force replaces in a DCP folder: a save's files (any rank's data files), never the rest.
+_DCP_NAMES = re.compile(r"\.metadata|ckptkit\.json|__\d+_\d+\.distcp")
+
+
+def _is_dcp_file(name: str) -> bool:
+    return _DCP_NAMES.fullmatch(name) is not None
 
 
 def _convert_to_url_dcp(src: str | Path, url: RemotePath, options: dict[str, Any]) -> ConvertReport:
     """A DCP folder at a URL, as ``dcp.save`` lays one out: its chunks' file uploaded as it is
     written, then ``ckptkit.json``, then ``.metadata`` (a reader finds the save by it), made
-    visible together. A folder that holds anything needs ``--force``, which then removes what
-    this save did not write (another save's rank files)."""
+    visible together. A folder that holds anything needs ``--force``, which then removes the
+    DCP files this save did not write (another save's rank files), and nothing else."""
     if options["part"] is not None:
         raise UsageError(f"{url}: --part writes shards of a safetensors or .pt output")
     earlier = url.names() or []
@@ -431,7 +437,7 @@ def _convert_to_url_dcp(src: str | Path, url: RemotePath, options: dict[str, Any
     report.destination = str(url)
     report.files = [str(url / name) for name in DCP_FILES]
     if not options["dry_run"]:
-        uploads.remove(set(earlier) - set(DCP_FILES))
+        uploads.remove({name for name in earlier if _is_dcp_file(name)} - set(DCP_FILES))
     return report
 
 
@@ -851,7 +857,9 @@ def _write(
                     uploads.add(tmp / name, name)
                 uploads.commit(entry_first=True)
         elif writer.folder:
-            with atomic_folder(plan.outputs[0], force=force, inputs=inputs) as tmp:
+            with atomic_folder(
+                plan.outputs[0], force=force, inputs=inputs, owns=_is_dcp_file, entry=METADATA
+            ) as tmp:
                 _write_shard(writer, copier, tmp, plan.shards[0], plan.outputs[0], plan, verify)
         elif uploads is not None:  # uploaded as written, visible all at once
             with uploads:

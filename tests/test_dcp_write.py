@@ -144,7 +144,38 @@ def test_an_existing_folder_needs_force(tmp_path, run):
     assert os.listdir(tmp_path / "out") == ["old"]
     result = run("convert", FIXTURE_DIR / "single.pt", "out", "--to", "dcp", "--force")
     assert result.exit_code == 0, result.output
-    assert "old" not in os.listdir(tmp_path / "out")
+    assert sorted(os.listdir(tmp_path / "out")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "ckptkit.json",
+        "old",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp left
+
+
+def test_force_replaces_only_a_dcp_save_s_own_files(tmp_path, run):
+    """--force over a folder that also holds the user's files replaces the save (another
+    save's rank files too) and keeps everything else, subfolders included."""
+    out = tmp_path / "out"
+    assert run("convert", FIXTURE_DIR / "single.pt", out, "--to", "dcp").exit_code == 0
+    (out / "__1_0.distcp").write_bytes(b"a second rank's chunks of an earlier save")
+    (out / "important.txt").write_text("keep me")
+    (out / "sub").mkdir()
+    (out / "sub" / "notes.md").write_text("and me")
+    result = run("convert", FIXTURE_DIR / "ddp.pt", out, "--to", "dcp", "--force", "--strip-module")
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(out)) == [
+        ".metadata",
+        "__0_0.distcp",
+        "ckptkit.json",
+        "important.txt",
+        "sub",
+    ]
+    assert (out / "important.txt").read_text() == "keep me"
+    assert (out / "sub" / "notes.md").read_text() == "and me"
+    expected = torch.load(FIXTURE_DIR / "single.pt", weights_only=True)
+    loaded = _dcp_load(out, expected)
+    assert all(bit_equal(loaded[k], expected[k]) for k in expected)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp left
 
 

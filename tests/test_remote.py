@@ -544,7 +544,7 @@ def test_a_dcp_output_at_a_url_is_what_torch_reads(files, s3_env, run):
     """``--to dcp`` at an S3 URL: the chunks' file uploaded as written, ``.metadata`` last;
     torch's own reader (``dcp.load`` through ``FsspecReader``) gives the tensors back, ckptkit
     reads it from the URL, and the folder is refused when it holds anything, unless --force
-    (which removes what this save did not write)."""
+    (which removes the DCP files this save did not write, and nothing else)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
@@ -559,9 +559,11 @@ def test_a_dcp_output_at_a_url_is_what_torch_reads(files, s3_env, run):
     assert ckptkit.diff("s3://out/save", files / "m.pt").equal
     one_error(run("convert", files / "m.pt", "s3://out/save", "--to", "dcp"), "exists", "--force")
     s3_env.fs.pipe("out/save/__1_0.distcp", b"another save's rank file")
+    s3_env.fs.pipe("out/save/important.txt", b"not ckptkit's: kept")
     again = run("convert", files / "m.pt", "s3://out/save", "--to", "dcp", "--force")
     assert again.exit_code == 0, again.stderr
     assert "__1_0.distcp" not in _objects(s3_env, "out/save")
+    assert s3_env.fs.cat("out/save/important.txt") == b"not ckptkit's: kept"
 
 
 def test_a_dcp_output_replaced_at_a_url_never_mixes_two_saves(files, s3_env, monkeypatch):

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ckptkit.errors import OutputError
@@ -118,6 +118,21 @@ def _lock(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def _holds_others(folder: Path, owns: Callable[[str], bool]) -> bool:
+    return any(not owns(p.name) for p in folder.iterdir())
+
+
+def _replace_owned(tmp: Path, dst: Path, owns: Callable[[str], bool], entry: str | None) -> None:
+    """``tmp``'s files put into ``dst``, replacing only the names ``owns`` (see
+    :func:`atomic_folder`): a reader never finds an entry file over a mix of old and new."""
+    for old in sorted((p for p in dst.iterdir() if owns(p.name)), key=lambda p: p.name != entry):
+        old.unlink()
+    _fsync_dir(dst)
+    for new in sorted(tmp.iterdir(), key=lambda p: p.name == entry):
+        os.replace(new, dst / new.name)
+    _fsync_dir(dst)
 
 
 def remove_stale_temps(folder: Path) -> list[Path]:
@@ -290,11 +305,23 @@ def check_folder_output(dst: Path, *, force: bool, inputs: Iterable[Path] = ()) 
 
 
 @contextlib.contextmanager
-def atomic_folder(dst: Path, *, force: bool = False, inputs: Iterable[Path] = ()) -> Iterator[Path]:
+def atomic_folder(
+    dst: Path,
+    *,
+    force: bool = False,
+    inputs: Iterable[Path] = (),
+    owns: Callable[[str], bool] | None = None,
+    entry: str | None = None,
+) -> Iterator[Path]:
     """Yield a temp folder next to ``dst``; on success it becomes ``dst`` by one rename, or
     with ``force`` replaces it (the old folder is renamed aside, then removed). On failure
     nothing is left. The temp folder holds a lock file while this process writes it, so a
     later run removes it if this one is killed (see :func:`remove_stale_temps`).
+
+    ``owns`` says which names in a folder an output of this kind consists of: ``--force``
+    replaces only those. An existing ``dst`` that holds anything else (a user's notes beside a
+    DCP save) keeps it: the output's old files are removed (``entry``, the file a reader finds
+    the output by, first) and the new ones moved in (``entry`` last).
 
     Raises:
         OutputError: ``dst`` is an input, a file, in a missing folder, or exists without force.
@@ -317,6 +344,9 @@ def atomic_folder(dst: Path, *, force: bool = False, inputs: Iterable[Path] = ()
             (tmp / _FOLDER_LOCK).unlink()
             os.chmod(tmp, 0o777 & ~_umask())
             _fsync_dir(tmp)
+            if dst.exists() and force and owns is not None and _holds_others(dst, owns):
+                _replace_owned(tmp, dst, owns, entry)
+                return
             if dst.exists() and force:
                 aside = Path(
                     tempfile.mkdtemp(
