@@ -517,7 +517,12 @@ def _convert(
             dst = folder / _weights_name(source)
         elif into is not None:
             dst = into / _weights_name(source)
+            if source.folder is not None and fmt == "safetensors":
+                folder = into  # a model folder written into one: its config files too
         plan = _plan(source, src, dst, fmt, keys, output, target, shard_limit, folder)
+        if folder is not None and folder is into:
+            plan.into = True
+            plan.copies = _copies_into(plan, force)
         report = _report(source, plan, dry_run)
         whole = plan
         if part is not None:
@@ -533,12 +538,12 @@ def _convert(
         with _parent_folders(folder or dst):  # made as train --out makes its folder
 
             def write() -> None:
-                if folder is not None:
+                if folder is not None and not plan.into:
                     check_folder_output(folder, force=force, inputs=[src])
                 # Under torchrun rank 0 writes the index too: every rank checks it now, so
                 # that an existing one stops them all before any shard is written.
                 index = [whole.outputs[-1]] if part and part.launched else []
-                for path in [] if folder else plan.outputs + index:
+                for path in [] if folder and not plan.into else plan.outputs + index:
                     check = check_folder_output if fmt == "dcp" else check_output
                     check(path, force=force, inputs=[src])
                 if uploads is not None:  # a DCP folder's files, or each output file
@@ -561,7 +566,7 @@ def _convert(
             else:
                 write()
         _merge_report(source, report, check_outputs)
-        if folder is not None or uploads is not None or part is not None:
+        if (folder is not None and not plan.into) or uploads is not None or part is not None:
             return report
         if force and fmt == "safetensors":
             for path in stale_shards(dst, plan.outputs, dst.parent.iterdir()):
@@ -667,6 +672,7 @@ class _Plan:
     special: frozenset[str] = field(default_factory=frozenset)  # kept as they are in .pt
     folder: Path | None = None  # a model folder output: the outputs are inside it
     copies: list[Path] = field(default_factory=list)  # the source folder's config, tokenizer...
+    into: bool = False  # the model folder exists: its files are replaced one by one
 
 
 def _plan(
@@ -737,6 +743,23 @@ def _plan(
         folder=folder,
         copies=folder_files(source.folder) if folder is not None and source.folder else [],
     )
+
+
+def _copies_into(plan: _Plan, force: bool) -> list[Path]:
+    """The source folder's config files to write into an existing folder: those it lacks or
+    holds otherwise (which need ``--force``); one it holds as they are is left alone."""
+    assert plan.folder is not None
+    copies = []
+    for path in plan.copies:
+        there = plan.folder / path.name
+        if there.is_file() and not isinstance(path, RemotePath):
+            if (
+                there.stat().st_size == path.stat().st_size
+                and there.read_bytes() == path.read_bytes()
+            ):
+                continue
+        copies.append(path)
+    return copies
 
 
 def _weights_name(source: Source) -> str:
@@ -864,7 +887,7 @@ def _write(
         elif uploads is not None:  # uploaded as written, visible all at once
             with uploads:
                 if plan.folder is not None:  # a model folder: its config files too, first
-                    plan.folder.mkdir()
+                    plan.folder.mkdir(exist_ok=plan.into)
                     for path in plan.copies:
                         _copy_file(path, plan.folder / path.name)
                         uploads.add(plan.folder / path.name, path.name)
@@ -872,6 +895,14 @@ def _write(
                 begin = _streamer(uploads, copier, verify)
                 _write_files(writer, copier, plan, plan.outputs, header, verify, uploads.add, begin)
                 uploads.commit(entry_first=True)
+        elif plan.into:  # a model folder written into one: its files appear together
+            assert plan.folder is not None
+            copies = [plan.folder / path.name for path in plan.copies]
+            with atomic_outputs(copies + plan.outputs, force=force, inputs=inputs) as temps:
+                for path, tmp in zip(plan.copies, temps, strict=False):
+                    _copy_file(path, tmp)
+                _write_files(writer, copier, plan, temps[len(copies) :], header, verify)
+            report.copied_files = [path.name for path in plan.copies]
         elif plan.folder is not None:  # a model folder appears whole, or not at all
             with atomic_folder(plan.folder, force=force, inputs=inputs) as tmp:
                 _write_files(

@@ -58,7 +58,11 @@ def test_sharded_output_into_a_folder_loads_with_from_pretrained(gpt2, tmp_path,
     # ...and one written whole removes the index too.
     whole = run("convert", folder, out, "--force")
     assert whole.exit_code == 0, whole.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",  # the model folder's, written into the folder as well
+        "model.safetensors",
+    ]
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     assert torch.equal(_logits(loaded), _logits(model))
 
@@ -112,3 +116,58 @@ def test_accelerate_save_state_folder(tmp_path, run):
     assert torch.equal(state["weight"], second.weight.detach())
     missing = run("inspect", folder, "--select", "model_7")
     assert missing.exit_code == 1 and "holds no model file 'model_7'" in missing.stderr
+
+
+@pytest.mark.parametrize("made", ["mkdir", "holding other files"])
+def test_a_model_folder_written_into_an_existing_folder_loads(gpt2, tmp_path, run, made):
+    """Into a folder that exists (even an empty one), the output is as loadable as into a new
+    name: the config and generation config come along, the folder's other files stay."""
+    transformers, model, folder = gpt2
+    out = tmp_path / "out"
+    out.mkdir()
+    if made != "mkdir":
+        (out / "notes.txt").write_text("mine")
+    result = run("convert", folder, out)
+    assert result.exit_code == 0, result.stderr
+    assert "Copied   config.json, generation_config.json from the model folder" in result.output
+    expected = {"config.json", "generation_config.json", "model.safetensors"}
+    assert {p.name for p in out.iterdir()} == expected | (
+        {"notes.txt"} if made != "mkdir" else set()
+    )
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    assert torch.equal(_logits(loaded), _logits(model))
+
+
+def test_a_differing_config_in_the_folder_needs_force(gpt2, tmp_path, run):
+    _, _, folder = gpt2
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    result = run("convert", folder, out)
+    assert result.exit_code == 1
+    assert (
+        result.stderr.strip() == f"Error: {out / 'config.json'} exists; pass --force to overwrite it"
+    )
+    assert [p.name for p in out.iterdir()] == ["config.json"]  # nothing written
+    assert run("convert", folder, out, "--force").exit_code == 0
+    assert (out / "config.json").read_bytes() == (folder / "config.json").read_bytes()
+
+
+def test_a_trainer_checkpoint_s_state_stays_out_of_the_converted_folder(gpt2, tmp_path, run):
+    """checkpoint-N of transformers' Trainer: its trainer_state.json and pickled states are not
+    part of the released model."""
+    _, _, folder = gpt2
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    for p in folder.iterdir():
+        (checkpoint / p.name).write_bytes(p.read_bytes())
+    (checkpoint / "trainer_state.json").write_text('{"global_step": 4}')
+    (checkpoint / "random_states_0.pkl").write_bytes(b"\x80\x04N.")
+    torch.save({"state": {}}, checkpoint / "optimizer.pt")
+    result = run("convert", checkpoint, tmp_path / "release")
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "release").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]

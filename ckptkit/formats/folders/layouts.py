@@ -56,11 +56,15 @@ def adapter_file_in(folder: Path) -> Path | None:
 
 # Weights (of any format) and indexes: never copied beside converted weights, which replace them.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+# A training checkpoint's state beside the model (transformers' Trainer, Accelerate, DeepSpeed):
+# never copied into a converted model folder, which is a release, not a place to resume from.
+_TRAINING_STATE = re.compile(r"trainer_state\.json|.*\.pkl|zero_to_fp32\.py|latest")
 
 
 def folder_files(folder: Path) -> list[Path]:
     """A model folder's files other than weights and indexes (config.json, tokenizer files,
-    generation_config.json, a model card): what a converted copy of the folder keeps."""
+    generation_config.json, a model card): what a converted copy of the folder keeps. A training
+    checkpoint's state (``trainer_state.json``, pickled RNG states) is left behind."""
     return sorted(
         p
         for p in folder.iterdir()
@@ -68,6 +72,7 @@ def folder_files(folder: Path) -> list[Path]:
         and not p.name.startswith(".")
         and not p.name.endswith(_WEIGHT_SUFFIXES)
         and not is_index_name(p.name)  # a variant's too (...index.fp16.json)
+        and not _TRAINING_STATE.fullmatch(p.name)
     )
 
 
