@@ -26,7 +26,7 @@ def _run_as_module() -> bool:
 # `python -m` puts the current folder first on sys.path, so a downloaded folder's click.py or
 # torch.py would run at the first import: drop it before importing anything, as `python -P`
 # does. A trusted unpickle puts it back while it runs (torchfile._current_folder_importable).
-if _run_as_module() and not sys.flags.safe_path and sys.path:
+if _run_as_module() and not getattr(sys.flags, "safe_path", False) and sys.path:
     import os
 
     if sys.path[0] in ("", os.getcwd()):

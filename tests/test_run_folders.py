@@ -113,3 +113,26 @@ def test_a_missing_latest_checkpoint_and_an_unknown_name_are_refused(tmp_path):
     )
     with pytest.raises(FormatError):
         ckptkit.load_state_dict(run)
+
+
+@pytest.mark.parametrize("kind", ["run", "deepspeed"])
+@pytest.mark.parametrize("command", ["inspect", "scan", "convert", "diff"])
+def test_a_huge_latest_pointer_is_refused_unread(tmp_path, kind, command):
+    """A 16 MiB ``latest`` is neither read whole nor quoted in the error: a pointer names a
+    checkpoint, a line long."""
+    from helpers import FIXTURE_DIR, one_error
+
+    folder = tmp_path / kind
+    folder.mkdir()
+    if kind == "run":
+        (folder / "ckpt-epoch0001.pt").write_bytes((FIXTURE_DIR / "single.pt").read_bytes())
+    else:
+        (folder / "global_step1").mkdir()
+    (folder / "latest").write_bytes(b"ckpt-epoch0001.pt" * (1 << 20))
+    args = {"convert": [tmp_path / "out.safetensors"], "diff": [FIXTURE_DIR / "single.pt"]}
+    result = CliRunner().invoke(
+        cli, [command, str(folder), *map(str, args.get(command, []))], prog_name="ckptkit"
+    )
+    line = one_error(result, str(folder / "latest"), "too large")
+    assert len(line) < 300
+    assert not (tmp_path / "out.safetensors").exists()

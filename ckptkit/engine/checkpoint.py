@@ -39,6 +39,7 @@ from ckptkit.formats.base.tensors import as_bytes, dtype_name
 from ckptkit.formats.folders.runs import BEST, CHECKPOINT_NAME, LATEST, list_checkpoints
 from ckptkit.formats.io.atomic import atomic_folder, atomic_output
 from ckptkit.formats.io.remote import as_path, filesystem, is_url
+from ckptkit.formats.io.small import read_pointer
 
 __all__ = [
     "checkpoint_name",
@@ -339,7 +340,7 @@ def _prune(folder: Path, keep_last: int, *, keep: Path) -> None:
     if keep_last <= 0:
         return
     best = folder / BEST
-    kept = {keep.name, best.read_text().strip() if best.is_file() else ""}
+    kept = {keep.name, read_pointer(best) if best.is_file() else ""}
     for old in list_checkpoints(folder)[:-keep_last]:
         if old.name in kept:  # the best one stays, whatever its age
             continue
@@ -368,7 +369,7 @@ def find_resume(resume: str | None, folder: Path) -> Path | None:
     candidates = list_checkpoints(folder)[::-1]
     pointer = folder / LATEST
     if pointer.is_file():
-        named = folder / pointer.read_text().strip()
+        named = folder / read_pointer(pointer)
         candidates = [named] + [c for c in candidates if c != named]
     problems = []
     for candidate in candidates:

@@ -409,9 +409,10 @@ def _preempted(config: TrainConfig, name: str) -> Preempted:
     from pathlib import Path
 
     from ckptkit.engine.checkpoint import LATEST
+    from ckptkit.formats.io.small import read_pointer
 
     pointer = Path(config.out) / LATEST
-    last = Path(config.out) / pointer.read_text().strip() if pointer.is_file() else None
+    last = Path(config.out) / read_pointer(pointer) if pointer.is_file() else None
     return Preempted(
         f"stopped by {name}: the last checkpoint is {last or 'none'}", "resume with --resume auto"
     )

@@ -16,6 +16,7 @@ from ckptkit.formats.files.safetensors import dcp_sharding_info, sharding_info_i
 from ckptkit.formats.folders.diffusers import WEIGHTS_STEM, is_index_name, part_kind
 from ckptkit.formats.folders.runs import CHECKPOINT_NAME, CHECKPOINT_STEM, is_run_folder
 from ckptkit.formats.io.remote import RemotePath
+from ckptkit.formats.io.small import quoted, read_pointer
 
 __all__ = [
     "MODEL_FILES",
@@ -192,9 +193,9 @@ def find_deepspeed(folder: Path) -> Path | None:
         return folder
     latest = folder / "latest"
     if latest.is_file():
-        tag = latest.read_text(errors="replace").strip()
+        tag = read_pointer(latest, "DeepSpeed 'latest' pointer")
         if not tag or Path(tag).name != tag or tag in (".", ".."):
-            raise FormatError(f"{latest} names no tag folder ({tag!r})")
+            raise FormatError(f"{latest} names no tag folder ({quoted(tag)})")
         if not _holds_model_states(folder / tag):
             raise FormatError(
                 f"{folder} is a DeepSpeed checkpoint whose latest tag '{tag}' is missing",

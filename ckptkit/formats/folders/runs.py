@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from ckptkit.errors import FormatError, SelectError
+from ckptkit.formats.io.small import read_pointer
 
 __all__ = [
     "LATEST",
@@ -51,7 +52,7 @@ def _pointed(folder: Path, pointer: str) -> str | None:
     path = folder / pointer
     if not path.is_file():
         return None
-    name = path.read_text(errors="replace").strip()
+    name = read_pointer(path, f"'{pointer}' pointer")
     return name if CHECKPOINT_NAME.fullmatch(name) else None
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "read_small",
     "read_json",
     "parse_json",
+    "read_pointer",
     "quoted",
 ]
 
@@ -146,6 +147,15 @@ def _depth(value: Any) -> int:
                 (child, depth + 1) for child in children if isinstance(child, (dict, list))
             )
     return deepest
+
+
+POINTER_LIMIT = 4096  # a pointer file names a checkpoint or a tag: a line, never a file's worth
+
+
+def read_pointer(path: Any, what: str = "pointer file") -> str:
+    """The name a pointer file holds (``latest``, ``best``, a Hub cache's ``refs/main``): its
+    stripped text, refused past a few kB."""
+    return read_small(path, POINTER_LIMIT, what).decode("utf-8", "replace").strip()
 
 
 def quoted(text: str, limit: int = 80) -> str:
