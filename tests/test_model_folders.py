@@ -146,7 +146,8 @@ def test_a_differing_config_in_the_folder_needs_force(gpt2, tmp_path, run):
     result = run("convert", folder, out)
     assert result.exit_code == 1
     assert (
-        result.stderr.strip() == f"Error: {out / 'config.json'} exists; pass --force to overwrite it"
+        result.stderr.strip()
+        == f"Error: {out / 'config.json'} exists; pass --force to overwrite it"
     )
     assert [p.name for p in out.iterdir()] == ["config.json"]  # nothing written
     assert run("convert", folder, out, "--force").exit_code == 0
@@ -171,3 +172,31 @@ def test_a_trainer_checkpoint_s_state_stays_out_of_the_converted_folder(gpt2, tm
         "generation_config.json",
         "model.safetensors",
     ]
+
+
+def test_a_trainer_output_dir_gives_its_newest_checkpoint(gpt2, tmp_path, run):
+    """transformers' Trainer output_dir holding checkpoint-N folders: the newest by N (10, not
+    9) is read and the report says so; --select names another."""
+    transformers, model, folder = gpt2
+    output_dir = tmp_path / "output_dir"
+    for step in (9, 10):
+        checkpoint = output_dir / f"checkpoint-{step}"
+        checkpoint.mkdir(parents=True)
+        for p in folder.iterdir():
+            (checkpoint / p.name).write_bytes(p.read_bytes())
+        (checkpoint / "trainer_state.json").write_text(f'{{"global_step": {step}}}')
+    changed = transformers.GPT2LMHeadModel.from_pretrained(output_dir / "checkpoint-9")
+    with torch.no_grad():
+        changed.lm_head.weight.mul_(2)  # tied: the embedding doubles too
+    changed.save_pretrained(output_dir / "checkpoint-9")
+    shown = run("inspect", output_dir)
+    assert shown.exit_code == 0, shown.stderr
+    assert "checkpoint-10, the newest of the Trainer's 2 checkpoints" in shown.output
+    assert run("convert", output_dir, tmp_path / "newest").exit_code == 0
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "newest").eval()
+    assert torch.equal(_logits(loaded), _logits(model))
+    older = run("convert", output_dir, tmp_path / "older", "--select", "checkpoint-9")
+    assert older.exit_code == 0, older.stderr
+    assert ckptkit.diff(tmp_path / "older", output_dir / "checkpoint-9").equal
+    missing = run("inspect", output_dir, "--select", "checkpoint-3")
+    assert missing.exit_code != 0 and "give one of checkpoint-9, checkpoint-10" in missing.stderr

@@ -43,7 +43,7 @@ from ckptkit.formats.folders.layouts import (
     model_file_in,
 )
 from ckptkit.formats.folders.rank_files import find_rank_files
-from ckptkit.formats.folders.runs import run_checkpoint
+from ckptkit.formats.folders.runs import run_checkpoint, trainer_checkpoint
 from ckptkit.formats.io.remote import RemotePath, as_path, is_url
 
 __all__ = ["open_source", "checkpoint_index"]
@@ -159,6 +159,20 @@ def _open_layout(
             check_safety=check_safety,
             ema=ema,
             unnamed=True,
+        )
+        source.selected_reason += f"; {checkpoint.name}, {why}"
+        return source
+    trainer = trainer_checkpoint(path, select)
+    if trainer is not None:  # a Trainer's output_dir: its newest checkpoint-N
+        checkpoint, why = trainer
+        source = open_source(
+            checkpoint,
+            select=None if why == "chosen with --select" else select,
+            trust=trust,
+            allow_globals=allow_globals,
+            check_safety=check_safety,
+            ema=ema,
+            variant=variant,
         )
         source.selected_reason += f"; {checkpoint.name}, {why}"
         return source

@@ -22,6 +22,7 @@ __all__ = [
     "list_checkpoints",
     "is_run_folder",
     "run_checkpoint",
+    "trainer_checkpoint",
 ]
 
 LATEST = "latest"
@@ -100,3 +101,36 @@ def run_checkpoint(folder: Path, select: str | None = None) -> tuple[Path, str] 
             f"give best, latest or one of {', '.join(names)}",
         )
     return folder / match[0], "chosen with --select"
+
+
+# transformers' Trainer saves output_dir/checkpoint-N (N the global step), each a model folder.
+TRAINER_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def trainer_checkpoint(folder: Path, select: str | None = None) -> tuple[Path, str] | None:
+    """The checkpoint of a Trainer's ``output_dir`` to read, and why: the newest
+    ``checkpoint-N`` (by N), or the one ``select`` names. None when ``folder`` holds weights of
+    its own (the final model saved there) or no ``checkpoint-N`` folder."""
+    if not folder.is_dir():
+        return None
+    entries = list(folder.iterdir())
+    if any(p.suffix in _WEIGHT_FILES and p.is_file() for p in entries):
+        return None
+    found = sorted(
+        (int(m.group(1)), p)
+        for p in entries
+        if (m := TRAINER_CHECKPOINT.fullmatch(p.name)) and p.is_dir()
+    )
+    if not found:
+        return None
+    if select is not None and TRAINER_CHECKPOINT.fullmatch(select):
+        named = [p for _, p in found if p.name == select]
+        if not named:
+            raise SelectError(
+                f"{folder} holds no Trainer checkpoint '{select}'",
+                f"give one of {', '.join(p.name for _, p in found)}",
+            )
+        return named[0], "chosen with --select"
+    others = "; --select checkpoint-N for another" if len(found) > 1 else ""
+    return found[-1][1], f"the newest of the Trainer's {len(found)} checkpoints{others}"
