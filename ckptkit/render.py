@@ -246,7 +246,12 @@ def summary_lines(summary: Any) -> list[str]:
         lines.append(f"wrappers    {chain}; `ckptkit convert --strip-wrappers` removes them")
     else:
         lines.append("wrappers    none")
-    if summary.common_prefix:
+    if summary.common_prefix and summary.model_folder:
+        lines.append(
+            f"prefix      every key starts with '{summary.common_prefix}': the model folder's "
+            "own names, which from_pretrained needs as they are"
+        )
+    elif summary.common_prefix:
         prefix = summary.common_prefix
         lines.append(
             f"prefix      every key starts with '{prefix}'; "

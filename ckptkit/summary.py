@@ -70,6 +70,9 @@ class Summary:
     ema_model: dict[str, Any] | None = None
     # A file at a URL: the ranged requests made to read its headers, and the bytes they brought.
     fetched: dict[str, int] | None = None
+    # A model folder's weights (config.json beside them): their names are the model's own,
+    # whatever prefix they share (``transformer.``), and from_pretrained needs them as they are.
+    model_folder: bool = False
 
     @cached_property  # the views ask more than once; 100,000 tensors make it count
     def parameters(self) -> int:
@@ -133,6 +136,7 @@ class Summary:
             "weights_candidates": [c.to_dict() for c in self.candidates],
             "parts": self.parts,
             "common_prefix": self.common_prefix,
+            "model_folder": self.model_folder,
             "aliases": self.aliases,
             "shared_storage": self.shared,
             "non_contiguous": self.non_contiguous,
@@ -222,6 +226,7 @@ def summarize(
             },
             adapter=describe(source),
             ema_model=_ema_model(source, path, names_from),
+            model_folder=source.folder is not None,
         )
         if remote:  # what reading the headers (and the verdict) cost, after both
             summary.fetched = _fetched(source)

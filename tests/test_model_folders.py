@@ -200,3 +200,15 @@ def test_a_trainer_output_dir_gives_its_newest_checkpoint(gpt2, tmp_path, run):
     assert ckptkit.diff(tmp_path / "older", output_dir / "checkpoint-9").equal
     missing = run("inspect", output_dir, "--select", "checkpoint-3")
     assert missing.exit_code != 0 and "give one of checkpoint-9, checkpoint-10" in missing.stderr
+
+
+def test_inspect_of_a_model_folder_does_not_suggest_stripping_its_names(gpt2, run):
+    """GPT-2's keys all start with 'transformer.' (its head is tied): the model's own names,
+    which from_pretrained needs; stripping them would break loading."""
+    _, _, folder = gpt2
+    result = run("inspect", folder)
+    assert result.exit_code == 0, result.stderr
+    assert "--strip-prefix" not in result.output
+    assert "every key starts with 'transformer.': the model folder's own names" in result.output
+    shown = run("inspect", folder, "--json")
+    assert '"model_folder": true' in shown.output
