@@ -254,7 +254,7 @@ def cli() -> None:
 @key_rule_options
 @click.option(
     "--dtype",
-    type=click.Choice(["bf16", "fp16", "fp32"]),
+    type=click.Choice(["bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]),
     help="Cast floating-point tensors (integer and bool tensors never change).",
 )
 @click.option(

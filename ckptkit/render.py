@@ -464,10 +464,8 @@ def convert_lines(report: Any) -> list[str]:
         lines.append(f"Tied     {alias} = {target} ({how})")
     if report.cast:
         saved = report.source_nbytes - report.nbytes
-        lines.append(
-            f"Cast     {plural(len(report.cast), 'floating-point tensor')}: "
-            f"{human_size(saved)} saved"
-        )
+        change = f"{human_size(saved)} saved" if saved >= 0 else f"{human_size(-saved)} larger"
+        lines.append(f"Cast     {plural(len(report.cast), 'floating-point tensor')}: {change}")
     if report.overflowed:
         lines.append(f"Overflow {', '.join(report.overflowed[:5])} (allowed with --allow-overflow)")
     if report.made_contiguous:

@@ -264,3 +264,28 @@ def test_progress_reaches_its_total_through_verification(tmp_path, monkeypatch, 
     )
     (bar,) = bars
     assert bar.total > 0 and bar.done == bar.total
+
+
+@pytest.mark.parametrize(
+    "dtype, change",
+    [("float16", "Cast     8 floating-point tensors: "), ("fp16", None)],
+)
+def test_dtype_takes_torch_s_names_too(tmp_path, run, dtype, change):
+    """--dtype float16 is --dtype fp16 (the library took both; the command only fp16)."""
+    result = run(
+        "convert", FIXTURE_DIR / "single.pt", tmp_path / f"{dtype}.safetensors", "--dtype", dtype
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "Cast     8 floating-point tensors: " in result.output and "saved" in result.output
+    if change:
+        assert change in result.output
+
+
+def test_an_upcast_reports_how_much_larger_it_is(tmp_path, run):
+    """fp32 from bf16 grows the file: said as such, never as a negative saving."""
+    result = run(
+        "convert", FIXTURE_DIR / "bf16.pt", tmp_path / "up.safetensors", "--dtype", "float32"
+    )
+    assert result.exit_code == 0, result.stderr
+    cast = [line for line in result.output.splitlines() if line.startswith("Cast")]
+    assert len(cast) == 1 and cast[0].endswith("230 B larger"), cast
