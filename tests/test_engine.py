@@ -679,3 +679,10 @@ def test_every_node_reports_what_rank_0_wrote():
     assert train_lines(result, "ddp")[-1] == (
         "Checkpoint run/ckpt-epoch0002.pt (written by rank 0 on node-a)"
     )
+
+
+def test_the_modes_known_without_torch_are_the_engine_s():
+    from ckptkit.engine.config import MODES
+    from ckptkit.engine.distributed import Mode
+
+    assert MODES == tuple(m.value for m in Mode)

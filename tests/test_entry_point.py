@@ -72,3 +72,37 @@ def test_torchrun_m_ckptkit_runs_nothing_from_the_current_folder(tmp_path):
     )
     assert not list(folder.glob("*.ran")), "a module in the current folder was imported"
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--batch-size", "3", "--nproc-per-node", "2", "--mode", "ddp"], "does not split"),
+        (["--grad-accum", "3", "--batch-size", "4"], "does not split"),
+        (["--resume", "missing.pt"], "cannot resume: missing.pt does not exist"),
+        (["--model", "nomodule"], "is not MODULE:FACTORY"),
+        (["--loss", "nofn"], "unknown --loss"),
+        (["--early-stop-patience", "2"], "needs --monitor"),
+    ],
+)
+def test_train_usage_errors_answer_before_torch_is_imported(tmp_path, flags, needle):
+    """A usage error of train is checked from the flags alone: torch (seconds to import) is
+    not imported to say it."""
+    probe = (
+        "import sys\n"
+        "from ckptkit.cli import main\n"
+        f"sys.argv = ['ckptkit', 'train', '--out', 'run', *{flags!r}]\n"
+        "try:\n    main()\nexcept SystemExit as exc:\n    code = exc.code\n"
+        "print('torch imported:', 'torch' in sys.modules, 'exit', code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "torch imported: False exit 2", (done.stdout, done.stderr)
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("Error: ") and needle in line

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.engine.config import TrainConfig
+from ckptkit.engine.config import TrainConfig, under_launcher
 from ckptkit.errors import UsageError
 from ckptkit.formats.io.remote import is_url
 
@@ -62,10 +62,10 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
         KeyboardInterrupt: Ctrl-C, once every worker has stopped.
     """
     _refuse_rerun()  # first: a worker re-running the script leaves before importing torch
-    from ckptkit.engine.distributed import Mode, under_launcher
-
     config = config or TrainConfig(**options)  # type: ignore[arg-type]
-    config.check()
+    config.check()  # before torch is imported: a usage error answers at once
+    from ckptkit.engine.distributed import Mode
+
     if is_url(config.out):  # staged here, mirrored there as it commits (DCP shards: written there)
         from ckptkit.engine.remote import staged_run
 
@@ -82,13 +82,6 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
         check_fresh(Path(config.out), resume=config.resume, overwrite=config.overwrite)
         if config.resume is not None:
             _check_resume(config)
-        ranks = config.nproc_per_node * config.grad_accum
-        if config.batch_size % ranks:
-            raise UsageError(
-                f"--batch-size {config.batch_size} does not split over {config.nproc_per_node} "
-                f"ranks x {config.grad_accum} micro-batches",
-                f"use a multiple of {ranks}",
-            )
         return launch(config)
     from ckptkit.engine.trainer import Engine
 

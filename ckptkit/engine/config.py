@@ -4,6 +4,7 @@ file too (flags override it), and recorded in every checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,14 @@ OPTIMIZERS = ("sgd", "adamw", "adam")
 SCHEDULES = ("constant", "step", "cosine")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSSES = ("cross_entropy", "mse")  # or MODULE:FN
+MODES = ("single", "dp", "ddp", "fsdp")  # distributed.Mode's values, known without torch
+
+
+def under_launcher() -> bool:
+    """True inside a worker started by torchrun or torch's elastic launcher."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
 
 
 @dataclass
@@ -74,15 +83,14 @@ class TrainConfig:
         Raises:
             UsageError: naming the option.
         """
-        from ckptkit.engine.distributed import Mode
-        from ckptkit.engine.runlog import check_sinks
+        from ckptkit.engine.runlog import check_sinks  # no torch: a usage error is quick
 
         if self.resume is not None and self.overwrite:
             raise UsageError("--resume and --overwrite contradict each other", "give one")
-        if self.mode not in {m.value for m in Mode}:
+        if self.mode not in MODES:
             raise UsageError(f"unknown mode '{self.mode}'", "use single, dp, ddp or fsdp")
         if self.save_format is None:
-            self.save_format = "dcp" if self.mode == Mode.FSDP.value else "pt"
+            self.save_format = "dcp" if self.mode == "fsdp" else "pt"
         choices = {
             "save_format": ("pt", "safetensors", "both", "dcp"),
             "optimizer": OPTIMIZERS,
@@ -136,6 +144,28 @@ class TrainConfig:
                 f"--monitor {self.monitor} needs validation data",
                 "give --val-data or --val-fraction",
             )
+        for name in ("model", "data", "val_data", "loss"):
+            spec = getattr(self, name)
+            if isinstance(spec, str) and (name != "loss" or spec not in LOSSES):
+                module, _, attr = spec.partition(":")
+                if not module or not attr:
+                    form = "MODULE:FN" if name == "loss" else "MODULE:FACTORY"
+                    raise UsageError(
+                        f"--{_flag(name)} '{spec}' is not {form}",
+                        f"e.g. --{_flag(name)} mypkg.{name}:build",
+                    )
+        # Under a launcher its world size counts the ranks, and build() checks the split.
+        ranks = self.nproc_per_node if self.mode in ("ddp", "fsdp") else 1
+        if not under_launcher() and self.batch_size % (ranks * self.grad_accum):
+            raise UsageError(
+                f"--batch-size {self.batch_size} does not split over {ranks} "
+                f"ranks x {self.grad_accum} micro-batches",
+                f"use a multiple of {ranks * self.grad_accum}",
+            )
+        if self.resume not in (None, "auto") and "://" not in str(self.resume):
+            path = Path(str(self.resume))
+            if not path.is_file() and not (path / ".metadata").is_file():
+                raise UsageError(f"cannot resume: {path} does not exist", "check --resume")
 
     @property
     def validates(self) -> bool:

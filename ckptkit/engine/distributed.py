@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ckptkit.engine.config import under_launcher
 from ckptkit.errors import HungRankError, UsageError
 
 __all__ = [
@@ -93,13 +94,6 @@ class Context:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
-
-
-def under_launcher() -> bool:
-    """True inside a worker started by torchrun or torch's elastic launcher."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    )
 
 
 def _device(kind: str, local_rank: int) -> torch.device:
