@@ -24,3 +24,21 @@ def test_mypy_is_clean(monkeypatch):
     monkeypatch.chdir(ROOT)
     out, err, status = mypy.run([])
     assert status == 0, out + err
+
+
+DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/**/*.md")])
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_code_fence_of_the_docs_is_a_line_of_its_own(page):
+    """A fence followed by text on its line (```` ``` more text ````) is no closing fence: the
+    rest of the page renders inverted."""
+    fences = [
+        (number, line)
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        if line.lstrip().startswith("```")
+    ]
+    for number, line in fences:
+        rest = line.strip()[3:]
+        assert rest == "" or rest.isidentifier(), f"{page.name}:{number}: {line}"
+    assert len(fences) % 2 == 0, f"{page.name}: a fence is left open"
