@@ -56,9 +56,15 @@ class Side:
     path: str
     format: str
     removed: list[str]
+    followed: list[str] = field(default_factory=list)  # files read from outside its folder
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "format": self.format, "removed_prefixes": self.removed}
+        return {
+            "path": self.path,
+            "format": self.format,
+            "removed_prefixes": self.removed,
+            "followed": self.followed,
+        }
 
 
 @dataclass
@@ -179,8 +185,8 @@ def diff(
             total = sum(i.nbytes for i in info_a.values()) + sum(i.nbytes for i in info_b.values())
             bar = stack.enter_context(progress_bar(total, "diff"))
         report = DiffReport(
-            a=Side(str(a), src_a.format, removed_a),
-            b=Side(str(b), src_b.format, removed_b),
+            a=Side(str(a), src_a.format, removed_a, src_a.followed),
+            b=Side(str(b), src_b.format, removed_b, src_b.followed),
             only_a=[k for k in keys_a if k not in keys_b],
             only_b=[k for k in keys_b if k not in keys_a],
             atol=atol,

@@ -598,6 +598,7 @@ def diff_lines(report: Any) -> list[str]:
     for name, side in (("A", report.a), ("B", report.b)):
         removed = f", stripped {''.join(side.removed)}" if side.removed else ""
         lines.append(f"{name}  {side.path} ({side.format}{removed})")
+        lines += [f"   read from outside its folder: {shown}" for shown in side.followed]
 
     def some(keys: list[str]) -> str:
         return ", ".join(keys[:6]) + (f" (+{len(keys) - 6} more)" if len(keys) > 6 else "")

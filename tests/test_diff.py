@@ -167,3 +167,35 @@ def test_diff_memory_stays_flat_on_a_big_checkpoint(tmp_path):
     assert doc["schema"] == 2 and doc["equal"]
     assert [t["key"] for t in doc["tensors"] if t["status"] == "close"] == ["w3"]
     assert peak_mb < 256, f"diff peaked at {peak_mb:.0f} MB"
+
+
+def test_a_shard_symlinked_out_of_its_folder_is_read_and_said(tmp_path):
+    """What a folder's reader followed out of the folder is named by every command, never
+    silent; the values are compared as they are."""
+    from click.testing import CliRunner
+
+    from ckptkit.cli import cli
+
+    folder, outside = tmp_path / "m", tmp_path / "outside"
+    outside.mkdir()
+    ckptkit.convert(FIXTURE_DIR / "single.pt", folder / "model.safetensors", max_shard_size=200)
+    shard = next(folder.glob("model-00001-*"))
+    shard.rename(outside / shard.name)
+    shard.symlink_to(outside / shard.name)
+    said = f"{shard} -> {outside / shard.name}"
+
+    def invoke(*args):
+        return CliRunner().invoke(cli, [str(a) for a in args], prog_name="ckptkit")
+
+    shown = invoke("diff", folder, FIXTURE_DIR / "single.pt")
+    assert shown.exit_code == 0 and "equal" in shown.output, shown.output
+    assert f"read from outside its folder: {said}" in shown.output
+    assert (
+        said
+        in json.loads(invoke("diff", folder, FIXTURE_DIR / "single.pt", "--json").output)["a"][
+            "followed"
+        ]
+    )
+    assert said in invoke("inspect", folder).output
+    converted = invoke("convert", folder, tmp_path / "o.safetensors")
+    assert converted.exit_code == 0 and said in converted.output

@@ -119,7 +119,22 @@ def open_source(
             api_hint="drop variant=",
         )
     source = _open(path, select, trust, allow_globals, check_safety, ema, variant)
+    if path.is_dir():
+        _note_followed(source, path)
     return _named(path, source, names_from, variant, unnamed)
+
+
+def _note_followed(source: Source, folder: Path) -> None:
+    """Say which of a folder's files are read from outside it (symlinked elsewhere): what was
+    followed is reported, never silent."""
+    inside = folder.resolve()
+    for file in source.files():
+        if isinstance(file, Path) and not file.resolve().is_relative_to(inside):
+            shown = f"{file} -> {file.resolve()}"
+            if shown not in source.followed:
+                source.followed.append(shown)
+    if source.followed:
+        source.selected_reason += f"; read from outside {folder}: {', '.join(source.followed)}"
 
 
 def _open(

@@ -78,6 +78,8 @@ class Source(ABC):
     dropped: list[DroppedPart] = field(default_factory=list)
     candidates: list[Candidate] = field(default_factory=list)  # every tensor map that could be it
     globals: list[str] = field(default_factory=list)
+    # Files read from outside the folder given (a shard symlinked elsewhere): "name -> target".
+    followed: list[str] = field(default_factory=list)
     # The model folder the weights came from (save_pretrained's), whose other files (config,
     # tokenizer) a folder output copies.
     folder: Path | None = None
