@@ -13,7 +13,8 @@ are then read with ranged requests. Over HTTP nothing is listed: only a DCP fold
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ckptkit.errors import (
@@ -47,6 +48,8 @@ from ckptkit.formats.folders.runs import run_checkpoint, trainer_checkpoint
 from ckptkit.formats.io.remote import RemotePath, as_path, is_url
 
 __all__ = ["open_source", "checkpoint_index"]
+
+Opener = Callable[..., Source]  # open_source with the caller's trust and safety options bound
 
 
 def checkpoint_index(path: Path) -> Path | None:
@@ -191,7 +194,12 @@ def _open_layout(
         )
         source.selected_reason += f"; {checkpoint.name}, {why}"
         return source
-    return _open_folder(path, select, trust, allow_globals, ema, variant)
+    # What a folder's files are opened with: the caller's trust and safety check (inspect
+    # describes a model folder's hostile pickle as it does the file itself).
+    opener = functools.partial(
+        open_source, trust=trust, allow_globals=allow_globals, check_safety=check_safety
+    )
+    return _open_folder(path, select, ema, variant, opener)
 
 
 def _named(
@@ -230,18 +238,12 @@ def _named(
 
 
 def _open_diffusers(
-    path: Path,
-    select: str | None,
-    trust: bool,
-    allow_globals: Iterable[str],
-    variant: str | None,
+    path: Path, select: str | None, variant: str | None, opener: Opener
 ) -> Source | None:
     """A diffusers pipeline's component, or a model folder's weights by their variant."""
     if is_pipeline(path):
         component = pipeline_component(path, select)
-        source = open_source(
-            component.folder, trust=trust, allow_globals=allow_globals, variant=variant
-        )
+        source = opener(component.folder, variant=variant)
         source.selected_reason = (
             f"the '{component.name}' component ({component.cls}) of the diffusers pipeline: "
             + source.selected_reason
@@ -256,19 +258,17 @@ def _open_diffusers(
             "drop --select (--variant picks another variant)",
             api_hint="drop select= (variant= picks another variant)",
         )
-    return _open_weights(path, weights, trust, allow_globals)
+    return _open_weights(path, weights, opener)
 
 
-def _open_weights(
-    path: Path, weights: Weights, trust: bool, allow_globals: Iterable[str]
-) -> Source:
+def _open_weights(path: Path, weights: Weights, opener: Opener) -> Source:
     source: Source
     if weights.sharded:
         from ckptkit.formats.folders.sharded import ShardedSource
 
-        source = ShardedSource(weights.path, opener=open_source, allow_globals=allow_globals)
+        source = ShardedSource(weights.path, opener=opener)
     else:
-        source = open_source(weights.path, trust=trust, allow_globals=allow_globals)
+        source = opener(weights.path)
     source.selected_reason = describe_weights(weights)
     source.folder = path
     source.weights_name = WEIGHTS_NAME if weights.diffusers else None
@@ -276,16 +276,11 @@ def _open_weights(
 
 
 def _open_folder(
-    path: Path,
-    select: str | None,
-    trust: bool,
-    allow_globals: Iterable[str],
-    ema: bool,
-    variant: str | None,
+    path: Path, select: str | None, ema: bool, variant: str | None, opener: Opener
 ) -> Source | None:
     """The reader of a folder layout ``path`` stands for, or None for a single file."""
     if path.is_dir():
-        diffusers = _open_diffusers(path, select, trust, allow_globals, variant)
+        diffusers = _open_diffusers(path, select, variant, opener)
         if diffusers is not None:
             return diffusers
     dcp = find_dcp(path)
@@ -307,7 +302,7 @@ def _open_folder(
             return DeepSpeedSource(path, tag, select=select)
         adapter = adapter_file_in(path)
         if adapter is not None:  # a PEFT adapter folder: ckptkit.adapters reads its config
-            source = open_source(adapter, allow_globals=allow_globals)
+            source = opener(adapter, trust=False)
             source.selected_reason = f"{adapter.name} of the PEFT adapter folder"
             return source
         model_file = model_file_in(path, select)
@@ -317,7 +312,7 @@ def _open_folder(
                 "name one of its model files without the suffix, e.g. --select model_1",
             )
         if model_file is not None:  # a model folder (save_pretrained, Accelerate save_state)
-            source = open_source(model_file, trust=trust, allow_globals=allow_globals)
+            source = opener(model_file)
             others = [
                 name.split(".")[0]
                 for name, kind in folder_parts(path)
@@ -333,7 +328,7 @@ def _open_folder(
 
         if select not in (None, ""):
             raise FormatError(f"{path} is a sharded state dict", "drop --select")
-        sharded = ShardedSource(index, opener=open_source, allow_globals=allow_globals)
+        sharded = ShardedSource(index, opener=opener)
         sharded.folder = index.parent
         return sharded
     return None

@@ -41,7 +41,13 @@ def model_file_in(folder: Path, select: str | None = None) -> Path | None:
     names = [f"{stem}{ext}" for stem in stems for ext in (".safetensors", ".bin")]
     if not select:
         names = list(MODEL_FILES)
-    return next((folder / n for n in names if (folder / n).is_file()), None)
+    # Any file by that name, not only a regular one: a FIFO there is refused by its reader,
+    # by name, where a "no model.safetensors" would mislead.
+    return next((folder / n for n in names if _is_file_like(folder / n)), None)
+
+
+def _is_file_like(path: Path) -> bool:
+    return path.is_file() if isinstance(path, RemotePath) else path.exists() and not path.is_dir()
 
 
 # A PEFT adapter folder (peft's save_pretrained): its weights beside adapter_config.json.
@@ -226,7 +232,7 @@ def find_dcp(path: Path) -> Path | None:
         return path
     if any(path.glob("*.index.json")):
         return None
-    shards = sorted(path.glob("*.safetensors"))
+    shards = sorted(p for p in path.glob("*.safetensors") if p.is_file())  # no FIFO opened
     return path if any(_sharding_info(p) is not None for p in shards) else None
 
 

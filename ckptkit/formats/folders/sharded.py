@@ -46,7 +46,11 @@ def read_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
 class ShardedSource(Source):
     """Several shard files read as one state dict."""
 
-    def __init__(self, index: Path, *, opener: Any, allow_globals: Iterable[str] = ()) -> None:
+    def __init__(
+        self, index: Path, *, opener: Any, allow_globals: Iterable[str] | None = None
+    ) -> None:
+        """``opener`` opens each shard (``open_source``, or one with the caller's options bound:
+        then ``allow_globals`` is None and the opener's own are kept)."""
         weight_map, index_meta = read_index(index)
         super().__init__(
             path=index,
@@ -84,21 +88,19 @@ class ShardedSource(Source):
         self.globals = sorted({g for shard in self.shards.values() for g in shard.globals})
 
     def _open_shards(
-        self, index: Path, names: list[str], opener: Any, allow_globals: Iterable[str]
+        self, index: Path, names: list[str], opener: Any, allow_globals: Iterable[str] | None
     ) -> None:
         """Each shard opened (its header read); at a URL, several at once (a request or two
         each, mostly waiting)."""
+        given = {} if allow_globals is None else {"allow_globals": allow_globals}
         if isinstance(index, Path):
             for name in names:
-                self.shards[name] = opener(index.parent / name, allow_globals=allow_globals)
+                self.shards[name] = opener(index.parent / name, **given)
             return
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(8, thread_name_prefix="ckptkit-open") as pool:
-            futures = [
-                pool.submit(opener, index.parent / name, allow_globals=allow_globals)
-                for name in names
-            ]
+            futures = [pool.submit(opener, index.parent / name, **given) for name in names]
             failure: BaseException | None = None
             for name, future in zip(names, futures, strict=True):
                 try:
