@@ -96,3 +96,45 @@ def test_a_cut_gguf_file_is_one_error(tmp_path, run):
         result = run(command, tmp_path / "cut.gguf")
         assert result.exit_code != 0
         assert "damaged GGUF" in result.output or "cut" in result.output, result.output
+
+
+def _nested(depth: int) -> bytes:
+    """A GGUF v3 header with no tensors and one key whose value is an array of an array of ...
+    ``depth`` deep (llama.cpp writes arrays of scalars and strings only)."""
+    import struct
+
+    key = b"general.nested"
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+    head += struct.pack("<I", 9)  # the value: an array
+    head += struct.pack("<IQ", 9, 1) * (depth - 1)  # ... of one array, of one array ...
+    return head + struct.pack("<IQ", 0, 1) + b"\x07"  # ... of one uint8
+
+
+@pytest.mark.parametrize("command", ["inspect", "scan", "diff", "inspect --stats"])
+def test_deeply_nested_metadata_arrays_are_one_error(tmp_path, run, command):
+    (tmp_path / "deep.gguf").write_bytes(_nested(50_000))
+    (tmp_path / "shallow.gguf").write_bytes(_nested(2))
+    words = command.split()
+    other = [tmp_path / "shallow.gguf"] if command == "diff" else []
+    result = run(words[0], tmp_path / "deep.gguf", *other, *words[1:])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    if command == "scan":  # a verdict, as for any damaged file
+        assert "damaged GGUF file (arrays nested over 4 deep)" in result.output
+        return
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("Error: ") and "deep.gguf" in line and "nested" in line, line
+
+
+def test_a_huge_metadata_array_is_shown_by_its_first_items(tmp_path, run):
+    """A million-entry token list is described, not kept whole."""
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list([f"t{i}" for i in range(100_000)])
+    writer.add_array("test.scores", list(range(1_000_000)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    shown = json.loads(run("inspect", path, "--json").output)["metadata"]
+    assert shown["tokenizer.ggml.tokens"] == "[t0, t1, t2, t3, t4, t5, t6, t7, ... (100000 items)]"
+    assert shown["test.scores"] == "[0, 1, 2, 3, 4, 5, 6, 7, ... (1000000 items)]"

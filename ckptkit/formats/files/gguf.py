@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -64,6 +65,7 @@ _SCALARS |= {11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 _MAX_ITEMS = 1 << 26  # an array or count larger than this is damage, not a model
 _SHOWN = 8  # array items kept in the metadata text
+_MAX_DEPTH = 4  # arrays of arrays: never written by llama.cpp, bounded against a crafted file
 
 
 class _Reader:
@@ -89,17 +91,38 @@ class _Reader:
         data = self.f.read(self.count("string length"))
         return data.decode("utf-8", errors="surrogateescape")
 
-    def value(self, kind: int) -> Any:
+    def value(self, kind: int, depth: int = 0) -> Any:
         if kind in _SCALARS:
             return self.take(_SCALARS[kind])
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
+            if depth >= _MAX_DEPTH:  # llama.cpp writes arrays of scalars and strings
+                raise FormatError(
+                    f"{self.path} is a damaged GGUF file (arrays nested over {_MAX_DEPTH} deep)"
+                )
             item = self.take("<I")
             n = self.count("array length")
-            items = [self.value(item) for _ in range(n)]
-            return items
+            shown = [self.value(item, depth + 1) for _ in range(min(n, _SHOWN))]
+            if item in _SCALARS:  # the rest skipped unread: a count is no reason to allocate
+                end = self.f.tell() + (n - len(shown)) * struct.calcsize(_SCALARS[item])
+                if end > self.size:
+                    raise FormatError(f"{self.path} is a damaged GGUF file (an array past its end)")
+                self.f.seek(end)
+            else:
+                for _ in range(n - len(shown)):
+                    self.value(item, depth + 1)
+            return _Array(shown, n)
         raise FormatError(f"{self.path} is a damaged GGUF file (value type {kind})")
+
+
+@dataclass(frozen=True)
+class _Array:
+    """A metadata array as it is shown: its first items and how many it holds (a tokenizer's
+    vocabulary is not kept whole to be described)."""
+
+    first: list[Any]
+    count: int
 
 
 def read_gguf_header(
@@ -137,9 +160,9 @@ def read_gguf_header(
 
 def _text(value: Any) -> str:
     """A metadata value as text: arrays shortened to their first items."""
-    if isinstance(value, list):
-        shown = ", ".join(_text(v) for v in value[:_SHOWN])
-        more = f", ... ({len(value)} items)" if len(value) > _SHOWN else ""
+    if isinstance(value, _Array):
+        shown = ", ".join(_text(v) for v in value.first)
+        more = f", ... ({value.count} items)" if value.count > len(value.first) else ""
         return f"[{shown}{more}]"
     return str(value)
 
