@@ -126,3 +126,44 @@ def test_every_docs_page_is_in_the_index():
     for page in PAGES:
         if page.parent != ROOT and page.name != "README.md":
             assert f"({page.relative_to(ROOT / 'docs').as_posix()})" in index, page
+
+
+def _console_commands(page: Path, marker: str) -> list[str]:
+    """The ``$ `` lines of a page's ```console blocks that mention ``marker``."""
+    blocks = re.findall(r"```console\n(.*?)```", page.read_text(), flags=re.S)
+    return [
+        line[2:]
+        for block in blocks
+        if marker in block
+        for line in block.splitlines()
+        if line.startswith("$ ")
+    ]
+
+
+@pytest.mark.slow
+def test_the_readme_s3_workflow_runs_as_printed(s3_env, tmp_path):
+    """README's run trained into a bucket and converted from it by two processes, each line
+    run as printed (the commands as a user types them, in subprocesses) against moto on
+    127.0.0.1; the sharded output equals the run's latest weights."""
+    import os
+    import shlex
+    import subprocess
+
+    import ckptkit
+
+    commands = _console_commands(README, "s3://ckpts/run")
+    assert [c.split()[0] for c in commands] == ["ckptkit", "torchrun", "ckptkit"], commands
+    s3_env.bucket("ckpts")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for command in commands:
+        done = subprocess.run(
+            shlex.split(command),
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, (command, done.stdout, done.stderr)
+    assert "sharded" in done.stdout  # the last line inspects the output
+    assert ckptkit.diff("s3://ckpts/model.safetensors.index.json", "s3://ckpts/run").equal
