@@ -187,11 +187,11 @@ def test_a_model_folder_output_keeps_diffusers_names(run, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", WEIGHTS]
     _same(load_file(tmp_path / "out" / WEIGHTS), _state(HERE / "unet_bin"))
-    # Into an existing folder too.
+    # Into an existing folder too, with its config: loadable as a new folder is.
     (tmp_path / "existing").mkdir()
     result = run("convert", UNET, "existing")
     assert result.exit_code == 0, result.stderr
-    assert sorted(p.name for p in (tmp_path / "existing").iterdir()) == [WEIGHTS]
+    assert sorted(p.name for p in (tmp_path / "existing").iterdir()) == ["config.json", WEIGHTS]
     # And sharded by --max-shard-size, with diffusers' shard and index names.
     result = run("convert", UNET, "sharded", "--max-shard-size", "20kB")
     assert result.exit_code == 0, result.stderr
