@@ -371,6 +371,8 @@ def convert_checkpoint(
         "check_outputs": check_outputs,
         "progress": progress,
     }
+    if _whole_pipeline(src, read, part):
+        return _convert_pipeline(src, dst, options)
     if not is_url(str(dst)):
         return _convert(src, Path(dst), None, **options)  # type: ignore[arg-type]
     url = RemotePath(str(dst))
@@ -392,6 +394,29 @@ def convert_checkpoint(
     if force and not dry_run and options["part"] is None:
         _remove_stale_there(url, report.files)
     return report
+
+
+def _whole_pipeline(src: str | Path, read: ReadOptions, part: Part | str | None) -> bool:
+    """A local diffusers pipeline folder, converted whole (no component selected, nothing
+    merged, not an EMAModel's weights, not a share of the shards)."""
+    from ckptkit.formats.folders.diffusers import is_pipeline
+
+    plain = read.select is None and not read.ema and read.names_from is None
+    return plain and not read.adapters.any and part is None and is_pipeline(as_path(src))
+
+
+def _convert_pipeline(src: str | Path, dst: str | Path, options: dict[str, Any]) -> ConvertReport:
+    """``convert PIPELINE OUT``: every component, into a pipeline folder (pipeline_convert.py)."""
+    from ckptkit.pipeline_convert import convert_pipeline
+
+    if is_url(str(dst)):
+        raise UsageError(
+            f"{src} is a diffusers pipeline: converted whole, it is written to a local folder",
+            "give a local folder, or take one component with --select NAME",
+            api_hint="give a local folder, or take one component with select=",
+        )
+    del options["part"], options["check_outputs"]
+    return convert_pipeline(as_path(src), Path(dst), **options)
 
 
 def _remove_stale_there(url: RemotePath, written: list[str]) -> None:

@@ -43,6 +43,8 @@ __all__ = [
     "weights_in",
     "describe_weights",
     "is_index_name",
+    "is_weights_name",
+    "variants_in",
     "part_kind",
     "is_pipeline",
     "read_model_index",
@@ -106,6 +108,17 @@ def _by_variant(folder: Path) -> dict[str | None, list[tuple[tuple[int, int, int
         )
         groups.setdefault(match["variant"], []).append((rank, path, match["stem"]))
     return groups
+
+
+def variants_in(folder: Path) -> set[str | None]:
+    """The variants whose weights a model folder holds (None: the weights without one)."""
+    return set(_by_variant(folder)) if folder.is_dir() else set()
+
+
+def is_weights_name(name: str) -> bool:
+    """A model folder's weights, shard or shard index by diffusers' or transformers' names,
+    a variant's included: what a converted folder's weights replace."""
+    return any(rx.fullmatch(name) for rx in (_SINGLE, _SHARD, _INDEX))
 
 
 def _variant_name(variant: str | None) -> str:
