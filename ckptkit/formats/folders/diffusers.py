@@ -24,7 +24,7 @@ import logging
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -210,7 +210,7 @@ def read_model_index(folder: Path) -> dict[str, Any]:
         FormatError: not JSON, too large or deep, not a mapping, or an odd ``_class_name``.
     """
     path = folder / MODEL_INDEX
-    data = read_json(path, "diffusers model index")
+    data = read_json(path, "diffusers model index", limit=CONFIG_LIMIT)
     if not isinstance(data, dict):
         raise FormatError(
             f"{path} is not a diffusers model index (it holds a {type(data).__name__}, not a "
@@ -224,6 +224,8 @@ def read_model_index(folder: Path) -> dict[str, Any]:
     return data
 
 
+# model_index.json and a model's config.json are a few kB.
+CONFIG_LIMIT = 1 << 20
 # A class name, a version, a component's name: identifiers, never this long in a real index.
 _NAME_LIMIT = 200
 
@@ -371,7 +373,7 @@ def _diffusers_class(name: str, config_path: Path) -> Any:
     except Exception as exc:  # noqa: BLE001 - a broken installation, said in one line
         raise FormatError(
             f"importing diffusers to rebuild the parameter order of {config_path} failed: "
-            f"{type(exc).__name__}: {quoted(str(exc), 160)}",
+            f"{type(exc).__name__}: {_cut(str(exc), 160)}",
             "repair the diffusers installation (pip install -U diffusers), or give "
             "--names-from the model saved with torch (save_pretrained(safe_serialization=False))",
         ) from None
@@ -382,37 +384,34 @@ def _diffusers_class(name: str, config_path: Path) -> Any:
 
 # The numbers of a model config that ckptkit builds a class from (on the meta device, so sizes
 # allocate nothing): counts of repeated layers or blocks are at most _MAX_REPEATS (real models
-# have a few dozen), other integers at most _MAX_INT in size, floats finite.
+# have a few dozen), other integers (an EMA's optimization_step among them) at most _MAX_INT in
+# size, floats finite.
 _MAX_REPEATS = 512
-_MAX_INT = 1 << 24
+_MAX_INT = 1 << 31
 _REPEATS = re.compile(r"(^|_)(layers|blocks)(_|$)")
 
 
-def _check_model_config(config: dict[str, Any], fields: Iterable[str], path: Path) -> None:
-    """Every number of the ``fields`` a class takes from ``config``: a number of the right kind
-    in a sensible range, before anything is built from it.
+def _check_model_config(config: dict[str, Any], path: Path) -> None:
+    """Every number of a model's ``config.json`` in a sensible range, before diffusers is
+    imported or anything is built from it.
 
     Raises:
         FormatError: naming the file, the field and the value.
     """
-    for field in fields:
-        if field not in config:
-            continue
+    for field, top in config.items():
         repeats = _REPEATS.search(field) is not None
-        stack = [config[field]]
+        stack = [top]
         while stack:  # lists of lists (transformer_layers_per_block): depth bounded by read_json
             value = stack.pop()
             if isinstance(value, list):
                 stack.extend(value)
             elif isinstance(value, float) and not math.isfinite(value):
-                raise _odd_value(path, field, config[field], "a finite number")
+                raise _odd_value(path, field, top, "a finite number")
             elif isinstance(value, int) and not isinstance(value, bool):
                 if repeats and not 0 <= value <= _MAX_REPEATS:
-                    raise _odd_value(
-                        path, field, config[field], f"a count from 0 to {_MAX_REPEATS}"
-                    )
+                    raise _odd_value(path, field, top, f"a count from 0 to {_MAX_REPEATS}")
                 if abs(value) > _MAX_INT:
-                    raise _odd_value(path, field, config[field], f"at most {_MAX_INT:,} in size")
+                    raise _odd_value(path, field, top, f"at most {_MAX_INT:,} in size")
 
 
 def _odd_value(path: Path, field: str, value: Any, wanted: str) -> FormatError:
@@ -428,6 +427,12 @@ def _shown(value: Any, limit: int = 80) -> str:
         text = json.dumps(value)
     except ValueError:  # an int past str()'s digit limit
         return f"an integer of {value.bit_length()} bits"
+    return _cut(text, limit)
+
+
+def _cut(text: str, limit: int) -> str:
+    """A message or value cut short for an error line (one line: newlines become spaces)."""
+    text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -480,22 +485,25 @@ def parameter_order(
             :func:`_check_model_config`), that builds more than ``limit`` parameters, or that
             its class refuses; importing diffusers failed.
     """
-    import inspect
-
     path = folder / "config.json"
     if not path.is_file():
         return None
-    config = read_json(path, "diffusers model config")
-    name = config.get("_class_name") if isinstance(config, dict) else None
+    config = read_json(path, "diffusers model config", limit=CONFIG_LIMIT)
+    if not isinstance(config, dict):
+        raise FormatError(
+            f"{path} is not a model config (it holds a {type(config).__name__}, not a mapping)",
+            "give --names-from the model folder the EMAModel was made from",
+        )
+    name = config.get("_class_name")
     if not isinstance(name, str) or not name.isidentifier():
         return None
+    _check_model_config(config, path)
     with _quiet():
         cls = _diffusers_class(name, path)
         if cls is None:
             return None
         import torch
 
-        _check_model_config(config, inspect.signature(cls.__init__).parameters, path)
         try:
             with _registration_budget(limit, path, held), torch.device("meta"):
                 model = cls.from_config(config)
@@ -503,7 +511,7 @@ def parameter_order(
             raise
         except Exception as exc:  # noqa: BLE001 - a config its class refuses
             raise FormatError(
-                f"{path} does not build a {name}: {type(exc).__name__}: {quoted(str(exc), 160)}"
+                f"{path} does not build a {name}: {type(exc).__name__}: {_cut(str(exc), 160)}"
             ) from None
     return [(key, tuple(p.shape)) for key, p in model.named_parameters()]
 
