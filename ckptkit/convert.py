@@ -371,7 +371,7 @@ def convert_checkpoint(
         "check_outputs": check_outputs,
         "progress": progress,
     }
-    if _whole_pipeline(src, read, part):
+    if _whole_pipeline(src, dst, read, part):
         return _convert_pipeline(src, dst, options)
     if not is_url(str(dst)):
         return _convert(src, Path(dst), None, **options)  # type: ignore[arg-type]
@@ -396,13 +396,24 @@ def convert_checkpoint(
     return report
 
 
-def _whole_pipeline(src: str | Path, read: ReadOptions, part: Part | str | None) -> bool:
-    """A local diffusers pipeline folder, converted whole (no component selected, nothing
-    merged, not an EMAModel's weights, not a share of the shards)."""
+def _whole_pipeline(
+    src: str | Path, dst: str | Path, read: ReadOptions, part: Part | str | None
+) -> bool:
+    """A local diffusers pipeline folder, converted whole into a folder (no component selected,
+    nothing merged, not an EMAModel's weights, not a share of the shards). Into a file, the
+    pipeline's error asks which component."""
     from ckptkit.formats.folders.diffusers import is_pipeline
 
     plain = read.select is None and not read.ema and read.names_from is None
-    return plain and not read.adapters.any and part is None and is_pipeline(as_path(src))
+    into_file = Path(str(dst)).suffix.lower() in (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+    return (
+        plain
+        and not into_file
+        and not read.adapters.any
+        and part is None
+        and not is_url(str(src))  # a pipeline at a URL: one component with --select
+        and is_pipeline(Path(src))
+    )
 
 
 def _convert_pipeline(src: str | Path, dst: str | Path, options: dict[str, Any]) -> ConvertReport:
