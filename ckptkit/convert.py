@@ -219,7 +219,9 @@ def convert(
     folder.
 
     Args:
-        src: the checkpoint to read (torch zip or legacy, safetensors, or sharded).
+        src: the checkpoint to read (torch zip or legacy, safetensors, or sharded). A diffusers
+            pipeline folder without ``select`` is converted whole into the pipeline folder
+            ``dst`` (see ``pipeline_convert.py``).
         dst: the output; its suffix picks the format (``.safetensors``, ``.pt``) unless
             ``to`` does.
         select: dotted path of the state dict in a training checkpoint (default: found).

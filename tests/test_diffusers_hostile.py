@@ -63,6 +63,28 @@ def test_scan_finds_a_pickle_that_runs_code_in_a_pipeline_component(run, pipelin
     assert "builtins.exec" in result.stdout
 
 
+def test_scan_of_a_pipeline_at_a_url_covers_its_components(run):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for path in PIPELINE.rglob("*"):
+        if path.is_file():
+            fs.pipe(f"/hostile-pipe/{path.relative_to(PIPELINE).as_posix()}", path.read_bytes())
+    fs.pipe("/hostile-pipe/unet/diffusion_pytorch_model.bin", MALICIOUS.read_bytes())
+    try:
+        result = run("scan", "memory://hostile-pipe", "--json")
+    finally:
+        fs.rm("/hostile-pipe", recursive=True)
+    assert result.exit_code == 1, result.output
+    verdicts = {r["path"]: r["verdict"] for r in json.loads(result.stdout)["files"]}
+    assert verdicts == {
+        "memory://hostile-pipe/text_encoder/model.safetensors": "safe",
+        "memory://hostile-pipe/unet/diffusion_pytorch_model.bin": "dangerous",
+        "memory://hostile-pipe/unet/diffusion_pytorch_model.safetensors": "safe",
+        "memory://hostile-pipe/vae/diffusion_pytorch_model.safetensors": "safe",
+    }
+
+
 # ------------------------------------------------------------- model_index.json (item 3)
 
 
