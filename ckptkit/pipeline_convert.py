@@ -63,6 +63,7 @@ class PipelineReport(ConvertReport):
 
     pipeline: str = ""  # the pipeline's class (model_index.json's _class_name)
     components: list[ComponentResult] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)  # top-level links, not copied
 
     def __str__(self) -> str:
         from ckptkit.render import convert_lines, plural
@@ -76,6 +77,8 @@ class PipelineReport(ConvertReport):
                 lines.append(f"{c.name} ({c.cls}): copied {plural(len(c.copied), 'file')}")
             if c.left_out:
                 lines.append(f"{c.name}: left out (not regular files): {', '.join(c.left_out)}")
+        if self.left_out:
+            lines.append(f"Left out {', '.join(self.left_out)} (links, not copied)")
         verb = "Would write" if self.dry_run else "Wrote   "
         lines.append(f"{verb} {', '.join(self.copied_files)}")
         return "\n".join(lines)
@@ -85,6 +88,7 @@ class PipelineReport(ConvertReport):
             **super().to_dict(),
             "pipeline": self.pipeline,
             "components": [c.to_dict() for c in self.components],
+            "left_out": self.left_out,
         }
 
 
@@ -217,8 +221,11 @@ def _convert_into(
         elif c.folder.is_dir():
             result.copied, result.left_out = _copy_tree(c.folder, out / c.name, dry_run)
         report.components.append(result)
-    top = [src / MODEL_INDEX] + [p for p in folder_files(src) if p.name != MODEL_INDEX]
-    for path in top:
+    # model_index.json was read and checked; the other top-level files (a model card): not
+    # links, which may lead anywhere
+    others = [p for p in folder_files(src) if p.name != MODEL_INDEX]
+    report.left_out = [p.name for p in others if p.is_symlink()]
+    for path in [src / MODEL_INDEX] + [p for p in others if not p.is_symlink()]:
         if not dry_run:
             shutil.copyfile(path, out / path.name)
         report.copied_files.append(path.name)

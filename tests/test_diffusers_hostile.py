@@ -126,9 +126,7 @@ COMMANDS = {
 
 @pytest.mark.parametrize("command", list(COMMANDS))
 @pytest.mark.parametrize("spoiled", list(SPOILED_INDEX))
-def test_a_spoiled_model_index_is_one_error_line_in_every_command(
-    run, pipeline, spoiled, command
-):
+def test_a_spoiled_model_index_is_one_error_line_in_every_command(run, pipeline, spoiled, command):
     spoil, needle = SPOILED_INDEX[spoiled]
     spoil(pipeline / "model_index.json")
     args = [a.format(p=pipeline) for a in COMMANDS[command]]
@@ -209,9 +207,7 @@ def test_a_spoiled_names_from_config_is_one_error_line(run, unet_copy, content, 
 
 
 @pytest.mark.slow  # imports diffusers
-def test_a_config_that_builds_more_parameters_than_the_weights_hold_stops_there(
-    run, unet_copy
-):
+def test_a_config_that_builds_more_parameters_than_the_weights_hold_stops_there(run, unet_copy):
     # 100 layers per block is in range, but builds thousands of parameters for a file of 208:
     # construction stops at the 209th instead of building them all.
     _config(unet_copy, layers_per_block=100)
@@ -289,9 +285,7 @@ def test_a_pipeline_converts_whole_into_a_pipeline_folder(run, tmp_path):
         assert (out / name).read_bytes() == (PIPELINE / name).read_bytes()
 
 
-def test_a_pipeline_converts_into_an_existing_folder_and_force_keeps_other_files(
-    run, tmp_path
-):
+def test_a_pipeline_converts_into_an_existing_folder_and_force_keeps_other_files(run, tmp_path):
     out = tmp_path / "out"
     out.mkdir()  # an empty folder made with mkdir: filled, no --force needed
     assert run("convert", PIPELINE, out).exit_code == 0
@@ -341,11 +335,16 @@ def test_a_pipeline_component_that_is_not_a_regular_file_is_left_out_and_named(
 ):
     os.mkfifo(pipeline / "tokenizer" / "vocab.json")  # would block a copy for good
     os.symlink("/etc/hostname", pipeline / "scheduler" / "elsewhere.json")
+    os.symlink("/etc/hostname", pipeline / "README.md")
     result = run("convert", pipeline, "out")
     assert result.exit_code == 0, result.stderr
     assert "tokenizer: left out (not regular files): vocab.json" in result.stdout
     assert "scheduler: left out (not regular files): elsewhere.json" in result.stdout
-    assert not (tmp_path / "out" / "tokenizer" / "vocab.json").exists()
+    assert "Left out README.md (links, not copied)" in result.stdout
+    out = tmp_path / "out"
+    assert not [
+        p for p in out.rglob("*") if p.name in ("vocab.json", "elsewhere.json", "README.md")
+    ]
 
 
 @pytest.mark.slow  # imports diffusers
