@@ -468,7 +468,7 @@ def _registration_budget(limit: int, path: Path, held: str) -> Iterator[None]:
 
 
 def parameter_order(
-    folder: Path, limit: int, held: str = "the weights file holds fewer tensors"
+    folder: Path, limit: int, held: str
 ) -> list[tuple[str, tuple[int, ...]]] | None:
     """A diffusers model folder's parameters in ``parameters()`` order, with their shapes: the
     model class its ``config.json`` names (diffusers' own, never code from the folder) built
