@@ -449,9 +449,7 @@ def convert(
     if as_json:
         _emit("convert", report.to_dict())
     elif not quiet:
-        from ckptkit.render import convert_lines
-
-        _echo(convert_lines(report))
+        _echo(str(report).splitlines())  # a pipeline's report renders its components
 
 
 def _train_default(name: str) -> Any:

@@ -219,7 +219,9 @@ def convert(
     folder.
 
     Args:
-        src: the checkpoint to read (torch zip or legacy, safetensors, or sharded).
+        src: the checkpoint to read (torch zip or legacy, safetensors, or sharded). A diffusers
+            pipeline folder without ``select`` is converted whole into the pipeline folder
+            ``dst`` (see ``pipeline_convert.py``).
         dst: the output; its suffix picks the format (``.safetensors``, ``.pt``) unless
             ``to`` does.
         select: dotted path of the state dict in a training checkpoint (default: found).
@@ -371,6 +373,8 @@ def convert_checkpoint(
         "check_outputs": check_outputs,
         "progress": progress,
     }
+    if _whole_pipeline(src, dst, read, part):
+        return _convert_pipeline(src, dst, options)
     if not is_url(str(dst)):
         return _convert(src, Path(dst), None, **options)  # type: ignore[arg-type]
     url = RemotePath(str(dst))
@@ -392,6 +396,40 @@ def convert_checkpoint(
     if force and not dry_run and options["part"] is None:
         _remove_stale_there(url, report.files)
     return report
+
+
+def _whole_pipeline(
+    src: str | Path, dst: str | Path, read: ReadOptions, part: Part | str | None
+) -> bool:
+    """A local diffusers pipeline folder, converted whole into a folder (no component selected,
+    nothing merged, not an EMAModel's weights, not a share of the shards). Into a file, the
+    pipeline's error asks which component."""
+    from ckptkit.formats.folders.diffusers import is_pipeline
+
+    plain = read.select is None and not read.ema and read.names_from is None
+    into_file = Path(str(dst)).suffix.lower() in (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+    return (
+        plain
+        and not into_file
+        and not read.adapters.any
+        and part is None
+        and not is_url(str(src))  # a pipeline at a URL: one component with --select
+        and is_pipeline(Path(src))
+    )
+
+
+def _convert_pipeline(src: str | Path, dst: str | Path, options: dict[str, Any]) -> ConvertReport:
+    """``convert PIPELINE OUT``: every component, into a pipeline folder (pipeline_convert.py)."""
+    from ckptkit.pipeline_convert import convert_pipeline
+
+    if is_url(str(dst)):
+        raise UsageError(
+            f"{src} is a diffusers pipeline: converted whole, it is written to a local folder",
+            "give a local folder, or take one component with --select NAME",
+            api_hint="give a local folder, or take one component with select=",
+        )
+    del options["part"], options["check_outputs"]
+    return convert_pipeline(as_path(src), Path(dst), **options)
 
 
 def _remove_stale_there(url: RemotePath, written: list[str]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ckptkit.errors import CkptkitError, FormatError
 from ckptkit.formats.files.readings import Reading, readings, remote_readings
+from ckptkit.formats.folders.diffusers import MODEL_INDEX, is_pipeline, pipeline_components
 from ckptkit.formats.folders.layouts import folder_parts
 from ckptkit.formats.io.rangefile import RangeFile
 from ckptkit.formats.io.remote import RemotePath, as_path, is_url, open_remote
@@ -175,11 +176,18 @@ def scan_many(
 
 
 def _scan_folder(folder: Path, allowed: frozenset[str]) -> list[ScanReport]:
+    """A folder's files that a loader would read; a diffusers pipeline's are in the folders of
+    the components its ``model_index.json`` names (each model folder's weights, every variant
+    and shard)."""
+    folders = [c.folder for c in pipeline_components(folder)] if is_pipeline(folder) else [folder]
     reports = []
-    for name, _ in folder_parts(folder):
-        found = readings(folder / name)
-        if found:
-            reports.append(report_of(folder / name, found, allowed))
+    for part in folders:
+        if not part.is_dir():
+            continue  # a component with nothing saved (a pipeline loads it without weights)
+        for name, _ in folder_parts(part):
+            found = readings(part / name)
+            if found:
+                reports.append(report_of(part / name, found, allowed))
     if not reports:
         raise FormatError(f"{folder} holds no file that a loader would read")
     return reports
@@ -191,24 +199,31 @@ _LOADED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 
 
 def _scan_url_folder(folder: RemotePath, allowed: frozenset[str]) -> list[ScanReport]:
-    """A folder (a prefix) at a URL: each checkpoint file in it, by its name."""
+    """A folder (a prefix) at a URL: each checkpoint file in it, by its name; a diffusers
+    pipeline's, in the folders of its components."""
     names = folder.names()
     if names is None:  # http(s): no listing
         return [scan(str(folder), allow_globals=allowed)]
-    picked = sorted(n for n in names if n.endswith(_LOADED_SUFFIXES))
+    if MODEL_INDEX in names:
+        parts = [folder / c.name for c in pipeline_components(folder)]  # type: ignore[arg-type]
+        picked = [p / n for p in parts for n in sorted(p.names() or []) if _loaded(n)]
+    else:
+        picked = [folder / n for n in sorted(names) if _loaded(n)]
     if not picked:
         if not names:
             raise FormatError(f"{folder} does not exist, or holds nothing")
         raise FormatError(f"{folder} holds no file that a loader would read")
     reports = []
-    for name in picked:
+    for path in picked:
         try:
-            reports.append(scan(str(folder / name), allow_globals=allowed))
+            reports.append(scan(str(path), allow_globals=allowed))
         except CkptkitError as exc:
-            reports.append(
-                ScanReport(str(folder / name), "unknown", allowed=allowed, error=exc.cli_text)
-            )
+            reports.append(ScanReport(str(path), "unknown", allowed=allowed, error=exc.cli_text))
     return reports
+
+
+def _loaded(name: str) -> bool:
+    return name.endswith(_LOADED_SUFFIXES)
 
 
 def overall_verdict(reports: Iterable[ScanReport]) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, SelectError
 from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.formats.io.small import quoted, read_json
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +43,8 @@ __all__ = [
     "weights_in",
     "describe_weights",
     "is_index_name",
+    "is_weights_name",
+    "variants_in",
     "part_kind",
     "is_pipeline",
     "read_model_index",
@@ -104,6 +108,17 @@ def _by_variant(folder: Path) -> dict[str | None, list[tuple[tuple[int, int, int
         )
         groups.setdefault(match["variant"], []).append((rank, path, match["stem"]))
     return groups
+
+
+def variants_in(folder: Path) -> set[str | None]:
+    """The variants whose weights a model folder holds (None: the weights without one)."""
+    return set(_by_variant(folder)) if folder.is_dir() else set()
+
+
+def is_weights_name(name: str) -> bool:
+    """A model folder's weights, shard or shard index by diffusers' or transformers' names,
+    a variant's included: what a converted folder's weights replace."""
+    return any(rx.fullmatch(name) for rx in (_SINGLE, _SHARD, _INDEX))
 
 
 def _variant_name(variant: str | None) -> str:
@@ -188,32 +203,64 @@ class Component:
 
 
 def read_model_index(folder: Path) -> dict[str, Any]:
-    """A pipeline's ``model_index.json``.
+    """A pipeline's ``model_index.json``: read with its size and nesting bounded, its class and
+    version checked to be short strings (they are printed).
 
     Raises:
-        FormatError: not JSON, or not a mapping.
+        FormatError: not JSON, too large or deep, not a mapping, or an odd ``_class_name``.
     """
-    try:
-        data = json.loads((folder / MODEL_INDEX).read_text())
-    except (OSError, ValueError) as exc:
-        raise FormatError(f"{folder / MODEL_INDEX} is not a diffusers model index") from exc
+    path = folder / MODEL_INDEX
+    data = read_json(path, "diffusers model index", limit=CONFIG_LIMIT)
     if not isinstance(data, dict):
-        raise FormatError(f"{folder / MODEL_INDEX} is not a diffusers model index (no mapping)")
+        raise FormatError(
+            f"{path} is not a diffusers model index (it holds a {type(data).__name__}, not a "
+            "mapping)",
+            "check that it is the pipeline's model_index.json",
+        )
+    for field in ("_class_name", "_diffusers_version"):
+        value = data.get(field)
+        if value is not None and (not isinstance(value, str) or len(value) > _NAME_LIMIT):
+            raise _odd_field(path, field, value, "a short string")
     return data
+
+
+# model_index.json and a model's config.json are a few kB.
+CONFIG_LIMIT = 1 << 20
+# A class name, a version, a component's name: identifiers, never this long in a real index.
+_NAME_LIMIT = 200
+
+
+def _odd_field(path: Path, field: str, value: Any, wanted: str) -> FormatError:
+    return FormatError(
+        f"{path}: field '{field}' is {_shown(value)}, not {wanted}",
+        f"check that {path.name} is the one diffusers wrote",
+    )
 
 
 def pipeline_components(folder: Path) -> list[Component]:
     """The components a pipeline's ``model_index.json`` names (``[null, null]`` ones left out),
-    in its order."""
+    in its order.
+
+    Raises:
+        FormatError: an entry ``[library, class]`` whose parts are not short strings, or whose
+            name is not a plain folder name (``../x``).
+    """
     out = []
+    path = folder / MODEL_INDEX
     for name, value in read_model_index(folder).items():
         if name.startswith("_") or not isinstance(value, list) or len(value) != 2:
+            continue  # a setting (requires_safety_checker), not a component
+        if value == [None, None]:
             continue
         library, cls = value
-        if not isinstance(library, str) or not isinstance(cls, str):
-            continue
-        if Path(name).name != name or name in (".", ".."):
-            continue
+        if not all(isinstance(v, str) and 0 < len(v) <= _NAME_LIMIT for v in value):
+            raise _odd_field(path, name, value, "[library, class] (two short strings)")
+        if Path(name).name != name or name in (".", "..") or len(name) > _NAME_LIMIT:
+            raise FormatError(
+                f"{path} names a component {quoted(name)}, which is not a folder inside the "
+                "pipeline",
+                f"check that {MODEL_INDEX} is the one diffusers wrote",
+            )
         out.append(Component(name, library, cls, folder / name))
     return out
 
@@ -267,47 +314,205 @@ def pipeline_component(folder: Path, select: str | None) -> Component:
 _BUFFER_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
 
+# The libraries importing diffusers wakes (torchao's "Failed to load ...so", torch's _pytree
+# deprecations, diffusers' and transformers' notes): ckptkit's commands print only their own.
+_LIBRARY_LOGGERS = ("torch", "torchao", "diffusers", "transformers")
+_VERBOSITY = ("DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY")
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    logger = logging.getLogger("diffusers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """Around ckptkit's use of diffusers: the libraries' log lines and warnings silenced, and
+    the cache folder torch's inductor makes when it is imported (``$TMPDIR/torchinductor_USER``,
+    by ``torch._dynamo.package`` when torchao imports it) made in a temporary folder that is
+    removed afterwards, unless the user chose one (``TORCHINDUCTOR_CACHE_DIR``)."""
+    import os
+    import shutil
+    import tempfile
+
+    import torch  # first: its import sets its loggers' levels
+
+    del torch
+    # diffusers and transformers set their loggers' levels when first imported, from these.
+    settings = {name: "error" for name in _VERBOSITY if name not in os.environ}
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        settings["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="ckptkit-inductor-")
+    os.environ.update(settings)
+    loggers = [logging.getLogger(name) for name in _LIBRARY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+        for name in settings:
+            os.environ.pop(name, None)
+        if "TORCHINDUCTOR_CACHE_DIR" in settings:
+            shutil.rmtree(settings["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
-def parameter_order(folder: Path) -> list[tuple[str, tuple[int, ...]]] | None:
+def _diffusers_class(name: str, config_path: Path) -> Any:
+    """diffusers' own model class ``name`` (never code from a folder), or None when diffusers is
+    not installed or has no such model class. Call inside :func:`_quiet`.
+
+    Raises:
+        FormatError: importing diffusers failed with anything but an ImportError (a broken
+            installation raises RuntimeError, AttributeError...).
+    """
+    try:
+        import diffusers
+
+        cls = getattr(diffusers, name, None)
+        model_mixin = diffusers.ModelMixin
+    except ImportError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - a broken installation, said in one line
+        raise FormatError(
+            f"importing diffusers to rebuild the parameter order of {config_path} failed: "
+            f"{type(exc).__name__}: {_cut(str(exc), 160)}",
+            "repair the diffusers installation (pip install -U diffusers), or give "
+            "--names-from the model saved with torch (save_pretrained(safe_serialization=False))",
+        ) from None
+    if not isinstance(cls, type) or not issubclass(cls, model_mixin):
+        return None
+    return cls
+
+
+# The numbers of a model config that ckptkit builds a class from (on the meta device, so sizes
+# allocate nothing): counts of repeated layers or blocks are at most _MAX_REPEATS (real models
+# have a few dozen), other integers (an EMA's optimization_step among them) at most _MAX_INT in
+# size, floats finite.
+_MAX_REPEATS = 512
+_MAX_INT = 1 << 31
+_REPEATS = re.compile(r"(^|_)(layers|blocks)(_|$)")
+
+
+def _check_model_config(config: dict[str, Any], path: Path) -> None:
+    """Every number of a model's ``config.json`` in a sensible range, before diffusers is
+    imported or anything is built from it.
+
+    Raises:
+        FormatError: naming the file, the field and the value.
+    """
+    for field, top in config.items():
+        repeats = _REPEATS.search(field) is not None
+        stack = [top]
+        while stack:  # lists of lists (transformer_layers_per_block): depth bounded by read_json
+            value = stack.pop()
+            if isinstance(value, list):
+                stack.extend(value)
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise _odd_value(path, field, top, "a finite number")
+            elif isinstance(value, int) and not isinstance(value, bool):
+                if repeats and not 0 <= value <= _MAX_REPEATS:
+                    raise _odd_value(path, field, top, f"a count from 0 to {_MAX_REPEATS}")
+                if abs(value) > _MAX_INT:
+                    raise _odd_value(path, field, top, f"at most {_MAX_INT:,} in size")
+
+
+def _odd_value(path: Path, field: str, value: Any, wanted: str) -> FormatError:
+    return FormatError(
+        f"{path}: field '{field}' is {_shown(value)}, not {wanted}",
+        f"check that {path.name} is the config of the model the EMAModel was made from",
+    )
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """A value read from JSON as JSON writes it (NaN, Infinity), cut short for an error."""
+    try:
+        text = json.dumps(value)
+    except ValueError:  # an int past str()'s digit limit
+        return f"an integer of {value.bit_length()} bits"
+    return _cut(text, limit)
+
+
+def _cut(text: str, limit: int) -> str:
+    """A message or value cut short for an error line (one line: newlines become spaces)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def _registration_budget(limit: int, path: Path, held: str) -> Iterator[None]:
+    """Stop a model's construction once it registers more than ``limit`` parameters (or ten
+    times as many modules): a config that would build more than the weights file holds is
+    wrong, and building it whole could take minutes and gigabytes of Python objects."""
+    from torch.nn.modules import module
+
+    counts = {"parameters": 0, "modules": 0}
+
+    def count(what: str, bound: int) -> None:
+        counts[what] += 1
+        if counts[what] > bound:
+            raise FormatError(
+                f"{path} builds more than {bound:,} {what}, but {held}",
+                "give --names-from the model folder the EMAModel was made from",
+                api_hint="give names_from= the model folder the EMAModel was made from",
+            )
+
+    handles = [
+        module.register_module_parameter_registration_hook(lambda *_: count("parameters", limit)),
+        module.register_module_module_registration_hook(
+            lambda *_: count("modules", 10 * limit + 100)
+        ),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def parameter_order(
+    folder: Path, limit: int, held: str
+) -> list[tuple[str, tuple[int, ...]]] | None:
     """A diffusers model folder's parameters in ``parameters()`` order, with their shapes: the
     model class its ``config.json`` names (diffusers' own, never code from the folder) built
     from that config on torch's meta device, which allocates nothing. None when diffusers is
     not installed or the config names no diffusers model class.
+
+    Args:
+        limit: the most parameters the model may have (the tensors its weights file holds):
+            construction stops past it.
+        held: what holds ``limit`` tensors, for the error.
+
+    Raises:
+        FormatError: a config that cannot be read, with a number out of range (see
+            :func:`_check_model_config`), that builds more than ``limit`` parameters, or that
+            its class refuses; importing diffusers failed.
     """
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
+    path = folder / "config.json"
+    if not path.is_file():
         return None
-    name = config.get("_class_name") if isinstance(config, dict) else None
+    config = read_json(path, "diffusers model config", limit=CONFIG_LIMIT)
+    if not isinstance(config, dict):
+        raise FormatError(
+            f"{path} is not a model config (it holds a {type(config).__name__}, not a mapping)",
+            "give --names-from the model folder the EMAModel was made from",
+        )
+    name = config.get("_class_name")
     if not isinstance(name, str) or not name.isidentifier():
         return None
-    try:
-        import diffusers
+    _check_model_config(config, path)
+    with _quiet():
+        cls = _diffusers_class(name, path)
+        if cls is None:
+            return None
         import torch
-    except ImportError:
-        return None
-    cls = getattr(diffusers, name, None)
-    if not isinstance(cls, type) or not issubclass(cls, diffusers.ModelMixin):
-        return None
-    try:
-        with _quiet(), torch.device("meta"):
-            model = cls.from_config(config)
-    except Exception as exc:  # a config its class refuses
-        raise FormatError(
-            f"{folder / 'config.json'} does not build a {name}: {type(exc).__name__}: {exc}"
-        ) from None
+
+        try:
+            with _registration_budget(limit, path, held), torch.device("meta"):
+                model = cls.from_config(config)
+        except FormatError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a config its class refuses
+            raise FormatError(
+                f"{path} does not build a {name}: {type(exc).__name__}: {_cut(str(exc), 160)}"
+            ) from None
     return [(key, tuple(p.shape)) for key, p in model.named_parameters()]
 
 
@@ -332,7 +537,8 @@ def shadow_names(ema: Source, model: Source, names_from: Path) -> list[str]:
         how = f"in {model.path.name}'s order"
     else:
         folder = names_from if names_from.is_dir() else model.path.parent
-        order = parameter_order(folder)
+        held = f"{model.path.name} holds {len(entries):,} tensors"
+        order = parameter_order(folder, len(entries), held)
         if order is None:
             raise FormatError(
                 f"{model.path.name} ({model.format}) stores its keys sorted, not in the model's "

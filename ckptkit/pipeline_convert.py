@@ -1,0 +1,280 @@
+"""``convert`` of a whole diffusers pipeline folder into another pipeline folder.
+
+Each component that holds weights goes through convert's own machinery, a tensor at a time,
+into a model folder of its own (safetensors, cast where asked, verified as any conversion is);
+the components without weights (scheduler, tokenizer, feature extractor) and
+``model_index.json`` are copied. The output is made in a temporary folder beside it, then
+put in place: a new folder by one rename; an existing one (empty, or with ``--force``) gets
+the pipeline's files, and only the weights files of the components written are replaced
+(files of other names in it are left alone).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ckptkit.convert import ConvertReport, OutputOptions, ReadOptions, convert_checkpoint
+from ckptkit.errors import OutputError, SelectError, UsageError
+from ckptkit.formats.folders.diffusers import (
+    MODEL_INDEX,
+    Component,
+    is_weights_name,
+    pipeline_components,
+    read_model_index,
+    variants_in,
+)
+from ckptkit.formats.folders.layouts import folder_files
+from ckptkit.formats.io.atomic import check_folder_output
+from ckptkit.keys import KeyPlan, KeyRules
+
+__all__ = ["PipelineReport", "ComponentResult", "convert_pipeline"]
+
+
+@dataclass
+class ComponentResult:
+    """One component of a converted pipeline: its weights' conversion, or the files copied."""
+
+    name: str
+    library: str
+    cls: str
+    report: ConvertReport | None = None  # None: no weights, its files copied
+    copied: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)  # not regular files (links, FIFOs...)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "library": self.library,
+            "class": self.cls,
+            "convert": self.report.to_dict() if self.report is not None else None,
+            "copied": self.copied,
+            "left_out": self.left_out,
+        }
+
+
+@dataclass
+class PipelineReport(ConvertReport):
+    """A pipeline's conversion: each component's report, and the files copied."""
+
+    pipeline: str = ""  # the pipeline's class (model_index.json's _class_name)
+    components: list[ComponentResult] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)  # top-level links, not copied
+
+    def __str__(self) -> str:
+        from ckptkit.render import convert_lines, plural
+
+        lines = [f"Pipeline {self.source} ({self.pipeline}) -> {self.destination}"]
+        for c in self.components:
+            if c.report is not None:
+                lines.append(f"{c.name} ({c.cls}):")
+                lines += [f"  {line}" for line in convert_lines(c.report)]
+            elif c.copied:
+                lines.append(f"{c.name} ({c.cls}): copied {plural(len(c.copied), 'file')}")
+            if c.left_out:
+                lines.append(f"{c.name}: left out (not regular files): {', '.join(c.left_out)}")
+        if self.left_out:
+            lines.append(f"Left out {', '.join(self.left_out)} (links, not copied)")
+        verb = "Would write" if self.dry_run else "Wrote   "
+        lines.append(f"{verb} {', '.join(self.copied_files)}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **super().to_dict(),
+            "pipeline": self.pipeline,
+            "components": [c.to_dict() for c in self.components],
+            "left_out": self.left_out,
+        }
+
+
+def is_default_keys(keys: KeyRules) -> bool:
+    return keys == KeyRules()
+
+
+def convert_pipeline(
+    src: Path,
+    dst: Path,
+    *,
+    read: ReadOptions,
+    keys: KeyRules,
+    output: OutputOptions,
+    dry_run: bool,
+    force: bool,
+    verify: bool,
+    progress: bool,
+) -> PipelineReport:
+    """A diffusers pipeline folder converted into the pipeline folder ``dst``.
+
+    Raises:
+        UsageError: options that would make the pipeline unloadable (key rewrites, another
+            format than safetensors).
+        SelectError: ``read.variant`` held by no component.
+        OutputError: ``dst`` is a file, holds other files without ``force``, or is the source.
+    """
+    if not is_default_keys(keys) or output.to not in (None, "safetensors"):
+        raise UsageError(
+            f"{src} is a diffusers pipeline: converting it whole writes a pipeline folder "
+            "(safetensors, diffusers' key names)",
+            "drop the key and format options, or take one component with --select NAME",
+            api_hint="drop the key and format options, or take one component with select=",
+        )
+    components = pipeline_components(src)
+    cls = read_model_index(src).get("_class_name") or "pipeline"
+    _check_variant(src, components, read.variant)
+    check_folder_output(dst, force=True, inputs=[src])
+    existing = dst.is_dir() and any(dst.iterdir())
+    if existing and not force and not dry_run:
+        raise OutputError(
+            f"{dst} exists and holds files",
+            "pass --force to replace the pipeline's files in it (its other files are kept)",
+            api_hint="pass force=True to replace the pipeline's files in it",
+        )
+    report = PipelineReport(
+        source=str(src),
+        source_format="diffusers pipeline",
+        destination=str(dst),
+        output_format="diffusers pipeline",
+        selected="",
+        selected_reason="every component",
+        plan=KeyPlan({}),
+        tensors=0,
+        nbytes=0,
+        pipeline=str(cls),
+        dry_run=dry_run,
+    )
+    if dry_run:
+        _convert_into(src, dst, components, report, read, output, dry_run, verify, progress)
+        return report
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.pipeline-") as tmp:
+        stage = Path(tmp) / dst.name
+        stage.mkdir()
+        _convert_into(src, stage, components, report, read, output, dry_run, verify, progress)
+        _put_in_place(stage, dst, report)
+    _named_in(report, stage, dst)
+    return report
+
+
+def _named_in(report: PipelineReport, stage: Path, dst: Path) -> None:
+    """The report names the files where they are now, in ``dst``, not where they were made."""
+
+    def moved(path: str) -> str:
+        return str(dst / Path(path).relative_to(stage)) if path.startswith(str(stage)) else path
+
+    report.files = [moved(f) for f in report.files]
+    for c in report.components:
+        if c.report is not None:
+            c.report.destination = moved(c.report.destination)
+            c.report.files = [moved(f) for f in c.report.files]
+
+
+def _check_variant(src: Path, components: list[Component], variant: str | None) -> None:
+    """A variant must be held by some component (the others are read without one, as
+    diffusers' ``from_pretrained(variant=...)`` falls back to them)."""
+    if variant is None:
+        return
+    if not any(variant in variants_in(c.folder) for c in components if c.holds_weights()):
+        raise SelectError(
+            f"no component of the diffusers pipeline {src} holds weights of variant '{variant}'",
+            "drop --variant, or give one its components hold",
+            api_hint="drop variant=, or give one its components hold",
+        )
+
+
+def _convert_into(
+    src: Path,
+    out: Path,
+    components: list[Component],
+    report: PipelineReport,
+    read: ReadOptions,
+    output: OutputOptions,
+    dry_run: bool,
+    verify: bool,
+    progress: bool,
+) -> None:
+    """Every component into ``out``: the weights converted, the other folders copied; then
+    ``model_index.json`` and the pipeline's other top-level files (not weights)."""
+    for c in components:
+        result = ComponentResult(c.name, c.library, c.cls)
+        if c.holds_weights():
+            variant = read.variant if read.variant in variants_in(c.folder) else None
+            sub = convert_checkpoint(
+                c.folder,
+                out / c.name,
+                read=replace(read, variant=variant),
+                output=output,
+                dry_run=dry_run,
+                verify=verify,
+                progress=progress,
+            )
+            result.report = sub
+            report.tensors += sub.tensors
+            report.nbytes += sub.nbytes
+            report.source_nbytes += sub.source_nbytes
+            report.cast += [f"{c.name}/{key}" for key in sub.cast]
+            report.files += sub.files
+            report.overflowed += [f"{c.name}/{key}" for key in sub.overflowed]
+        elif c.folder.is_dir():
+            result.copied, result.left_out = _copy_tree(c.folder, out / c.name, dry_run)
+        report.components.append(result)
+    # model_index.json was read and checked; the other top-level files (a model card): not
+    # links, which may lead anywhere
+    others = [p for p in folder_files(src) if p.name != MODEL_INDEX]
+    report.left_out = [p.name for p in others if p.is_symlink()]
+    for path in [src / MODEL_INDEX] + [p for p in others if not p.is_symlink()]:
+        if not dry_run:
+            shutil.copyfile(path, out / path.name)
+        report.copied_files.append(path.name)
+    converted = [c.report for c in report.components if c.report is not None]
+    report.verified = not dry_run and verify and all(r.verified for r in converted)
+
+
+def _copy_tree(folder: Path, out: Path, dry_run: bool) -> tuple[list[str], list[str]]:
+    """A component's folder without weights (a tokenizer's, a scheduler's), copied: its regular
+    files, in sub-folders too; links and special files (a FIFO would block the copy) are left
+    out and named."""
+    copied, left_out = [], []
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            left_out.append(rel)
+        elif path.is_file():  # rglob does not go into linked folders
+            copied.append(rel)
+            if not dry_run:
+                (out / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, out / rel)
+    if not dry_run:
+        out.mkdir(exist_ok=True)
+    return copied, left_out
+
+
+def _put_in_place(stage: Path, dst: Path, report: PipelineReport) -> None:
+    """The staged pipeline becomes ``dst``: a new folder by one rename; in an existing one,
+    each staged file replaces its namesake, and in each component folder written the weights
+    files this conversion did not write (an earlier run's shards, a variant) are removed."""
+    if not dst.exists():
+        os.rename(stage, dst)
+        return
+    for c in report.components:
+        target = dst / c.name
+        if target.exists() and not target.is_dir():
+            raise OutputError(
+                f"{target} is a file where the pipeline's '{c.name}' folder goes",
+                "move it away, or write to a new folder",
+            )
+    for path in sorted(stage.rglob("*")):
+        if path.is_file():
+            target = dst / path.relative_to(stage)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+    for c in report.components:
+        if c.report is None:
+            continue
+        written = {Path(f).name for f in c.report.files}
+        for path in (dst / c.name).iterdir():
+            if is_weights_name(path.name) and path.name not in written and path.is_file():
+                path.unlink()
