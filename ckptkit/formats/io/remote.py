@@ -15,6 +15,7 @@ one :class:`RemoteError` naming the URL.
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import re
 import threading
@@ -26,6 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
 from ckptkit.errors import CkptkitError, MissingFileError, UsageError
+from ckptkit.formats.io.small import quoted
 
 __all__ = [
     "Remote",
@@ -35,6 +37,8 @@ __all__ = [
     "is_url",
     "open_remote",
     "TRIES",
+    "byte_count",
+    "deadline_s",
 ]
 
 # The extra that installs each scheme's fsspec back-end.
@@ -55,14 +59,29 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 def _setting(name: str, default: float) -> float:
     """A number from the environment, or its default when unset or not a number."""
     try:
-        return float(os.environ.get(name, default))
+        value = float(os.environ.get(name, default))
     except ValueError:
         return default
+    return value if math.isfinite(value) else default
 
 
 TRIES = max(1, int(_setting("CKPTKIT_REMOTE_TRIES", 5)))
 BACKOFF_S = max(0.0, _setting("CKPTKIT_REMOTE_BACKOFF", 0.2))
 TIMEOUT_S = max(0.1, _setting("CKPTKIT_REMOTE_TIMEOUT", 60))
+# A request's total time: DEADLINE_S, plus what its bytes take at MIN_RATE bytes a second. A
+# socket timeout bounds each wait for a byte, not the answer: a server that drips a byte a
+# second would hold a request for days. Read when each request is made.
+DEADLINE_S = 120.0
+MIN_RATE = 64 * 1024
+
+
+def deadline_s(nbytes: int) -> float:
+    """How long one request for ``nbytes`` may take in all: ``CKPTKIT_REMOTE_DEADLINE``
+    seconds (default 120), plus the time its bytes take at ``CKPTKIT_REMOTE_MIN_RATE`` bytes a
+    second (default 64 KiB/s)."""
+    grace = max(0.01, _setting("CKPTKIT_REMOTE_DEADLINE", DEADLINE_S))
+    rate = max(1.0, _setting("CKPTKIT_REMOTE_MIN_RATE", MIN_RATE))
+    return grace + max(0, nbytes) / rate
 
 
 class RemoteError(CkptkitError):
@@ -342,7 +361,9 @@ class RemotePath:
                 traffic.add(0)
         listed = {
             str(info["name"]).rstrip("/").rsplit("/", 1)[-1]: (
-                int(info["size"]) if info.get("type") != "directory" else None
+                byte_count(info.get("size"), f"{self.url}: the listing's size of {info['name']}")
+                if info.get("type") != "directory"
+                else None
             )
             for info in found
         }
@@ -482,6 +503,20 @@ class Remote(ABC):
         """Release connections."""
 
 
+def byte_count(value: Any, what: str) -> int:
+    """A size a server claims, as an int: a whole number of bytes, not negative.
+
+    Raises:
+        RemoteError: anything else, naming ``what`` and the value.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise RemoteError(
+        f"{what} is not a byte count ({quoted(value, 40)})",
+        "check the URL; the server answered nonsense",
+    )
+
+
 class _Transient(Exception):
     """A failure a retry may cure: a timeout, a dropped connection, a 5xx or a short body."""
 
@@ -517,7 +552,7 @@ class FsspecRemote(Remote):
         self.traffic.add(0)
         if info.get("type") == "directory":
             raise UsageError(f"{self.url} is a folder", "give the checkpoint file inside it")
-        return int(info["size"])
+        return byte_count(info.get("size"), f"{self.url}: its size")
 
     def _range(self, start: int, end: int) -> bytes:
         data = bytes(self._call(self.fs.cat_file, self.path, start=start, end=end))
