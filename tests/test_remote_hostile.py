@@ -332,3 +332,39 @@ def test_an_honest_range_server_still_reads_in_one_request(tmp_path, range_serve
     finally:
         remote.close()
     assert len(range_server.requests) == 1
+
+
+# --- plot of a run at a URL ---------------------------------------------------------------------
+
+
+def _put_run(s3_env, folder: str, losses: list[float]) -> None:
+    steps = "".join(
+        json.dumps({"step": i, "loss": v, "lr": 0.1}) + "\n" for i, v in enumerate(losses)
+    )
+    epochs = json.dumps({"step": len(losses), "val_loss": losses[-1], "world_size": 2}) + "\n"
+    s3_env.fs.pipe(f"{folder}/steps.jsonl", (steps + '{"step": 9, "lo').encode())  # torn
+    s3_env.fs.pipe(f"{folder}/metrics.jsonl", (epochs + "[" * 10_000 + "\n").encode())
+
+
+def test_plot_reads_runs_at_s3_urls(s3_env, run, tmp_path):
+    pytest.importorskip("matplotlib")
+    bucket = s3_env.bucket("ckpts")
+    _put_run(s3_env, f"{bucket}/runs/a", [3.0, 2.0, 1.0])
+    _put_run(s3_env, f"{bucket}/runs/b", [4.0, 1.0])
+    result = run("plot", f"s3://{bucket}/runs/a", f"s3://{bucket}/runs/b", "-o", "c.png", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    from ckptkit.plot import read_curves, run_names
+
+    assert run_names([f"s3://{bucket}/runs/a", f"s3://{bucket}/x/a"]) == ["runs/a", "x/a"]
+    curves = read_curves(f"s3://{bucket}/runs/a", "a")
+    assert curves.points("loss") == [(0.0, 3.0), (1.0, 2.0), (2.0, 1.0)]  # the torn line skipped
+    assert curves.val_points("loss") == [(3.0, 1.0)] and curves.world_size == 2
+
+
+def test_plot_of_a_missing_url_or_to_a_url_is_one_error(s3_env, run):
+    pytest.importorskip("matplotlib")
+    bucket = s3_env.bucket("ckpts")
+    one_error(run("plot", f"s3://{bucket}/nope", "-o", "c.png"), f"s3://{bucket}/nope")
+    _put_run(s3_env, f"{bucket}/runs/a", [1.0])
+    one_error(run("plot", f"s3://{bucket}/runs/a", "-o", f"s3://{bucket}/c.png"), "local path")

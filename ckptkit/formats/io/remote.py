@@ -238,7 +238,7 @@ class RemotePath:
         try:
             remote.size  # noqa: B018 - asked for its request
             return True
-        except (MissingFileError, RemoteError):
+        except (MissingFileError, RemoteError, _Folder):
             return False
         finally:
             remote.close()
@@ -517,6 +517,11 @@ def byte_count(value: Any, what: str) -> int:
     )
 
 
+class _Folder(UsageError):
+    """A URL opened as an object that is a folder (a prefix): an error to a reader, a plain
+    "no" to :meth:`RemotePath.is_file`."""
+
+
 class _Transient(Exception):
     """A failure a retry may cure: a timeout, a dropped connection, a 5xx or a short body."""
 
@@ -551,7 +556,7 @@ class FsspecRemote(Remote):
         info = self._call(self.fs.info, self.path)
         self.traffic.add(0)
         if info.get("type") == "directory":
-            raise UsageError(f"{self.url} is a folder", "give the checkpoint file inside it")
+            raise _Folder(f"{self.url} is a folder", "give the checkpoint file inside it")
         return byte_count(info.get("size"), f"{self.url}: its size")
 
     def _range(self, start: int, end: int) -> bytes:
