@@ -368,3 +368,11 @@ def test_plot_of_a_missing_url_or_to_a_url_is_one_error(s3_env, run):
     one_error(run("plot", f"s3://{bucket}/nope", "-o", "c.png"), f"s3://{bucket}/nope")
     _put_run(s3_env, f"{bucket}/runs/a", [1.0])
     one_error(run("plot", f"s3://{bucket}/runs/a", "-o", f"s3://{bucket}/c.png"), "local path")
+
+
+def test_a_redirect_from_https_to_plain_http_is_refused():
+    from ckptkit.formats.io.http import HttpRemote
+
+    remote = HttpRemote("https://127.0.0.1:1/m.safetensors")  # no request made yet
+    with pytest.raises(RemoteError, match="redirects from https to plain http"):
+        remote._locate("http://127.0.0.1:1/m.safetensors")
