@@ -108,7 +108,7 @@ class _Tree:
     these (``pending``) until a reader claims them (:meth:`RemotePath.claim`). A RemotePath made
     anew from a string starts a new tree: nothing learnt before is trusted."""
 
-    __slots__ = ("lock", "listings", "contents", "heads", "probes", "pending")
+    __slots__ = ("lock", "listings", "contents", "heads", "probes", "sized", "pending")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -116,6 +116,7 @@ class _Tree:
         self.contents: dict[str, bytes] = {}
         self.heads: dict[str, tuple[bytes, int]] = {}  # url -> (first bytes, how many asked)
         self.probes: dict[str, Any] = {}  # url -> the RangeFile its head was read through
+        self.sized: dict[str, Remote] = {}  # url -> the Remote its size was asked through
         self.pending = Traffic()
 
 
@@ -209,9 +210,12 @@ class RemotePath:
         if kept is not None:
             return kept
         size = self.listed_size()
-        remote = open_remote(
-            self, traffic=self._tree.pending if size is not None else None, size=size
-        )
+        with self._tree.lock:
+            remote = self._tree.sized.pop(self.url, None)
+        if remote is None:
+            remote = open_remote(
+                self, traffic=self._tree.pending if size is not None else None, size=size
+            )
         try:
             data = remote.read(0, remote.size)
         finally:
@@ -244,15 +248,20 @@ class RemotePath:
             remote.close()
 
     def size(self) -> int:
-        """The object's size: from its folder's listing where that was made, else a request."""
+        """The object's size: from its folder's listing where that was made, else a request
+        (kept, with what it brought, for :meth:`read_bytes`: a small object's size asked
+        before its bytes, to bound them, costs one request in all)."""
         listed = self.listed_size()
         if listed is not None:
             return listed
         remote = open_remote(self)
         try:
-            return remote.size
+            size = remote.size
         finally:
-            remote.close()
+            remote.close()  # its connections: a read that follows opens one if it needs it
+        with self._tree.lock:
+            self._tree.sized[self.url] = remote
+        return size
 
     def listed_size(self) -> int | None:
         """Its size where its folder's listing (made already) gave it, else None."""
