@@ -26,7 +26,6 @@ import ckptkit.formats.io.remote as remote_module
 from ckptkit.formats.io.remote import RemoteError, byte_count
 from ckptkit.formats.io.small import JSON_LIMIT
 
-range_server = servers.range_server
 s3_server = servers.s3_server
 s3 = servers.s3
 s3_env = servers.s3_env
