@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ckptkit.engine.runlog import METRICS_LOG, STEPS_LOG, records
+from ckptkit.engine.runlog import METRICS_LOG, STEPS_LOG
 from ckptkit.errors import CkptkitError, FormatError, MissingFileError, OutputError, UsageError
+from ckptkit.formats.io.remote import RemotePath, as_path, is_url
+from ckptkit.formats.io.small import parse_json, read_small
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -41,6 +43,9 @@ LOG_DECADES = 2  # a loss spanning more than this many decades gets a log axis b
 LINE_STYLES: tuple[Literal["-", "--", "-.", ":"], ...] = ("-", "--", "-.", ":")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 MARKS_PER_LINE = 8
+# A log read whole to be drawn: a million steps' records are ~200 MB; a larger file is refused
+# (naming it) rather than read into memory, at a URL as on disk.
+LOG_LIMIT = 512 << 20
 WIDTH, HEIGHT, DPI = 12.0, 4.0, 100  # a 1200 x 400 image, a legend row or two below the panels
 LEGEND_COLUMNS = 4
 
@@ -93,29 +98,43 @@ def _points(lines: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
 def run_names(runs: Sequence[str | Path]) -> list[str]:
     """Each run's shortest path suffix that no other run shares: ``a/run`` and ``b/run`` for
     those two, ``x`` and ``y`` for ``runs/x`` and ``runs/y``, the folder's name for one run.
-    Paths are made absolute first (``.`` is the current folder's name); a folder given twice
-    is named ``#2`` the second time."""
-    absolute = [Path(os.path.abspath(run)) for run in runs]
+    Paths are made absolute first (``.`` is the current folder's name); a URL is named by its
+    path (``s3://bucket/runs/x``: ``x``, then ``runs/x``); a folder given twice is named ``#2``
+    the second time."""
+    absolute = [_parts(run) for run in runs]
     unique = list(dict.fromkeys(absolute))
-    parts = {path: path.parts for path in unique}
 
-    def suffix(path: Path, count: int) -> tuple[str, ...]:
-        return parts[path][-count:]
+    def suffix(parts: tuple[str, ...], count: int) -> tuple[str, ...]:
+        return parts[-count:]
 
-    names: dict[Path, str] = {}
-    for path in unique:
+    names: dict[tuple[str, ...], str] = {}
+    for parts in unique:
         count = 1
-        while count < len(parts[path]) and any(
-            suffix(other, count) == suffix(path, count) for other in unique if other != path
+        while count < len(parts) and any(
+            suffix(other, count) == suffix(parts, count) for other in unique if other != parts
         ):
             count += 1
-        names[path] = Path(*suffix(path, count)).as_posix()
-    seen: dict[Path, int] = {}
+        names[parts] = _joined(suffix(parts, count))
+    seen: dict[tuple[str, ...], int] = {}
     out = []
-    for path in absolute:
-        seen[path] = seen.get(path, 0) + 1
-        out.append(names[path] + (f" #{seen[path]}" if seen[path] > 1 else ""))
+    for parts in absolute:
+        seen[parts] = seen.get(parts, 0) + 1
+        out.append(names[parts] + (f" #{seen[parts]}" if seen[parts] > 1 else ""))
     return out
+
+
+def _parts(run: str | Path) -> tuple[str, ...]:
+    """A run's absolute path as parts: a URL's first part is its scheme and bucket
+    (``s3://bucket``), never made a local path."""
+    if is_url(str(run)):
+        scheme, _, rest = str(run).partition("://")
+        bucket, *names = [name for name in rest.split("/") if name] or [""]
+        return (f"{scheme}://{bucket}", *names)
+    return Path(os.path.abspath(run)).parts
+
+
+def _joined(parts: tuple[str, ...]) -> str:
+    return "/".join(parts) if "://" in parts[0] else Path(*parts).as_posix()
 
 
 def _how_it_ran(folder: Path, epochs: list[dict[str, Any]]) -> tuple[str | None, int | None]:
@@ -151,7 +170,12 @@ def read_curves(run: str | Path, name: str | None = None) -> Curves:
         FormatError: the folder does not exist, is a file, or holds no ``steps.jsonl`` nor
             ``metrics.jsonl``.
     """
-    folder = Path(run)
+    folder = as_path(run)
+    if isinstance(folder, RemotePath) and not folder.listable:
+        raise UsageError(
+            f"{folder} is a folder at an http(s) URL, which cannot be listed",
+            "give its s3:// (or other listable) URL, or download the run folder",
+        )
     if not folder.exists():
         raise MissingFileError(folder, "give the run folder that `ckptkit train --out` wrote")
     if not folder.is_dir():
@@ -165,15 +189,31 @@ def read_curves(run: str | Path, name: str | None = None) -> Curves:
             f"{folder} holds no steps.jsonl or metrics.jsonl",
             "give a run folder of `ckptkit train` (its --out)",
         )
-    per_epoch = records(epochs) if epochs.is_file() else []
+    per_epoch = _records(epochs) if epochs.is_file() else []
     mode, world = _how_it_ran(folder, per_epoch)
     return Curves(
         name or folder.name or str(folder),
-        records(steps) if steps.is_file() else [],
+        _records(steps) if steps.is_file() else [],
         per_epoch,
         mode,
         world,
     )
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """A jsonl log's records (a local file or one at a URL), read up to ``LOG_LIMIT`` bytes;
+    a torn last line of a killed run (or any line that is no JSON object, or nests too deep)
+    is skipped."""
+    text = read_small(path, LOG_LIMIT, "training log").decode("utf-8", errors="replace")
+    out = []
+    for line in text.splitlines():
+        try:
+            value = parse_json(line, str(path), "training log")
+        except FormatError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
 
 
 def loss_scale(curves: Sequence[Curves], log_y: bool | None = None) -> str:
@@ -331,6 +371,8 @@ def plot_runs(
         raise UsageError("give at least one run folder")
     from ckptkit.formats.io.atomic import atomic_output, check_output
 
+    if is_url(str(out)):
+        raise UsageError(f"plot writes a local image, not {out}", "give a local path to -o")
     out = Path(out)
     check_output(out, force=force)  # before any run is read
     curves = [read_curves(run, name) for run, name in zip(runs, run_names(runs), strict=True)]

@@ -21,6 +21,8 @@ from ckptkit.formats.base.dtypes import DTYPES, DType, TensorSpec, from_safetens
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tensors import as_bytes, dtype_name, from_buffer
 from ckptkit.formats.io.bytecopy import preallocate, write_all
+from ckptkit.formats.io.remote import RemotePath
+from ckptkit.formats.io.small import open_regular
 from ckptkit.meta import NAMESPACE, CheckpointMeta
 
 if TYPE_CHECKING:
@@ -46,15 +48,28 @@ HF_SHARDING = "DCP_SHARDING_INFO"  # DCP's HuggingFaceStorageWriter: each chunk'
 
 def dcp_sharding_info(path: Path) -> str | None:
     """The chunk offsets a safetensors file's header records when DCP's Hugging Face writer
-    wrote it as one rank's shard (a JSON text), else None."""
+    wrote it as one rank's shard (a JSON text), else None. A local file or one at a URL (its
+    header read through the file's probe, which its reader then takes over); a header length
+    the format or the file's size rules out is not read at all."""
+    if isinstance(path, RemotePath):
+        length = _claimed_length(path.head(8), path.size())
+        return sharding_info_in(path.head(8 + length)[8:]) if length else None
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
-            text = f.read(min(length, 100_000_000)) if length > 1 else b""
-    except OSError:
+        with open_regular(path) as f:  # a FIFO named *.safetensors must not block a check
+            length = _claimed_length(f.read(8), os.fstat(f.fileno()).st_size)
+            text = f.read(length) if length else b""
+    except (OSError, FormatError):
         return None
     return sharding_info_in(text)
+
+
+def _claimed_length(head: bytes, size: int) -> int:
+    """The header length the first 8 bytes give, when the format allows it (at most
+    MAX_HEADER, inside a file of ``size`` bytes); else 0."""
+    if len(head) < 8:
+        return 0
+    (length,) = struct.unpack("<Q", head[:8])
+    return length if 1 < length <= MAX_HEADER and 8 + length <= size else 0
 
 
 def sharding_info_in(text: bytes) -> str | None:

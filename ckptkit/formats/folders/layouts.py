@@ -8,11 +8,10 @@ functions tell them apart without reading a tensor. Stdlib only.
 from __future__ import annotations
 
 import re
-import struct
 from pathlib import Path
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.files.safetensors import dcp_sharding_info, sharding_info_in
+from ckptkit.formats.files.safetensors import dcp_sharding_info
 from ckptkit.formats.folders.diffusers import WEIGHTS_STEM, is_index_name, part_kind
 from ckptkit.formats.folders.runs import CHECKPOINT_NAME, CHECKPOINT_STEM, is_run_folder
 from ckptkit.formats.io.remote import RemotePath
@@ -233,15 +232,4 @@ def find_dcp(path: Path) -> Path | None:
     if any(path.glob("*.index.json")):
         return None
     shards = sorted(p for p in path.glob("*.safetensors") if p.is_file())  # no FIFO opened
-    return path if any(_sharding_info(p) is not None for p in shards) else None
-
-
-def _sharding_info(path: Path) -> str | None:
-    """:func:`dcp_sharding_info` of a local file, or of one at a URL: its header read once
-    (one ranged request, which the reader of that file then needs not make again)."""
-    if not isinstance(path, RemotePath):
-        return dcp_sharding_info(path)
-    head = path.head(8)
-    (length,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
-    text = path.head(8 + min(length, 100_000_000))[8:] if length > 1 else b""
-    return sharding_info_in(text)
+    return path if any(dcp_sharding_info(p) is not None for p in shards) else None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.formats.io.small import read_json
 
 if TYPE_CHECKING:
     import torch
@@ -32,15 +33,25 @@ def find_index(folder: Path) -> Path | None:
 
 
 def read_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
-    """Read an index: (key -> shard file name, the index's metadata)."""
+    """Read an index: (key -> shard file name, the index's metadata). Its size and nesting are
+    bounded before anything walks it (``read_json``), local or at a URL."""
     try:
-        data = json.loads(index.read_text())
-        weight_map = data["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FormatError(f"{index} is not a shard index (no weight_map)") from exc
+        data = read_json(index, "shard index")
+    except OSError as exc:
+        raise FormatError(f"cannot read {index} ({exc.strerror or exc})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if weight_map is None:
+        raise FormatError(f"{index} is not a shard index (no weight_map)")
     if not isinstance(weight_map, dict):
         raise FormatError(f"{index} is not a shard index (weight_map is not a mapping)")
-    return {str(k): str(v) for k, v in weight_map.items()}, dict(data.get("metadata") or {})
+    metadata = data.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise FormatError(
+            f"{index} is not a shard index (its metadata is a {type(metadata).__name__}, "
+            "not a mapping)",
+            "check that it is the index its shards were saved with",
+        )
+    return {str(k): str(v) for k, v in weight_map.items()}, dict(metadata)
 
 
 class ShardedSource(Source):

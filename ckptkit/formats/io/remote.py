@@ -15,6 +15,7 @@ one :class:`RemoteError` naming the URL.
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import re
 import threading
@@ -26,6 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
 from ckptkit.errors import CkptkitError, MissingFileError, UsageError
+from ckptkit.formats.io.small import quoted
 
 __all__ = [
     "Remote",
@@ -35,6 +37,8 @@ __all__ = [
     "is_url",
     "open_remote",
     "TRIES",
+    "byte_count",
+    "deadline_s",
 ]
 
 # The extra that installs each scheme's fsspec back-end.
@@ -55,14 +59,29 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 def _setting(name: str, default: float) -> float:
     """A number from the environment, or its default when unset or not a number."""
     try:
-        return float(os.environ.get(name, default))
+        value = float(os.environ.get(name, default))
     except ValueError:
         return default
+    return value if math.isfinite(value) else default
 
 
 TRIES = max(1, int(_setting("CKPTKIT_REMOTE_TRIES", 5)))
 BACKOFF_S = max(0.0, _setting("CKPTKIT_REMOTE_BACKOFF", 0.2))
 TIMEOUT_S = max(0.1, _setting("CKPTKIT_REMOTE_TIMEOUT", 60))
+# A request's total time: DEADLINE_S, plus what its bytes take at MIN_RATE bytes a second. A
+# socket timeout bounds each wait for a byte, not the answer: a server that drips a byte a
+# second would hold a request for days. Read when each request is made.
+DEADLINE_S = 120.0
+MIN_RATE = 64 * 1024
+
+
+def deadline_s(nbytes: int) -> float:
+    """How long one request for ``nbytes`` may take in all: ``CKPTKIT_REMOTE_DEADLINE``
+    seconds (default 120), plus the time its bytes take at ``CKPTKIT_REMOTE_MIN_RATE`` bytes a
+    second (default 64 KiB/s)."""
+    grace = max(0.01, _setting("CKPTKIT_REMOTE_DEADLINE", DEADLINE_S))
+    rate = max(1.0, _setting("CKPTKIT_REMOTE_MIN_RATE", MIN_RATE))
+    return grace + max(0, nbytes) / rate
 
 
 class RemoteError(CkptkitError):
@@ -89,7 +108,7 @@ class _Tree:
     these (``pending``) until a reader claims them (:meth:`RemotePath.claim`). A RemotePath made
     anew from a string starts a new tree: nothing learnt before is trusted."""
 
-    __slots__ = ("lock", "listings", "contents", "heads", "probes", "pending")
+    __slots__ = ("lock", "listings", "contents", "heads", "probes", "sized", "pending")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -97,6 +116,7 @@ class _Tree:
         self.contents: dict[str, bytes] = {}
         self.heads: dict[str, tuple[bytes, int]] = {}  # url -> (first bytes, how many asked)
         self.probes: dict[str, Any] = {}  # url -> the RangeFile its head was read through
+        self.sized: dict[str, Remote] = {}  # url -> the Remote its size was asked through
         self.pending = Traffic()
 
 
@@ -190,9 +210,12 @@ class RemotePath:
         if kept is not None:
             return kept
         size = self.listed_size()
-        remote = open_remote(
-            self, traffic=self._tree.pending if size is not None else None, size=size
-        )
+        with self._tree.lock:
+            remote = self._tree.sized.pop(self.url, None)
+        if remote is None:
+            remote = open_remote(
+                self, traffic=self._tree.pending if size is not None else None, size=size
+            )
         try:
             data = remote.read(0, remote.size)
         finally:
@@ -219,21 +242,26 @@ class RemotePath:
         try:
             remote.size  # noqa: B018 - asked for its request
             return True
-        except (MissingFileError, RemoteError):
+        except (MissingFileError, RemoteError, _Folder):
             return False
         finally:
             remote.close()
 
     def size(self) -> int:
-        """The object's size: from its folder's listing where that was made, else a request."""
+        """The object's size: from its folder's listing where that was made, else a request
+        (kept, with what it brought, for :meth:`read_bytes`: a small object's size asked
+        before its bytes, to bound them, costs one request in all)."""
         listed = self.listed_size()
         if listed is not None:
             return listed
         remote = open_remote(self)
         try:
-            return remote.size
+            size = remote.size
         finally:
-            remote.close()
+            remote.close()  # its connections: a read that follows opens one if it needs it
+        with self._tree.lock:
+            self._tree.sized[self.url] = remote
+        return size
 
     def listed_size(self) -> int | None:
         """Its size where its folder's listing (made already) gave it, else None."""
@@ -342,7 +370,9 @@ class RemotePath:
                 traffic.add(0)
         listed = {
             str(info["name"]).rstrip("/").rsplit("/", 1)[-1]: (
-                int(info["size"]) if info.get("type") != "directory" else None
+                byte_count(info.get("size"), f"{self.url}: the listing's size of {info['name']}")
+                if info.get("type") != "directory"
+                else None
             )
             for info in found
         }
@@ -482,6 +512,25 @@ class Remote(ABC):
         """Release connections."""
 
 
+def byte_count(value: Any, what: str) -> int:
+    """A size a server claims, as an int: a whole number of bytes, not negative.
+
+    Raises:
+        RemoteError: anything else, naming ``what`` and the value.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise RemoteError(
+        f"{what} is not a byte count ({quoted(value, 40)})",
+        "check the URL; the server answered nonsense",
+    )
+
+
+class _Folder(UsageError):
+    """A URL opened as an object that is a folder (a prefix): an error to a reader, a plain
+    "no" to :meth:`RemotePath.is_file`."""
+
+
 class _Transient(Exception):
     """A failure a retry may cure: a timeout, a dropped connection, a 5xx or a short body."""
 
@@ -516,8 +565,8 @@ class FsspecRemote(Remote):
         info = self._call(self.fs.info, self.path)
         self.traffic.add(0)
         if info.get("type") == "directory":
-            raise UsageError(f"{self.url} is a folder", "give the checkpoint file inside it")
-        return int(info["size"])
+            raise _Folder(f"{self.url} is a folder", "give the checkpoint file inside it")
+        return byte_count(info.get("size"), f"{self.url}: its size")
 
     def _range(self, start: int, end: int) -> bytes:
         data = bytes(self._call(self.fs.cat_file, self.path, start=start, end=end))
