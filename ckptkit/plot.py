@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ckptkit.engine.runlog import METRICS_LOG, STEPS_LOG
+from ckptkit.engine.runlog import METRICS_LOG, STEPS_LOG, records
 from ckptkit.errors import CkptkitError, FormatError, MissingFileError, OutputError, UsageError
 from ckptkit.formats.io.remote import RemotePath, as_path, is_url
-from ckptkit.formats.io.small import parse_json, read_small
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -43,9 +42,6 @@ LOG_DECADES = 2  # a loss spanning more than this many decades gets a log axis b
 LINE_STYLES: tuple[Literal["-", "--", "-.", ":"], ...] = ("-", "--", "-.", ":")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 MARKS_PER_LINE = 8
-# A log read whole to be drawn: a million steps' records are ~200 MB; a larger file is refused
-# (naming it) rather than read into memory, at a URL as on disk.
-LOG_LIMIT = 512 << 20
 WIDTH, HEIGHT, DPI = 12.0, 4.0, 100  # a 1200 x 400 image, a legend row or two below the panels
 LEGEND_COLUMNS = 4
 
@@ -189,31 +185,15 @@ def read_curves(run: str | Path, name: str | None = None) -> Curves:
             f"{folder} holds no steps.jsonl or metrics.jsonl",
             "give a run folder of `ckptkit train` (its --out)",
         )
-    per_epoch = _records(epochs) if epochs.is_file() else []
+    per_epoch = records(epochs) if epochs.is_file() else []
     mode, world = _how_it_ran(folder, per_epoch)
     return Curves(
         name or folder.name or str(folder),
-        _records(steps) if steps.is_file() else [],
+        records(steps) if steps.is_file() else [],
         per_epoch,
         mode,
         world,
     )
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    """A jsonl log's records (a local file or one at a URL), read up to ``LOG_LIMIT`` bytes;
-    a torn last line of a killed run (or any line that is no JSON object, or nests too deep)
-    is skipped."""
-    text = read_small(path, LOG_LIMIT, "training log").decode("utf-8", errors="replace")
-    out = []
-    for line in text.splitlines():
-        try:
-            value = parse_json(line, str(path), "training log")
-        except FormatError:
-            continue
-        if isinstance(value, dict):
-            out.append(value)
-    return out
 
 
 def loss_scale(curves: Sequence[Curves], log_y: bool | None = None) -> str:

@@ -667,3 +667,13 @@ def test_a_failed_background_save_is_raised(tmp_path):
     blocker.mkdir()  # the commit cannot replace a folder with the file
     with pytest.raises(Exception, match="ckpt-epoch0001"):
         run(tmp_path, "ro", epochs=2, async_save=True)
+
+
+def test_a_training_log_line_nested_deep_is_skipped_not_a_recursion_error(tmp_path):
+    """metrics.jsonl is read on resume (rewound) and by plot: a damaged line, nested 100,000
+    deep, is skipped as a torn line is."""
+    from ckptkit.engine.runlog import records
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n' + "[" * 100_000 + "]" * 100_000 + '\n{"step": 2}\n')
+    assert records(log) == [{"step": 1}, {"step": 2}]

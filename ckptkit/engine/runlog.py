@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ckptkit.errors import UsageError
+from ckptkit.formats.io.small import read_jsonl
 
 __all__ = [
     "METRICS_LOG",
@@ -81,18 +82,15 @@ def check_sinks(sinks: tuple[str, ...]) -> None:
         )
 
 
+# A log read whole (to plot it, to rewind it on resume): a million steps' records are ~200 MB;
+# a larger file is refused (naming it) rather than read into memory, at a URL as on disk.
+LOG_LIMIT = 512 << 20
+
+
 def records(path: Path) -> list[dict[str, Any]]:
     """A jsonl log's records; a torn last line of a killed run (or any line that is no JSON
-    object) is skipped."""
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            value = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            out.append(value)
-    return out
+    object, or nests too deep) is skipped."""
+    return read_jsonl(path, "training log", limit=LOG_LIMIT)
 
 
 def rewind(path: Path, step: int) -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "read_small",
     "read_json",
     "parse_json",
+    "read_jsonl",
     "read_pointer",
     "quoted",
 ]
@@ -124,6 +125,22 @@ def parse_json(text: str, where: str, what: str) -> Any:
     if depth > JSON_DEPTH:
         raise _too_deep(where, what, depth)
     return value
+
+
+def read_jsonl(path: Any, what: str, *, limit: int) -> list[dict[str, Any]]:
+    """A JSON-lines log's records (a local file or one at a URL), read up to ``limit`` bytes;
+    a torn last line of a killed run (or any line that is no JSON object, or nests too deep)
+    is skipped."""
+    text = read_small(path, limit, what).decode("utf-8", errors="replace")
+    out = []
+    for line in text.splitlines():
+        try:
+            value = parse_json(line, str(path), what)
+        except FormatError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
 
 
 def _too_deep(where: str, what: str, depth: int | None) -> FormatError:
