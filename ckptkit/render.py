@@ -393,8 +393,8 @@ def _pipeline_lines(summary: Any) -> list[str]:
     taken = [c["name"] for c in pipe["components"] if c["weights"]]
     example = "unet" if "unet" in taken else (taken[0] if taken else "COMPONENT")
     lines.append(
-        f"convert     `ckptkit convert {summary.path} OUT --select {example}` takes one component "
-        f"(`inspect --select {example}` shows it)"
+        f"convert     `ckptkit convert {summary.path} OUT` takes the whole pipeline; "
+        f"`--select {example}` one component (`inspect --select {example}` shows it)"
     )
     return lines
 
