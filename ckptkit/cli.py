@@ -449,7 +449,7 @@ def convert(
     if as_json:
         _emit("convert", report.to_dict())
     elif not quiet:
-        _echo(str(report).splitlines())  # a pipeline's report renders its components
+        _echo(report.lines())  # a pipeline's report renders its components
 
 
 def _train_default(name: str) -> Any:

@@ -109,9 +109,14 @@ class ConvertReport:
 
     def __str__(self) -> str:
         """What ``ckptkit convert`` prints of it."""
+        return "\n".join(self.lines())
+
+    def lines(self) -> list[str]:
+        """The report's text lines (a line may hold any character a key holds: never split
+        ``str()`` to get them back)."""
         from ckptkit.render import convert_lines
 
-        return "\n".join(convert_lines(self))
+        return convert_lines(self)
 
     source: str
     source_format: str

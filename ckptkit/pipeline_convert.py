@@ -65,7 +65,7 @@ class PipelineReport(ConvertReport):
     components: list[ComponentResult] = field(default_factory=list)
     left_out: list[str] = field(default_factory=list)  # top-level links, not copied
 
-    def __str__(self) -> str:
+    def lines(self) -> list[str]:
         from ckptkit.render import convert_lines, plural
 
         lines = [f"Pipeline {self.source} ({self.pipeline}) -> {self.destination}"]
@@ -81,7 +81,7 @@ class PipelineReport(ConvertReport):
             lines.append(f"Left out {', '.join(self.left_out)} (links, not copied)")
         verb = "Would write" if self.dry_run else "Wrote   "
         lines.append(f"{verb} {', '.join(self.copied_files)}")
-        return "\n".join(lines)
+        return lines
 
     def to_dict(self) -> dict[str, Any]:
         return {
