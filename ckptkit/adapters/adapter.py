@@ -104,9 +104,7 @@ class Adapter:
         self.source.close()
 
 
-def factor_rank(
-    a_key: str, a: tuple[int, ...], b_key: str, b: tuple[int, ...], path: Path
-) -> int:
+def factor_rank(a_key: str, a: tuple[int, ...], b_key: str, b: tuple[int, ...], path: Path) -> int:
     """The rank of a LoRA's two factors, checked to be two factors of one rank: ``A`` (or
     ``lora_down``) ``rank x inputs [x kernel]``, ``B`` (``lora_up``) ``outputs x rank [x 1]``,
     as many dimensions each, none of them zero.

@@ -114,7 +114,8 @@ def _module_index(base_keys: list[str]) -> tuple[dict[str, list[str]], dict[str,
         module = key[: -len(".weight")]
         name = module.replace(".", "_")
         whole.setdefault(name, []).append(module)
-        for tail in dict.fromkeys(name[i + 1 :] for i, c in enumerate(name) if c == "_"):
+        parts = name.split("_")
+        for tail in dict.fromkeys("_".join(parts[i:]) for i in range(1, len(parts))):
             tails.setdefault(tail, []).append(module)
     return whole, tails
 

@@ -18,6 +18,7 @@ from ckptkit.adapters.changes import (
     BiasDelta,
     Change,
     LowRank,
+    NotFinite,
     Replace,
     Tensors,
     TokenRows,
@@ -207,7 +208,15 @@ class MergedSource(Source):
         out = torch.empty(base.shape, dtype=base.dtype)
         loaders = {id(a): self.tensors_of(a) for a, _ in self.changes[key]}
         steps = [(change, loaders[id(adapter)]) for adapter, change in self.changes[key]]
-        change_sq, base_sq = merge_rows(base, steps, out)
+        try:
+            change_sq, base_sq = merge_rows(base, steps, out)
+        except NotFinite as exc:
+            names = ", ".join(str(a.path) for a, _ in self.changes[key])
+            raise AdapterError(
+                f"merging {names} into '{key}' gives {exc.value} at row {exc.row}, where the "
+                "base holds a finite value; nothing was written",
+                "check the adapter's lora_alpha / alpha and weight, and its factors",
+            ) from None
         self.relative[key] = math.sqrt(change_sq / base_sq) if base_sq else None
         return out
 

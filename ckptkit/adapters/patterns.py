@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable
 from re import _constants as C  # type: ignore[attr-defined]
 from re import _parser  # type: ignore[attr-defined]
+from typing import Any
 
 __all__ = ["PatternError", "Pattern", "MAX_STATES", "peft_key_pattern", "full_pattern"]
 
@@ -58,12 +59,8 @@ def _category(name: object, flags: int) -> Callable[[str], bool]:
     """``\\d \\s \\w`` and their negations, as SRE tests them (Unicode unless ``a``)."""
     ascii_only = bool(flags & re.ASCII)
     tests: dict[object, Callable[[str], bool]] = {
-        C.CATEGORY_DIGIT: (lambda c: "0" <= c <= "9")
-        if ascii_only
-        else (lambda c: c.isdecimal()),
-        C.CATEGORY_SPACE: (lambda c: c in " \t\n\r\f\v")
-        if ascii_only
-        else (lambda c: c.isspace()),
+        C.CATEGORY_DIGIT: (lambda c: "0" <= c <= "9") if ascii_only else (lambda c: c.isdecimal()),
+        C.CATEGORY_SPACE: (lambda c: c in " \t\n\r\f\v") if ascii_only else (lambda c: c.isspace()),
         C.CATEGORY_WORD: lambda c: _is_word(c, ascii_only),
         C.CATEGORY_LINEBREAK: lambda c: c == "\n",
     }
@@ -87,7 +84,11 @@ def _variants(c: str, flags: int) -> tuple[str, ...]:
     return tuple(f for f in forms if len(f) == 1)
 
 
-def _set_test(items: list[tuple[object, object]], flags: int) -> Callable[[str], bool]:
+def _in_range(lo: int, hi: int) -> Callable[[str], bool]:
+    return lambda c: lo <= ord(c) <= hi
+
+
+def _set_test(items: list[tuple[Any, Any]], flags: int) -> Callable[[str], bool]:
     """A character class (``[...]``, ``\\d`` at the top level) as a test of one character."""
     negate = False
     tests: list[Callable[[str], bool]] = []
@@ -96,10 +97,9 @@ def _set_test(items: list[tuple[object, object]], flags: int) -> Callable[[str],
         if op is C.NEGATE:
             negate = True
         elif op is C.LITERAL:
-            chars.update(_variants(chr(arg), flags))  # type: ignore[arg-type]
+            chars.update(_variants(chr(arg), flags))
         elif op is C.RANGE:
-            lo, hi = arg  # type: ignore[misc]
-            tests.append(lambda c, lo=lo, hi=hi: lo <= ord(c) <= hi)
+            tests.append(_in_range(*arg))
         elif op is C.CATEGORY:
             tests.append(_category(arg, flags))
         else:
@@ -120,10 +120,10 @@ class _Builder:
 
     def __init__(self) -> None:
         self.kind: list[int] = []
-        self.arg: list[object] = []
+        self.arg: list[Any] = []
         self.out: list[list[int]] = []
 
-    def node(self, kind: int, arg: object, out: list[int]) -> int:
+    def node(self, kind: int, arg: Any, out: list[int]) -> int:
         if len(self.kind) >= MAX_STATES:
             raise PatternError(f"it expands to more than {MAX_STATES} states")
         self.kind.append(kind)
@@ -131,40 +131,44 @@ class _Builder:
         self.out.append(out)
         return len(self.kind) - 1
 
-    def sequence(self, items: list[tuple[object, object]], flags: int, after: int) -> int:
+    def sequence(self, items: list[tuple[Any, Any]], flags: int, after: int) -> int:
         for op, arg in reversed(items):
             after = self.item(op, arg, flags, after)
         return after
 
-    def item(self, op: object, arg: object, flags: int, after: int) -> int:
+    def item(self, op: Any, arg: Any, flags: int, after: int) -> int:
         if op in _UNSUPPORTED:
-            raise PatternError(f"it uses {_UNSUPPORTED[op]}, which needs backtracking")  # type: ignore[index]
+            raise PatternError(f"it uses {_UNSUPPORTED[op]}, which needs backtracking")
         if op is C.LITERAL:
-            forms = set(_variants(chr(arg), flags))  # type: ignore[arg-type]
+            forms = set(_variants(chr(arg), flags))
             return self.node(_CHAR, forms.__contains__, [after])
         if op is C.NOT_LITERAL:
-            forms = set(_variants(chr(arg), flags))  # type: ignore[arg-type]
-            return self.node(_CHAR, lambda c: not any(f in forms for f in _variants(c, flags)), [after])
+            forms = set(_variants(chr(arg), flags))
+            return self.node(
+                _CHAR, lambda c: not any(f in forms for f in _variants(c, flags)), [after]
+            )
         if op is C.ANY:
             test = (lambda c: True) if flags & re.DOTALL else (lambda c: c != "\n")
             return self.node(_CHAR, test, [after])
         if op is C.IN:
-            return self.node(_CHAR, _set_test(arg, flags), [after])  # type: ignore[arg-type]
+            return self.node(_CHAR, _set_test(arg, flags), [after])
         if op is C.AT:
             return self.node(_ASSERT, (arg, flags), [after])
         if op is C.BRANCH:
-            _, branches = arg  # type: ignore[misc]
+            _, branches = arg
             starts = [self.sequence(list(b), flags, after) for b in branches]
             return self.node(_SPLIT, None, starts)
         if op is C.SUBPATTERN:
-            _, add, remove, body = arg  # type: ignore[misc]
+            _, add, remove, body = arg
             return self.sequence(list(body), (flags | add) & ~remove, after)
         if op in (C.MAX_REPEAT, C.MIN_REPEAT):
-            low, high, body = arg  # type: ignore[misc]
+            low, high, body = arg
             return self.repeat(list(body), low, high, flags, after)
         raise PatternError(f"it uses {op}, which ckptkit does not read")
 
-    def repeat(self, body: list[tuple[object, object]], low: int, high: int, flags: int, after: int) -> int:
+    def repeat(
+        self, body: list[tuple[Any, Any]], low: int, high: int, flags: int, after: int
+    ) -> int:
         if high == C.MAXREPEAT:  # body*: a loop, then ``low`` copies before it
             loop = self.node(_SPLIT, None, [])
             self.out[loop] += [self.sequence(body, flags, loop), after]
@@ -201,6 +205,13 @@ class Pattern:
         except RecursionError:
             raise PatternError("it nests too deep") from None
         self.kind, self.arg, self.out = builder.kind, builder.arg, builder.out
+        # Whether an anchor looks at the character before a position (else only at whether
+        # there is one): \b, \B, or ^ under the multiline flag.
+        self._looks_back = any(
+            kind == _ASSERT
+            and (arg[0] in (C.AT_BOUNDARY, C.AT_NON_BOUNDARY) or (arg[1] & re.MULTILINE))
+            for kind, arg in zip(self.kind, self.arg, strict=True)
+        )
         self._steps: dict[tuple[object, ...], tuple[frozenset[int], bool]] = {}
         self.work = 0  # nodes visited, all matches together: the bound the tests check
 
@@ -208,7 +219,7 @@ class Pattern:
     def states(self) -> int:
         return len(self.kind)
 
-    def _holds(self, at: object, flags: int, prev: str | None, nxt: str | None, last: bool) -> bool:
+    def _holds(self, at: Any, flags: int, prev: str | None, nxt: str | None, last: bool) -> bool:
         """An anchor at a position between ``prev`` and ``nxt`` (None: the text's ends);
         ``last``: ``nxt`` is the text's last character."""
         multiline = flags & re.MULTILINE
@@ -249,7 +260,7 @@ class Pattern:
                 matched = True
             elif kind == _SPLIT:
                 stack.extend(self.out[node])
-            elif self._holds(*self.arg[node], prev, nxt, last):  # type: ignore[misc]
+            elif self._holds(self.arg[node][0], self.arg[node][1], prev, nxt, last):
                 stack.extend(self.out[node])
         self.work += len(seen)
         return readers, matched
@@ -259,30 +270,36 @@ class Pattern:
     ) -> tuple[frozenset[int], bool]:
         """From ``states`` (before their closure) over ``c``: the next states, and whether the
         match state was reached before ``c``."""
-        key = (states, prev, c, last)
-        found = self._steps.get(key)
-        if found is None:
-            readers, matched = self._closure(states, prev, c, last)
-            found = (
-                frozenset(self.out[n][0] for n in readers if self.arg[n](c)),  # type: ignore[operator]
-                matched,
-            )
-            if len(self._steps) >= _CACHE_LIMIT:
-                self._steps.clear()
-            self._steps[key] = found
-        return found
+        readers, matched = self._closure(states, prev, c, last)
+        arg, out = self.arg, self.out
+        return frozenset(out[n][0] for n in readers if arg[n](c)), matched
 
     def matches(self, text: str) -> bool:
+        """Whether the pattern matches ``text`` (see the class)."""
+        steps, full, looks_back = self._steps, self.full, self._looks_back
         states = frozenset([self.start])
         prev: str | None = None
+        end = len(text) - 1
         for i, c in enumerate(text):
-            states, matched = self._step(states, prev, c, i == len(text) - 1)
-            if matched and not self.full:
+            # A step depends on the states and c, and on the text around it only where an
+            # anchor looks: the character before (\b, multiline ^) or whether c ends the text.
+            key = (states, c, prev if looks_back else i == 0, c == "\n" and i == end)
+            found = steps.get(key)
+            if found is None:
+                found = self._step(states, prev, c, i == end)
+                if len(steps) >= _CACHE_LIMIT:
+                    steps.clear()
+                steps[key] = found
+            states, matched = found
+            if matched and not full:
                 return True
             if not states:
                 return False
             prev = c
-        return self._closure(states, prev, None, False)[1]
+        at_end = (states, "", prev if looks_back else end < 0, True)  # "": no character
+        if at_end not in steps:
+            steps[at_end] = (states, self._closure(states, prev, None, False)[1])
+        return steps[at_end][1]
 
 
 def peft_key_pattern(key: str) -> Pattern:

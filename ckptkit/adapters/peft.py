@@ -86,18 +86,17 @@ MAX_INDEX = 1 << 31
 
 def _bad(where: Path | str, field: str, value: Any, why: str) -> AdapterError:
     return AdapterError(
-        f"{where} sets {field}={quoted(json.dumps(value) if _jsonable(value) else str(value))}"
-        f": {why}",
-        f"fix {field} in the adapter's {CONFIG}",
+        f"{where} sets {field}={_shown(value)}: {why}", f"fix {field} in the adapter's {CONFIG}"
     )
 
 
-def _jsonable(value: Any) -> bool:
+def _shown(value: Any, limit: int = 60) -> str:
+    """A config's value as its JSON text, cut short for an error line."""
     try:
-        json.dumps(value, allow_nan=True)
-    except (TypeError, ValueError):
-        return False
-    return True
+        text = json.dumps(value)
+    except (TypeError, ValueError):  # an int too long to print
+        text = type(value).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _rank(value: Any, where: Path | str, field: str) -> int:
@@ -126,7 +125,7 @@ def _compiled(pattern: Any, where: Path | str, field: str, make: Any = peft_key_
     if not isinstance(pattern, str):
         raise _bad(where, field, pattern, "a module pattern is a string")
     try:
-        return make(pattern)  # type: ignore[no-any-return]
+        return make(pattern)
     except PatternError as exc:
         raise AdapterError(
             f"{where} has pattern {quoted(pattern)} in {field}, which ckptkit cannot match: {exc}",
@@ -152,7 +151,8 @@ class Rules:
     lora_alpha: float | None
     ranks: tuple[tuple[Pattern, int], ...]
     alphas: tuple[tuple[Pattern, float], ...]
-    tokens: tuple[int, ...] | tuple[tuple[Pattern, tuple[int, ...]], ...] | None
+    tokens: tuple[int, ...] | None  # a list: the input embedding's
+    token_patterns: tuple[tuple[Pattern, tuple[int, ...]], ...]  # a dict: each module's
 
     def rank(self, module: str, default: int) -> int:
         found = next((r for p, r in self.ranks if p.matches(module)), None)
@@ -165,19 +165,18 @@ class Rules:
         return self.lora_alpha if self.lora_alpha is not None else float(r)
 
     def token_indices(self, module: str) -> tuple[int, ...] | None:
-        if self.tokens is None or not self.tokens or isinstance(self.tokens[0], int):
-            return self.tokens  # type: ignore[return-value]
-        for pattern, indices in self.tokens:  # type: ignore[misc]
-            if pattern.matches(module):
-                return indices  # type: ignore[no-any-return]
-        return None
+        if self.tokens is not None:
+            return self.tokens
+        return next((i for p, i in self.token_patterns if p.matches(module)), None)
 
 
 def check_config(config: dict[str, Any], where: Path | str) -> Rules:
     """Every number and pattern of a config that a merge reads, checked (type, finite, range)
     and compiled; one AdapterError naming ``where``, the field and the value."""
     r = None if "r" not in config else _rank(config["r"], where, "r")
-    alpha = None if "lora_alpha" not in config else _alpha(config["lora_alpha"], where, "lora_alpha")
+    alpha = (
+        None if "lora_alpha" not in config else _alpha(config["lora_alpha"], where, "lora_alpha")
+    )
     patterns = {}
     for field in ("rank_pattern", "alpha_pattern"):
         value = config.get(field) or {}
@@ -199,10 +198,11 @@ def check_config(config: dict[str, Any], where: Path | str) -> Rules:
         isinstance(targets, list) and all(isinstance(t, str) for t in targets)
     ):
         raise _bad(where, "target_modules", targets, "it is a pattern or a list of module names")
+    tokens: tuple[int, ...] | None = None
+    token_patterns: tuple[tuple[Pattern, tuple[int, ...]], ...] = ()
     spec = config.get("trainable_token_indices")
-    tokens: Any = None
     if isinstance(spec, dict):
-        tokens = tuple(
+        token_patterns = tuple(
             (
                 _compiled(k, where, "trainable_token_indices"),
                 _indices(v, where, f"trainable_token_indices[{quoted(k)}]"),
@@ -214,7 +214,7 @@ def check_config(config: dict[str, Any], where: Path | str) -> Rules:
     for field in ("base_model_name_or_path", "revision"):
         if config.get(field) is not None and not isinstance(config[field], str):
             raise _bad(where, field, config[field], "it is a name or a path")
-    return Rules(r, alpha, ranks, alphas, tokens)
+    return Rules(r, alpha, ranks, alphas, tokens, token_patterns)
 
 
 def adapter_from_tensors(

@@ -1,0 +1,524 @@
+"""Adapters built to break ckptkit: configs whose numbers and patterns are wrong or hostile,
+factors and alphas of the wrong shape, NaN-making merges, FIFOs, and adapters with tens of
+thousands of modules. Each ends in one ``Error:`` line naming the file, the field and the value,
+or in a bounded amount of work; nothing hangs and nothing is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import FIXTURE_DIR, ROOT, one_error
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+import ckptkit
+from ckptkit.adapters import AdapterOptions, open_merged
+
+ADAPTERS = FIXTURE_DIR / "adapters"
+BERT_BASE = ADAPTERS / "bert_base"
+KOHYA_BASE = ADAPTERS / "kohya_base.safetensors"
+KOHYA_LORA = ADAPTERS / "kohya_lora.safetensors"
+PREFIX = "base_model.model."
+QUERY = "bert.encoder.layer.0.attention.self.query"
+
+
+def peft_copy(tmp_path: Path, config_text: str | None = None, **config) -> Path:
+    """bert_lora copied into tmp_path, its adapter_config.json updated with ``config`` (written
+    by Python's json, so NaN and Infinity stay as they are) or replaced by ``config_text``."""
+    folder = tmp_path / "lora"
+    shutil.copytree(ADAPTERS / "bert_lora", folder)
+    path = folder / "adapter_config.json"
+    if config_text is None:
+        config_text = json.dumps({**json.loads(path.read_text()), **config})
+    path.write_text(config_text)
+    return folder
+
+
+def peft_folder(tmp_path: Path, tensors: dict[str, torch.Tensor], **config) -> Path:
+    """A PEFT folder in tmp_path holding ``tensors`` (under peft's prefix) and a config."""
+    folder = tmp_path / "made"
+    folder.mkdir()
+    save_file({PREFIX + k: v for k, v in tensors.items()}, folder / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, **config}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def header_only(path: Path, tensors: dict[str, list[int]]) -> Path:
+    """A safetensors file of fp32 zeros: ``key -> shape``, written without torch (fast for
+    tens of thousands of tensors)."""
+    header, offset = {}, 0
+    for key, shape in tensors.items():
+        size = 4 * int(torch.Size(shape).numel())
+        header[key] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(offset))
+    return path
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+# ----------------------------------------------------------------------------- config numbers
+
+NAN, INF = float("nan"), float("inf")
+# field, value, what the one line must show of it
+CONFIG_CASES = {
+    "r_nan": ({"r": NAN}, ["r=NaN"]),
+    "r_inf": ({"r": INF}, ["r=Infinity"]),
+    "r_zero": ({"r": 0}, ["r=0"]),
+    "r_null": ({"r": None}, ["r=null"]),
+    "r_string": ({"r": "4"}, ['r="4"']),
+    "r_list": ({"r": [4]}, ["r=[4]"]),
+    "r_huge": ({"r": 10**40}, ["r=" + str(10**40)]),
+    "r_fraction": ({"r": 4.5}, ["r=4.5"]),
+    "alpha_nan": ({"lora_alpha": NAN}, ["lora_alpha=NaN"]),
+    "alpha_inf": ({"lora_alpha": -INF}, ["lora_alpha=-Infinity"]),
+    "alpha_null": ({"lora_alpha": None}, ["lora_alpha=null"]),
+    "alpha_string": ({"lora_alpha": "8"}, ["lora_alpha"]),
+    "alpha_huge_int": ({"lora_alpha": 10**400}, ["lora_alpha"]),
+    "rank_pattern_list": ({"rank_pattern": [4]}, ["rank_pattern"]),
+    "rank_pattern_nan": ({"rank_pattern": {"query": NAN}}, ["rank_pattern['query']=NaN"]),
+    "rank_pattern_zero": ({"rank_pattern": {"query": 0}}, ["rank_pattern['query']=0"]),
+    "alpha_pattern_inf": ({"alpha_pattern": {"value": INF}}, ["alpha_pattern['value']=Infinity"]),
+    "alpha_pattern_string": ({"alpha_pattern": {"value": "x"}}, ["alpha_pattern['value']"]),
+    "pattern_unparsable": ({"rank_pattern": {"(query": 4}}, ["rank_pattern", "'(query'"]),
+    "pattern_backref": ({"alpha_pattern": {"(q)\\1": 4}}, ["alpha_pattern", "backreference"]),
+    "target_modules_number": ({"target_modules": 5}, ["target_modules=5"]),
+    "target_modules_lookahead": ({"target_modules": "(?=q).*"}, ["target_modules", "lookahead"]),
+    "tokens_string": ({"trainable_token_indices": "1,2"}, ["trainable_token_indices"]),
+    "tokens_negative": ({"trainable_token_indices": {"emb": [-1]}}, ["trainable_token_indices"]),
+    "base_name_number": ({"base_model_name_or_path": 3}, ["base_model_name_or_path=3"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_config_values_refused_in_one_line(run, tmp_path, case, command):
+    """Each bad number or pattern: one line naming the config file, the field and the value,
+    from inspect and from convert (which writes nothing)."""
+    config, words = CONFIG_CASES[case]
+    folder = peft_copy(tmp_path, **config)
+    args = [folder] if command == "inspect" else [folder, "out.safetensors", "--base", BERT_BASE]
+    result = run(command, *args)
+    one_error(result, "adapter_config.json", *words)
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_deeply_nested_config_refused(run, tmp_path):
+    folder = peft_copy(tmp_path, config_text='{"r": 4, "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    one_error(run("inspect", folder), "adapter_config.json", "deep")
+    one_error(run("convert", folder, "out.safetensors", "--base", BERT_BASE), "deep")
+
+
+def test_config_that_is_not_an_object(run, tmp_path):
+    folder = peft_copy(tmp_path, config_text="[1, 2]")
+    one_error(run("inspect", folder), "adapter_config.json", "not a JSON object")
+
+
+def test_nan_alpha_option_refused(run, tmp_path):
+    """``--lora-alpha nan`` (click reads it as a float) is refused like a NaN in a config."""
+    state = load_file(BERT_BASE / "model.safetensors")
+    peft_full = tmp_path / "full.safetensors"
+    module = QUERY
+    state[f"{PREFIX}{module}.base_layer.weight"] = state.pop(f"{module}.weight")
+    state[f"{PREFIX}{module}.lora_A.default.weight"] = torch.ones(4, 16)
+    state[f"{PREFIX}{module}.lora_B.default.weight"] = torch.ones(16, 4)
+    save_file(state, peft_full)
+    result = run("convert", peft_full, "out.safetensors", "--lora-alpha", "nan")
+    one_error(result, "lora_alpha=NaN")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------- factors, alphas
+
+
+def _pair(a: list[int], b: list[int]) -> dict[str, torch.Tensor]:
+    return {f"{QUERY}.lora_A.weight": torch.ones(a), f"{QUERY}.lora_B.weight": torch.ones(b)}
+
+
+FACTOR_CASES = {
+    "zero_dim_a": ([], [16, 4]),
+    "one_dim_a": ([4], [16, 4]),
+    "rank_zero": ([0, 16], [16, 0]),
+    "ranks_differ": ([4, 16], [16, 2]),
+    "dims_differ": ([4, 16], [16, 4, 1, 1]),
+    "b_kernel": ([4, 16, 3, 3], [16, 4, 3, 3]),
+}
+
+
+@pytest.mark.parametrize("case", list(FACTOR_CASES))
+def test_factors_that_do_not_fit_each_other(run, tmp_path, case):
+    a, b = FACTOR_CASES[case]
+    folder = peft_folder(tmp_path, _pair(a, b))
+    for args in ([folder], [folder, "out.safetensors", "--base", BERT_BASE]):
+        line = one_error(run(args and ("inspect" if len(args) == 1 else "convert"), *args))
+        assert "adapter_model.safetensors" in line or str(folder) in line, line
+        assert f"{QUERY}.lora_A.weight {a}" in line and "factors" in line, line
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_factors_that_do_not_fit_the_base(run, tmp_path):
+    """Two factors of one rank, but for a 32-wide layer: the base's 16 x 16 query refuses."""
+    folder = peft_folder(tmp_path, _pair([4, 32], [32, 4]))
+    one_error(run("convert", folder, "out.safetensors", "--base", BERT_BASE), f"{QUERY}.weight")
+
+
+def kohya_copy(tmp_path: Path, **replace: torch.Tensor) -> Path:
+    """kohya_lora's tensors in tmp_path with ``replace``'s (key -> tensor) in their place
+    (``__`` in a keyword stands for the key's dots)."""
+    state = load_file(KOHYA_LORA)
+    state.update({k.replace("__", "."): v for k, v in replace.items()})
+    path = tmp_path / "kohya.safetensors"
+    save_file(state, path)
+    return path
+
+
+Q_KEY = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+KOHYA_ALPHAS = {
+    "empty": torch.ones(0),
+    "several": torch.ones(3),
+    "huge": torch.ones(1 << 16),
+    "nan": torch.tensor(float("nan")),
+    "inf": torch.tensor(float("inf")),
+    "complex": torch.tensor(1 + 1j),
+}
+
+
+@pytest.mark.parametrize("case", list(KOHYA_ALPHAS))
+def test_kohya_alpha_that_is_not_one_finite_number(run, tmp_path, case):
+    lora = kohya_copy(tmp_path, **{f"{Q_KEY}__alpha": KOHYA_ALPHAS[case]})
+    one_error(run("inspect", lora), f"{Q_KEY}.alpha", "kohya.safetensors")
+    result = run("convert", KOHYA_BASE, "out.safetensors", "--adapter", lora)
+    one_error(result, f"{Q_KEY}.alpha")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_kohya_alpha_of_one_element_still_merges(run, tmp_path):
+    """sd-scripts saves a 0-d alpha; a 1-element one (other trainers) reads the same."""
+    lora = kohya_copy(tmp_path, **{f"{Q_KEY}__alpha": torch.tensor([2.0])})
+    result = run("convert", KOHYA_BASE, "a.safetensors", "--adapter", lora, "--json")
+    assert result.exit_code == 0, result.output
+    scalar = kohya_copy(tmp_path, **{f"{Q_KEY}__alpha": torch.tensor(2.0)})
+    assert run("convert", KOHYA_BASE, "b.safetensors", "--adapter", scalar).exit_code == 0
+    a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_kohya_zero_dim_lora_down(run, tmp_path):
+    lora = kohya_copy(tmp_path, **{f"{Q_KEY}__lora_down__weight": torch.tensor(1.0)})
+    one_error(run("inspect", lora), f"{Q_KEY}.lora_down.weight []", "factors")
+
+
+# ----------------------------------------------------------------------------- NaN and inf merges
+
+
+def test_merge_that_overflows_is_refused_naming_the_tensor(run, tmp_path):
+    """A finite alpha so large that B @ A * scale overflows: refused, naming the tensor, with
+    nothing written (the principle behind the NaN-alpha checks)."""
+    folder = peft_copy(tmp_path, lora_alpha=1e300)
+    before = listing(tmp_path)
+    result = run("convert", folder, "out.safetensors", "--base", BERT_BASE)
+    one_error(result, f"{QUERY}.weight", "finite")
+    assert listing(tmp_path) == before
+
+
+def test_fp16_base_overflowing_when_rounded_is_refused(run, tmp_path):
+    """The merged fp32 value is finite but beyond fp16's range: the rounded one is inf."""
+    state = load_file(BERT_BASE / "model.safetensors")
+    half = {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
+    base = tmp_path / "half.safetensors"
+    save_file(half, base)
+    folder = peft_copy(tmp_path, lora_alpha=1e7)
+    one_error(run("convert", folder, "out.safetensors", "--base", base), "weight", "finite")
+
+
+def test_base_that_already_holds_nan_still_merges(run, tmp_path):
+    """NaN the base already had is the base's: only NaN the merge made is refused."""
+    state = load_file(BERT_BASE / "model.safetensors")
+    state[f"{QUERY}.weight"][0, 0] = float("nan")
+    base = tmp_path / "nan_base.safetensors"
+    save_file(state, base)
+    result = run("convert", ADAPTERS / "bert_lora", "out.safetensors", "--base", base)
+    assert result.exit_code == 0, result.output
+    assert torch.isnan(load_file(tmp_path / "out.safetensors")[f"{QUERY}.weight"][0, 0])
+
+
+# ----------------------------------------------------------------------------- patterns
+
+HOSTILE = "(x+x+)+y"  # exponential for a backtracking matcher on "xxxx...x"
+
+
+def test_hostile_pattern_is_matched_in_linear_work():
+    """``(x+x+)+y`` against 5,000 x's: a backtracking matcher takes 2^5000 steps; the NFA
+    visits at most (characters + 1) x states nodes, whatever the text."""
+    from ckptkit.adapters.patterns import full_pattern, peft_key_pattern
+
+    for make in (peft_key_pattern, full_pattern):
+        pattern = make(HOSTILE)
+        text = "m." + "x" * 5000
+        assert not pattern.matches(text)
+        assert pattern.work <= (len(text) + 1) * pattern.states
+
+
+def test_hostile_pattern_in_a_config_does_not_hang(tmp_path):
+    """inspect and convert of an adapter whose rank_pattern backtracks catastrophically on
+    its module names end (a real process, with a deadline only as the test's guard)."""
+    module = "m." + "x" * 60
+    tensors = {
+        f"{module}.lora_A.weight": torch.ones(2, 4),
+        f"{module}.lora_B.weight": torch.ones(4, 2),
+    }
+    folder = peft_folder(
+        tmp_path, tensors, r=2, rank_pattern={HOSTILE: 3}, alpha_pattern={HOSTILE: 1}
+    )
+    save_file({f"{module}.weight": torch.ones(4, 4)}, tmp_path / "base.safetensors")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for args in (
+        ["inspect", str(folder)],
+        [
+            "convert",
+            str(folder),
+            str(tmp_path / "out.safetensors"),
+            "--base",
+            str(tmp_path / "base.safetensors"),
+        ],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "ckptkit", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out.safetensors").exists()
+
+
+# patterns.py is imported inside the tests that use it, so the rest run on code without it.
+
+
+# Patterns from a small grammar over the letters of module names, and texts over them.
+_ATOMS = st.sampled_from(
+    ["a", "b", ".", r"\.", "[ab]", "[^a]", r"\d", r"\w", "_", "1", "(a|b)", "(?:ab)"]
+)
+
+
+def _regex(depth: int = 2):
+    atom = (
+        _ATOMS
+        if depth == 0
+        else st.one_of(_ATOMS, st.builds(lambda p: f"({p})", _regex(depth - 1)))
+    )
+    piece = st.builds(
+        lambda a, q: a + q,
+        atom,
+        st.sampled_from(["", "*", "+", "?", "*?", "{2}", "{1,3}", "{0,2}?"]),
+    )
+    seq = st.lists(piece, min_size=1, max_size=4).map("".join)
+    return st.lists(seq, min_size=1, max_size=3).map("|".join).map(lambda p: p if depth else p)
+
+
+PATTERNS = st.one_of(
+    _regex(),
+    _regex().map(lambda p: "^" + p),
+    _regex().map(lambda p: p + "$"),
+    _regex().map(lambda p: r"\b" + p + r"\B"),
+    _regex().map(lambda p: "(?i)" + p.upper()),
+)
+TEXTS = st.text(alphabet="ab._1A\n", max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(PATTERNS, TEXTS)
+def test_patterns_match_as_peft_and_re_do(pattern, text):
+    """The NFA says what peft's own expressions say: ``get_pattern_key``'s
+    ``re.match(rf"(.*\\.)?({key})$", module)`` and ``target_modules``' ``re.fullmatch``."""
+    from ckptkit.adapters.patterns import PatternError, full_pattern, peft_key_pattern
+
+    try:
+        want = re.match(rf"(.*\.)?({pattern})$", text) is not None
+        want_full = re.fullmatch(pattern, text) is not None
+    except re.error:
+        with pytest.raises(PatternError):
+            peft_key_pattern(pattern)
+        return
+    assert peft_key_pattern(pattern).matches(text) == want
+    assert full_pattern(pattern).matches(text) == want_full
+
+
+@pytest.mark.slow
+def test_patterns_match_as_peft_itself():
+    """peft's own functions on module names of the fixtures' kind."""
+    from peft.utils.other import get_pattern_key
+
+    from ckptkit.adapters.patterns import peft_key_pattern
+
+    keys = ["query", r"layer\.0\..*", "value", "layer.1.attention.self.query", "(?:qu|va)[a-z]+"]
+    modules = [
+        "bert.encoder.layer.0.attention.self.query",
+        "bert.encoder.layer.1.attention.self.query",
+        "bert.encoder.layer.1.attention.self.value",
+        "bert.encoder.layer.10.output.dense",
+    ]
+    for module in modules:
+        want = get_pattern_key(keys, module)
+        got = next((k for k in keys if peft_key_pattern(k).matches(module)), module)
+        assert got == want, module
+
+
+def test_refused_pattern_features():
+    """What only a backtracking matcher can mean, and patterns too large: PatternError."""
+    from ckptkit.adapters.patterns import Pattern, PatternError
+
+    for pattern, word in [
+        (r"(a)\1", "backreference"),
+        ("(?<=a)b", "lookahead or lookbehind"),
+        ("(?!a)b", "lookahead"),
+        ("a*+", "possessive"),
+        ("(?>a)", "atomic"),
+        ("(?:a{1000}){1000}", "states"),
+        ("(" * 10_000 + ")" * 10_000, "deep"),
+    ]:
+        with pytest.raises(PatternError, match=word):
+            Pattern(pattern)
+
+
+# ----------------------------------------------------------------------------- FIFOs
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
+@pytest.mark.parametrize("name", ["adapter_config.json"])
+def test_fifo_in_an_adapter_folder_does_not_block(tmp_path, name):
+    """A FIFO where the config should be: an error, never a read that waits for a writer (a
+    real process: a blocked open cannot be interrupted in-process). A FIFO in place of
+    adapter_model.safetensors still blocks in formats/ (the folder's DCP check opens every
+    *.safetensors with open()): not the adapter layer's to mend."""
+    folder = peft_copy(tmp_path)
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for args in (["inspect", str(folder)], ["convert", str(folder), "out.safetensors"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "ckptkit", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            cwd=tmp_path,
+        )
+        lines = done.stderr.splitlines()
+        assert done.returncode != 0 and lines[-1].startswith("Error: "), done.stderr
+        assert "Traceback" not in done.stderr
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
+def test_fifo_given_as_the_adapter_file(run, tmp_path):
+    fifo = tmp_path / "lora.safetensors"
+    os.mkfifo(fifo)
+    one_error(run("convert", KOHYA_BASE, "out.safetensors", "--adapter", fifo), "lora.safetensors")
+
+
+# ----------------------------------------------------------------------------- many modules
+
+
+class LineBudget:
+    """Counts the lines run in the adapter package (``sys.settrace``) and fails as soon as
+    they pass ``limit``: a bound on the work, not on the clock, that a quadratic match breaks
+    within a second. patterns.py is left out: its work per character is bounded on its own
+    (``Pattern.work``, test_hostile_pattern_is_matched_in_linear_work)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.lines = limit, 0
+        self.folder = str(Path(ckptkit.__file__).parent / "adapters")
+        self.patterns = str(Path(ckptkit.__file__).parent / "adapters" / "patterns.py")
+
+    def _global(self, frame, event, arg):
+        name = frame.f_code.co_filename
+        return self._local if name.startswith(self.folder) and name != self.patterns else None
+
+    def _local(self, frame, event, arg):
+        if event == "line":
+            self.lines += 1
+            if self.lines > self.limit:
+                raise AssertionError(f"more than {self.limit:,} lines run in ckptkit/adapters")
+        return self._local
+
+    def __enter__(self):
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, *exc):
+        sys.settrace(None)
+
+
+MANY = 16_000
+
+
+def _modules(n: int) -> list[str]:
+    return [f"model.layers.{i // 4}.block.proj_{i % 4}" for i in range(n)]
+
+
+def test_kohya_with_many_modules_binds_in_linear_work(tmp_path):
+    """16,000 kohya modules against a base whose names carry a prefix the LoRA's lack (the
+    suffix match): the lines run grow with the modules, not with modules x base keys."""
+    modules = _modules(MANY)
+    base = header_only(tmp_path / "base.safetensors", {m + ".weight": [2, 2] for m in modules})
+    lora = {}
+    for m in modules:
+        name = "lora_unet_" + m.removeprefix("model.").replace(".", "_")
+        lora[name + ".lora_down.weight"] = [1, 2]
+        lora[name + ".lora_up.weight"] = [2, 1]
+    lora_path = header_only(tmp_path / "lora.safetensors", lora)
+    with LineBudget(200 * MANY) as budget:
+        merged = open_merged(base, AdapterOptions(((str(lora_path), 1.0),)))
+    assert len(merged.changes) == MANY  # type: ignore[attr-defined]
+    merged.close()
+    assert budget.lines > MANY  # the budget saw the work
+
+
+def test_peft_with_many_modules_binds_in_linear_work(tmp_path):
+    """12,000 PEFT modules, with a rank_pattern and an alpha_pattern, merged into a base with
+    an extra prefix: linear work too."""
+    n = 12_000
+    modules = _modules(n)
+    base = header_only(
+        tmp_path / "base.safetensors", {"wrapper." + m + ".weight": [2, 2] for m in modules}
+    )
+    folder = tmp_path / "peft"
+    folder.mkdir()
+    tensors = {}
+    for m in modules:
+        tensors[f"{PREFIX}{m}.lora_A.weight"] = [1, 2]
+        tensors[f"{PREFIX}{m}.lora_B.weight"] = [2, 1]
+    header_only(folder / "adapter_model.safetensors", tensors)
+    config = {
+        "peft_type": "LORA",
+        "r": 1,
+        "lora_alpha": 2,
+        "rank_pattern": {r"proj_[0-3]": 1},
+        "alpha_pattern": {"proj_1": 3},
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with LineBudget(200 * n) as budget:
+        merged = open_merged(folder, AdapterOptions(base=str(base)))
+    assert len(merged.changes) == n  # type: ignore[attr-defined]
+    alphas = {t.alpha for t in merged.adapters[0].targets}  # type: ignore[attr-defined]
+    assert alphas == {2.0, 3.0}
+    merged.close()
+    assert budget.lines > n
