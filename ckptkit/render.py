@@ -530,10 +530,17 @@ def _merge_lines(report: Any) -> list[str]:
     lines = []
     for adapter in report.adapters:
         weight = f" at weight {adapter['weight']:g}" if adapter["weight"] != 1 else ""
+        found = f" (found from {adapter['base_from']})" if adapter.get("base_from") else ""
+        if adapter.get("base_from") == "given with --base":
+            found = " (given with --base)"
         lines.append(
             f"Merged   {adapter['path']} ({adapter['kind']}, {adapter['variant']}, "
-            f"{plural(adapter['modules'], 'module')}){weight} into {adapter['base']}"
+            f"{plural(adapter['modules'], 'module')}){weight} into {adapter['base']}{found}"
         )
+        left = adapter.get("left_out") or {}
+        if left:
+            parts = ", ".join(f"{plural(n, 'module')} for {c}" for c, n in sorted(left.items()))
+            lines.append(f"         left out: {parts} (other components of the pipeline)")
     if report.merged:
         changes = [(k, v) for k, v in report.merged.items() if v is not None]
         top = sorted(changes, key=lambda kv: -kv[1])[:3]

@@ -63,6 +63,10 @@ class Adapter:
     revision: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
     weight: float = 1.0
+    # A kohya LoRA merged into one pipeline component: the other components' module counts.
+    left_out: dict[str, int] = field(default_factory=dict)
+    # How its base was found: "--base", the adapter's base_model_name_or_path, ...
+    base_from: str | None = None
 
     def base_keys(self) -> list[str]:
         """The base tensors this adapter changes, in the names it gives them."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ckptkit.errors import FormatError
 
-__all__ = ["hf_cache", "find_base"]
+__all__ = ["hf_cache", "find_base", "how_found"]
 
 
 def hf_cache() -> Path:
@@ -63,3 +63,27 @@ def find_base(name: str | None, adapter: Path, revision: str | None = None) -> P
         f"Hugging Face cache ({hf_cache()}); ckptkit never downloads",
         "name the base with --base PATH (download it first with `huggingface-cli download`)",
     )
+
+
+def how_found(name: str, adapter: Path, found: Path) -> str:
+    """How a base found from an adapter's ``base_model_name_or_path`` was found, for the
+    report: the name, where it led, and a word when it leads out of the adapter's folder (an
+    absolute path elsewhere, or ``..`` climbing out), which a downloaded adapter could use to
+    point at any file on this machine."""
+    shown = f"the adapter's base_model_name_or_path '{name}'"
+    cache = hf_cache()
+    if _inside(found, cache):
+        return f"{shown}, in the Hugging Face cache"
+    named = Path(name).expanduser()
+    folder = adapter if adapter.is_dir() else adapter.parent
+    if named.is_absolute() or ".." in named.parts:
+        if not _inside(found, folder):
+            return f"{shown}, outside the adapter's folder (followed as named)"
+    return shown
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+    except (OSError, ValueError):
+        return False

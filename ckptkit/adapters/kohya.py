@@ -16,12 +16,19 @@ from ckptkit.adapters.adapter import Adapter, AdapterError, Target, factor_rank
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
 
-__all__ = ["is_kohya", "read_kohya", "bind_kohya"]
+__all__ = ["is_kohya", "read_kohya", "bind_kohya", "COMPONENTS", "components", "for_component"]
 
 _KEY = re.compile(
     r"(?P<name>lora_(?:unet|te\d?)_.+)\.(?P<part>lora_down\.weight|lora_up\.weight|alpha)"
 )
 _GROUP = re.compile(r"^lora_(unet|te\d?)_")
+# The diffusers pipeline component each group of an sd-scripts LoRA changes.
+COMPONENTS = {
+    "unet": "unet",
+    "te": "text_encoder",
+    "te1": "text_encoder",
+    "te2": "text_encoder_2",
+}
 # LyCORIS and other networks sd-scripts-style files also hold (LoHa, LoKr, DoRA scales...).
 _OTHER = re.compile(r"\.(hada_|lokr_|dora_scale|diff|oft_|lora_mid)")
 
@@ -160,6 +167,42 @@ def bind_kohya(adapter: Adapter, base_keys: list[str]) -> Adapter:
             )
         bound.append(_renamed(target, found[0]))
     adapter.targets = bound
+    return adapter
+
+
+def _component(module: str) -> str:
+    match = _GROUP.match(module)
+    return COMPONENTS[match[1]] if match and match[1] in COMPONENTS else "?"
+
+
+def components(adapter: Adapter) -> dict[str, int]:
+    """The pipeline components a kohya LoRA changes (``unet``, ``text_encoder``,
+    ``text_encoder_2``) -> how many modules in each: a whole pipeline's merge applies the
+    adapter to these components only."""
+    counts: dict[str, int] = {}
+    for target in adapter.targets:
+        counts[_component(target.module)] = counts.get(_component(target.module), 0) + 1
+    return counts
+
+
+def for_component(adapter: Adapter, component: str) -> Adapter:
+    """The adapter with only the modules of one pipeline component (the base is that
+    component's folder); the others are recorded in ``adapter.left_out``.
+
+    Raises:
+        AdapterError: it holds nothing for that component.
+    """
+    kept = [t for t in adapter.targets if _component(t.module) == component]
+    if not kept:
+        held = ", ".join(sorted(components(adapter))) or "nothing"
+        raise AdapterError(
+            f"{adapter.path} changes {held}, not the pipeline's '{component}' component",
+            f"merge it into {held.split(', ')[0]} (--select)",
+        )
+    adapter.left_out = {
+        name: count for name, count in components(adapter).items() if name != component
+    }
+    adapter.targets = kept
     return adapter
 
 

@@ -109,9 +109,10 @@ def _low_rank(
 
 
 def bind(
-    base: dict[str, TensorInfo], adapters: list[Adapter]
+    base: dict[str, TensorInfo], adapters: list[Adapter], component: str | None = None
 ) -> dict[str, list[tuple[Adapter, Change]]]:
-    """Each base key an adapter changes -> its changes, in adapter order.
+    """Each base key an adapter changes -> its changes, in adapter order; ``component``: the
+    base is that diffusers pipeline component (a kohya LoRA brings only its modules).
 
     Raises:
         AdapterError: a missing base key, a shape or rank that does not fit, a quantized base,
@@ -120,8 +121,10 @@ def bind(
     changes: dict[str, list[tuple[Adapter, Change]]] = {}
     for adapter in adapters:
         if adapter.kind == "kohya LoRA":
-            from ckptkit.adapters.kohya import bind_kohya
+            from ckptkit.adapters.kohya import bind_kohya, for_component
 
+            if component is not None:
+                for_component(adapter, component)
             bind_kohya(adapter, list(base))
         entries = dict(adapter.source.entries())
         names = _prefix_map(adapter.base_keys(), base, adapter)
@@ -170,6 +173,13 @@ def _unweighted(adapter: Adapter, what: str) -> None:
         )
 
 
+def _component(base: Source) -> str | None:
+    """The diffusers pipeline component a base is (its folder's name in a pipeline), or None."""
+    folder = getattr(base, "folder", None)
+    in_pipeline = folder is not None and (Path(str(folder)).parent / "model_index.json").is_file()
+    return Path(str(folder)).name if in_pipeline else None
+
+
 class MergedSource(Source):
     """``base`` with ``adapters`` merged in, in order (see the module's docstring)."""
 
@@ -181,7 +191,7 @@ class MergedSource(Source):
         self.meta = getattr(base, "meta", None)
         self.folder = getattr(base, "folder", None)
         self._entries = base.entries()
-        self.changes = bind(dict(self._entries), adapters)
+        self.changes = bind(dict(self._entries), adapters, _component(base))
         for alias, target in base.aliases().items():  # tied names are one tensor: merged alike
             if target in self.changes or alias in self.changes:
                 self.changes[alias] = self.changes[target] = self.changes.get(

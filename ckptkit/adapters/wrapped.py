@@ -22,11 +22,21 @@ from ckptkit.formats.base.tree import DroppedPart
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["is_peft_model_state", "split_peft_model_state", "ViewSource", "REFUSAL_HINT"]
+__all__ = [
+    "is_peft_model_state",
+    "split_peft_model_state",
+    "ViewSource",
+    "REFUSAL_HINT",
+    "REFUSAL_API_HINT",
+]
 
 REFUSAL_HINT = (
     "pass --drop-adapters for the base model alone, or merge with --lora-alpha N or "
     "--adapter-config adapter_config.json"
+)
+REFUSAL_API_HINT = (  # the same, for ckptkit.convert()'s callers
+    "pass drop_adapters=True for the base model alone, or merge with lora_alpha=N or "
+    "adapter_config='adapter_config.json'"
 )
 
 # A named adapter's tensors (the name is the segment after the part).
