@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import servers
 import torch
 from helpers import FIXTURE_DIR, ROOT, one_error
 from hypothesis import given, settings
@@ -576,3 +577,29 @@ def test_trust_follows_no_base_the_adapter_names(run, tmp_path):
     one_error(run("convert", ADAPTERS / "bert_lora", "out.safetensors", "--trust"), "--base PATH")
     args = ["--trust", "--base", BERT_BASE]
     assert run("convert", ADAPTERS / "bert_lora", "out.safetensors", *args).exit_code == 0
+
+
+# ----------------------------------------------------------------------------- adapters at a URL
+
+s3_server = servers.s3_server
+s3 = servers.s3
+s3_env = servers.s3_env
+
+
+def test_adapter_at_s3_finds_its_base_beside_it(s3_env, tmp_path, run):
+    """An adapter folder at an s3:// URL naming its base (``bert_base``, beside it) merges as
+    it does with --base at the same URL, and the report says which base it took."""
+    s3_env.bucket("repo")
+    for name in ("bert_lora", "bert_base"):
+        s3_env.fs.put(str(ADAPTERS / name) + "/", f"repo/adapters/{name}/", recursive=True)
+    s3_env.fs.invalidate_cache()
+    result = run("convert", "s3://repo/adapters/bert_lora", "found.safetensors", "--json")
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)
+    base = ["--base", "s3://repo/adapters/bert_base"]
+    result = run("convert", "s3://repo/adapters/bert_lora", "given.safetensors", *base)
+    assert result.exit_code == 0, result.output
+    assert found["verified"] and found["adapters"][0]["base"] == "s3://repo/adapters/bert_base"
+    assert found["adapters"][0]["base_from"] == "the adapter's base_model_name_or_path 'bert_base'"
+    a, b = load_file(tmp_path / "found.safetensors"), load_file(tmp_path / "given.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -52,7 +52,9 @@ def find_base(name: str | None, adapter: Path, revision: str | None = None) -> P
     if not name:
         raise FormatError(f"{adapter} does not name its base model", "name it with --base PATH")
     for candidate in (Path(name).expanduser(), adapter.parent / name):
-        if candidate.exists():
+        # is_dir first: an adapter at a URL finds a folder beside it by its listing (asking a
+        # folder URL for its size is refused as "a folder").
+        if candidate.is_dir() or candidate.exists():
             return candidate
     if name.count("/") <= 1 and not name.startswith(("/", ".")):
         cached = _cached(name, revision)
@@ -83,7 +85,9 @@ def how_found(name: str, adapter: Path, found: Path) -> str:
 
 
 def _inside(path: Path, folder: Path) -> bool:
+    """Whether a local ``path`` lies in ``folder`` (symlinks resolved); a URL (no local
+    path) is in no local folder."""
     try:
         return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):
         return False
