@@ -530,9 +530,10 @@ def _merge_lines(report: Any) -> list[str]:
     lines = []
     for adapter in report.adapters:
         weight = f" at weight {adapter['weight']:g}" if adapter["weight"] != 1 else ""
-        found = f" (found from {adapter['base_from']})" if adapter.get("base_from") else ""
-        if adapter.get("base_from") == "given with --base":
-            found = " (given with --base)"
+        # How the base was found is in the JSON; the text says it when the adapter's config
+        # led out of its folder, which a downloaded adapter should not do unnoticed.
+        how = adapter.get("base_from") or ""
+        found = f" (found from {how})" if "outside" in how else ""
         lines.append(
             f"Merged   {adapter['path']} ({adapter['kind']}, {adapter['variant']}, "
             f"{plural(adapter['modules'], 'module')}){weight} into {adapter['base']}{found}"

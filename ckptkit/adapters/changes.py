@@ -178,18 +178,25 @@ class NotFinite(ArithmeticError):
         self.row, self.value = row, value
 
 
-def _check_finite(rows: torch.Tensor, block: torch.Tensor, start: int) -> None:
+def _check_finite(
+    rows: torch.Tensor, merged: torch.Tensor, block: torch.Tensor, start: int
+) -> None:
     """Refuse a merged block holding NaN or inf where the base block did not: a NaN alpha, an
     overflowing scale or damaged factors would otherwise be written (and verified) as weights.
-    One pass over the block already in memory; the base is looked at only when it fails."""
+
+    ``rows`` is the block in fp32, ``merged`` the same rounded to the base's dtype. One
+    reduction over ``rows`` (its least and greatest values: NaN propagates) clears nearly every
+    block; only a block that comes near the dtype's range is looked at element by element."""
     import torch
 
-    if bool(torch.isfinite(rows).all()):
+    low, high = (float(v) for v in torch.aminmax(rows))
+    limit = torch.finfo(merged.dtype).max
+    if -limit <= low and high <= limit:  # false for NaN and inf too
         return
-    created = ~torch.isfinite(rows) & torch.isfinite(block.reshape(rows.shape))
+    created = ~torch.isfinite(merged) & torch.isfinite(block.reshape(merged.shape))
     if bool(created.any()):
         row = int(created.any(dim=1).nonzero()[0])
-        raise NotFinite(start + row, float(rows[row][created[row]][0]))
+        raise NotFinite(start + row, float(merged[row][created[row]][0]))
 
 
 def merge_rows(
@@ -225,7 +232,7 @@ def merge_rows(
         for change, tensors in steps:
             rows = change.apply(rows, start, tensors)
         target[start : start + step].copy_(rows)
-        _check_finite(target[start : start + step], block, start)  # rounded: fp16 overflows too
+        _check_finite(rows, target[start : start + step], block, start)
         if before is not None:
             change_sq += float(torch.linalg.vector_norm(rows.sub_(before))) ** 2
     if factored:
