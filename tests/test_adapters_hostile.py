@@ -603,3 +603,36 @@ def test_adapter_at_s3_finds_its_base_beside_it(s3_env, tmp_path, run):
     assert found["adapters"][0]["base_from"] == "the adapter's base_model_name_or_path 'bert_base'"
     a, b = load_file(tmp_path / "found.safetensors"), load_file(tmp_path / "given.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------- and the rest
+
+
+def test_nan_adapter_weight_refused(run, tmp_path):
+    result = run("convert", KOHYA_BASE, "out.safetensors", "--adapter", f"{KOHYA_LORA}:nan")
+    one_error(result, "kohya_lora.safetensors", "weight nan", "finite")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_peft_model_state_with_two_tensors_for_one_base_name(run, tmp_path):
+    """``x.base_layer.weight`` and ``x.weight`` both become ``x.weight`` in the base view:
+    refused, not one silently dropped."""
+    state = load_file(BERT_BASE / "model.safetensors")
+    state = {PREFIX + k: v for k, v in state.items()}
+    state[f"{PREFIX}{QUERY}.base_layer.weight"] = torch.zeros(16, 16)
+    state[f"{PREFIX}{QUERY}.lora_A.default.weight"] = torch.ones(4, 16)
+    state[f"{PREFIX}{QUERY}.lora_B.default.weight"] = torch.ones(16, 4)
+    save_file(state, tmp_path / "full.safetensors")
+    result = run("convert", "full.safetensors", "out.safetensors", "--drop-adapters")
+    one_error(result, f"'{QUERY}.weight'", "base_layer")
+
+
+def test_revision_climbing_out_of_the_hf_cache_refused(run, tmp_path, monkeypatch):
+    """A ``revision`` of ``../../../elsewhere`` would take a folder outside the cache as the
+    base: refused."""
+    snapshots = tmp_path / "hub" / "models--org--tiny" / "snapshots"
+    (snapshots / ("a" * 40)).mkdir(parents=True)
+    shutil.copytree(BERT_BASE, tmp_path / "elsewhere")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    folder = peft_copy(tmp_path, base_model_name_or_path="org/tiny", revision="../../../elsewhere")
+    one_error(run("convert", folder, "out.safetensors"), "revision", "--base")

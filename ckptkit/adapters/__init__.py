@@ -105,8 +105,13 @@ def read_adapter(path: str | Path, *, weight: float = 1.0) -> Adapter:
     Raises:
         AdapterError: ``path`` holds no adapter ckptkit merges.
     """
-    path = Path(path)
-    source = open_source(path)  # a PEFT folder opens as its adapter_model file
+    if not math.isfinite(weight):
+        raise UsageError(
+            f"{path} is to be merged at weight {weight}, which would merge as {weight} weights",
+            "give a finite weight (--adapter PATH:WEIGHT)",
+            api_hint="give a finite weight ((PATH, WEIGHT))",
+        )
+    source = open_source(path)  # a PEFT folder opens as its adapter_model file (or URL)
     try:
         adapter = adapter_of(source)
         if adapter is None:

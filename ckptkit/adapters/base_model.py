@@ -29,10 +29,16 @@ def _cached(repo_id: str, revision: str | None) -> Path | None:
     snapshots = repo / "snapshots"
     if not snapshots.is_dir():
         return None
+    if revision and (revision.startswith("/") or ".." in revision.split("/")):
+        raise FormatError(
+            f"the adapter's revision '{revision[:80]}' climbs out of the Hugging Face cache",
+            "name the base with --base PATH",
+        )
     for ref in [revision, "main"] if revision else ["main"]:
         ref_file = repo / "refs" / str(ref)
         if ref_file.is_file():
-            commit = ref_file.read_text().strip()
+            with open(ref_file, "rb") as f:  # a ref holds a commit hash: 40 hex digits
+                commit = f.read(256).decode("utf-8", "replace").strip()
             if (snapshots / commit).is_dir():
                 return snapshots / commit
         if ref and (snapshots / ref).is_dir():  # a commit hash given as the revision

@@ -119,7 +119,14 @@ def split_peft_model_state(source: Source) -> tuple[ViewSource, ViewSource, Drop
         if match is None:
             plain = key.replace(".base_layer.", ".").replace(".original_module.", ".")
             plain = plain.replace(".token_adapter.", ".")
-            base[plain[len(PREFIX) :] if plain.startswith(PREFIX) else plain] = key
+            plain = plain[len(PREFIX) :] if plain.startswith(PREFIX) else plain
+            if plain in base:  # two tensors for one base name: neither may silently win
+                raise AdapterError(
+                    f"{source.path} holds both '{base[plain]}' and '{key}', which are the same "
+                    f"base tensor '{plain}' once peft's wrapper segments are removed",
+                    "the state dict is damaged: save it again",
+                )
+            base[plain] = key
             continue
         names.add(match["name"])
         part, rest = match["part"], match["rest"]
