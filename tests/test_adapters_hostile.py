@@ -436,10 +436,10 @@ class LineBudget:
     within a second. patterns.py is left out: its work per character is bounded on its own
     (``Pattern.work``, test_hostile_pattern_is_matched_in_linear_work)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, patterns: bool = False) -> None:
         self.limit, self.lines = limit, 0
         self.folder = str(Path(ckptkit.__file__).parent / "adapters")
-        self.patterns = str(Path(ckptkit.__file__).parent / "adapters" / "patterns.py")
+        self.patterns = "" if patterns else str(Path(self.folder) / "patterns.py")
 
     def _global(self, frame, event, arg):
         name = frame.f_code.co_filename
@@ -483,6 +483,53 @@ def test_kohya_with_many_modules_binds_in_linear_work(tmp_path):
     assert len(merged.changes) == MANY  # type: ignore[attr-defined]
     merged.close()
     assert budget.lines > MANY  # the budget saw the work
+
+
+def test_rank_pattern_naming_every_module_is_matched_in_linear_work(tmp_path):
+    """A rank_pattern and an alpha_pattern listing each of 12,000 modules by name (what some
+    tools write): tried key after key that is 144 million matches; looked up, the lines run
+    grow with the modules."""
+    n = 12_000
+    modules = _modules(n)
+    base = header_only(tmp_path / "base.safetensors", {m + ".weight": [2, 2] for m in modules})
+    folder = tmp_path / "peft"
+    folder.mkdir()
+    tensors = {}
+    for m in modules:
+        tensors[f"{PREFIX}{m}.lora_A.weight"] = [2, 2]
+        tensors[f"{PREFIX}{m}.lora_B.weight"] = [2, 2]
+    header_only(folder / "adapter_model.safetensors", tensors)
+    config = {
+        "peft_type": "LORA",
+        "r": 1,
+        "rank_pattern": {m: 2 for m in modules},
+        "alpha_pattern": {m.removeprefix("model."): i % 7 + 1 for i, m in enumerate(modules)},
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with LineBudget(400 * n, patterns=True):  # about 250 a module
+        merged = open_merged(folder, AdapterOptions(base=str(base)))
+    targets = merged.adapters[0].targets  # type: ignore[attr-defined]
+    assert [t.alpha for t in targets[:8]] == [1, 2, 3, 4, 5, 6, 7, 1]
+    merged.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.text(alphabet="ab.1", min_size=1, max_size=5), st.sampled_from(["a|b", "b+", r"\d"])
+        ),
+        max_size=6,
+    ),
+    st.text(alphabet="ab.1\n", max_size=8),
+)
+def test_key_table_finds_the_first_key_as_peft_does(keys, module):
+    """The dict lookup of plain keys and the patterns between them give the first key peft's
+    ``get_pattern_key`` would (its ``re.match``, key after key)."""
+    from ckptkit.adapters.patterns import KeyTable, peft_key_pattern
+
+    want = next((i for i, k in enumerate(keys) if re.match(rf"(.*\.)?({k})$", module)), None)
+    assert KeyTable(keys, peft_key_pattern).first(module) == want
 
 
 # ----------------------------------------------------------------------------- pipelines

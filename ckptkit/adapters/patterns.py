@@ -24,7 +24,7 @@ from re import _constants as C  # type: ignore[attr-defined]
 from re import _parser  # type: ignore[attr-defined]
 from typing import Any
 
-__all__ = ["PatternError", "Pattern", "MAX_STATES", "peft_key_pattern", "full_pattern"]
+__all__ = ["PatternError", "Pattern", "KeyTable", "MAX_STATES", "peft_key_pattern", "full_pattern"]
 
 # A real pattern has tens of states; this bounds the work per character of a hostile one
 # (``a{1000}{1000}`` would expand to a million).
@@ -311,3 +311,72 @@ def peft_key_pattern(key: str) -> Pattern:
 def full_pattern(pattern: str) -> Pattern:
     """A string ``target_modules`` as peft matches it: ``re.fullmatch(pattern, module)``."""
     return Pattern(pattern, full=True)
+
+
+_DOT = re.compile(r"\.")
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+class KeyTable:
+    """``rank_pattern`` / ``alpha_pattern`` keys in their order: which one comes first to match
+    a module, as peft's ``get_pattern_key`` tries them one after the other.
+
+    An adapter may list every module by name (12,000 keys for 12,000 modules): tried one by one
+    that is quadratic. A plain key (letters, digits, ``_ - .``: a module path) matches where a
+    dot-separated tail of the module has its length and its characters, each ``.`` of the key
+    matching any character, as the regex does; such keys are looked up in a dict per length and
+    dot positions, the others matched as patterns, in order.
+
+    Args:
+        keys: the keys, in the config's order.
+        compile: a key -> its Pattern (the caller's, which names the field in its errors).
+    """
+
+    def __init__(self, keys: list[str], compile: Callable[[str], Pattern]) -> None:
+        self.keys, self._compile = keys, compile
+        self._others: list[tuple[int, Pattern]] = []
+        # length -> [(the key's dot positions, key -> its first index)]
+        self._plain: dict[int, dict[tuple[int, ...], dict[str, int]]] = {}
+        self._compiled: dict[int, Pattern] = {}
+        for index, key in enumerate(keys):
+            if key and _PLAIN.issuperset(key):
+                dots = tuple(m.start() for m in _DOT.finditer(key))
+                self._plain.setdefault(len(key), {}).setdefault(dots, {}).setdefault(key, index)
+            else:
+                self._others.append((index, compile(key)))
+
+    def first(self, module: str) -> int | None:
+        """The index of the first key that matches ``module``, or None."""
+        best = self._first_plain(module)
+        for index, pattern in self._others:
+            if best is not None and index > best:
+                break
+            if pattern.matches(module):
+                return index
+        return best
+
+    def _first_plain(self, module: str) -> int | None:
+        if "\n" in module:  # `.` and `$` treat a newline apart: match such a name as a regex
+            return next((i for i, k in enumerate(self.keys) if self._plain_key(i, k, module)), None)
+        best: int | None = None
+        starts = [0] + [m.end() for m in _DOT.finditer(module)]
+        for start in starts:
+            tail = module[start:]
+            for dots, table in self._plain.get(len(tail), {}).items():
+                if dots:
+                    chars = list(tail)
+                    for i in dots:
+                        chars[i] = "."
+                    found = table.get("".join(chars))
+                else:
+                    found = table.get(tail)
+                if found is not None and (best is None or found < best):
+                    best = found
+        return best
+
+    def _plain_key(self, index: int, key: str, module: str) -> bool:
+        if not (key and _PLAIN.issuperset(key)):
+            return False
+        if index not in self._compiled:
+            self._compiled[index] = self._compile(key)
+        return self._compiled[index].matches(module)

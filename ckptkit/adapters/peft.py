@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.adapters.adapter import Adapter, AdapterError, Target, factor_rank
-from ckptkit.adapters.patterns import Pattern, PatternError, full_pattern, peft_key_pattern
+from ckptkit.adapters.patterns import (
+    KeyTable,
+    Pattern,
+    PatternError,
+    full_pattern,
+    peft_key_pattern,
+)
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.folders.layouts import ADAPTER_FILES
 from ckptkit.formats.io.small import quoted, read_json
@@ -149,19 +155,23 @@ class Rules:
 
     r: int | None
     lora_alpha: float | None
-    ranks: tuple[tuple[Pattern, int], ...]
-    alphas: tuple[tuple[Pattern, float], ...]
+    rank_keys: KeyTable
+    ranks: tuple[int, ...]  # rank_pattern's values, in its keys' order
+    alpha_keys: KeyTable
+    alphas: tuple[float, ...]
     tokens: tuple[int, ...] | None  # a list: the input embedding's
     token_patterns: tuple[tuple[Pattern, tuple[int, ...]], ...]  # a dict: each module's
 
     def rank(self, module: str, default: int) -> int:
-        found = next((r for p, r in self.ranks if p.matches(module)), None)
-        return found if found is not None else self.r if self.r is not None else default
+        found = self.rank_keys.first(module)
+        if found is not None:
+            return self.ranks[found]
+        return self.r if self.r is not None else default
 
     def alpha(self, module: str, r: int) -> float:
-        found = next((a for p, a in self.alphas if p.matches(module)), None)
+        found = self.alpha_keys.first(module)
         if found is not None:
-            return found
+            return self.alphas[found]
         return self.lora_alpha if self.lora_alpha is not None else float(r)
 
     def token_indices(self, module: str) -> tuple[int, ...] | None:
@@ -184,12 +194,18 @@ def check_config(config: dict[str, Any], where: Path | str) -> Rules:
             raise _bad(where, field, value, "it maps module patterns to numbers")
         patterns[field] = value
     ranks = tuple(
-        (_compiled(k, where, "rank_pattern"), _rank(v, where, f"rank_pattern[{quoted(k)}]"))
-        for k, v in patterns["rank_pattern"].items()
+        _rank(v, where, f"rank_pattern[{quoted(k)}]") for k, v in patterns["rank_pattern"].items()
     )
     alphas = tuple(
-        (_compiled(k, where, "alpha_pattern"), _alpha(v, where, f"alpha_pattern[{quoted(k)}]"))
+        _alpha(v, where, f"alpha_pattern[{quoted(k)}]")
         for k, v in patterns["alpha_pattern"].items()
+    )
+    rank_keys, alpha_keys = (
+        KeyTable(
+            [k if isinstance(k, str) else "" for k in patterns[field]],
+            lambda key, field=field: _compiled(key, where, field),  # type: ignore[misc]
+        )
+        for field in ("rank_pattern", "alpha_pattern")
     )
     targets = config.get("target_modules")
     if isinstance(targets, str):
@@ -214,7 +230,7 @@ def check_config(config: dict[str, Any], where: Path | str) -> Rules:
     for field in ("base_model_name_or_path", "revision"):
         if config.get(field) is not None and not isinstance(config[field], str):
             raise _bad(where, field, config[field], "it is a name or a path")
-    return Rules(r, alpha, ranks, alphas, tokens, token_patterns)
+    return Rules(r, alpha, rank_keys, ranks, alpha_keys, alphas, tokens, token_patterns)
 
 
 def adapter_from_tensors(
