@@ -219,6 +219,9 @@ def convert(
     names_from: str | Path | None = None,
     workers: int = 8,
     part: str | None = None,
+    drop_adapters: bool = False,
+    lora_alpha: float | None = None,
+    adapter_config: str | Path | None = None,
 ) -> ConvertReport:
     """Convert a checkpoint's state dict to safetensors, a plain ``.pt`` state dict or a DCP
     folder.
@@ -265,6 +268,11 @@ def convert(
             memory holds about ``workers + 1`` requests of 8 MiB.
         part: ``"I/N"``: write only part I of N of a sharded output's shards, no index
             (``ckptkit.spread.finish`` writes it once every part is done).
+        drop_adapters: ``src`` is a PeftModel state dict: write the base model alone.
+        lora_alpha: ``src`` is a PeftModel state dict: merge its adapter with this
+            ``lora_alpha`` (the rank from the factors' shapes).
+        adapter_config: ``src`` is a PeftModel state dict: merge its adapter as this
+            ``adapter_config.json`` says.
 
     Returns:
         The report: where the state dict was, the key plan, what was dropped, cast and written.
@@ -283,6 +291,11 @@ def convert(
             trust,
             tuple(allow_globals),
             variant=variant,
+            adapters=AdapterOptions(
+                drop_adapters=drop_adapters,
+                lora_alpha=lora_alpha,
+                adapter_config=None if adapter_config is None else str(adapter_config),
+            ),
             names_from=None if names_from is None else str(names_from),
             workers=workers,
         ),
@@ -870,6 +883,8 @@ def _report(source: Source, plan: _Plan, dry_run: bool) -> ConvertReport:
                 "weight": a.weight,
                 "modules": len(a.targets),
                 "base": report.source,
+                "base_from": a.base_from,  # how the base was found: --base, the adapter's config
+                "left_out": a.left_out,  # a kohya LoRA's other pipeline components
             }
             for a in source.adapters
         ]

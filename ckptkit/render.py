@@ -533,10 +533,18 @@ def _merge_lines(report: Any) -> list[str]:
     lines = []
     for adapter in report.adapters:
         weight = f" at weight {adapter['weight']:g}" if adapter["weight"] != 1 else ""
+        # How the base was found is in the JSON; the text says it when the adapter's config
+        # led out of its folder, which a downloaded adapter should not do unnoticed.
+        how = adapter.get("base_from") or ""
+        found = f" (found from {how})" if "outside" in how else ""
         lines.append(
             f"Merged   {adapter['path']} ({adapter['kind']}, {adapter['variant']}, "
-            f"{plural(adapter['modules'], 'module')}){weight} into {adapter['base']}"
+            f"{plural(adapter['modules'], 'module')}){weight} into {adapter['base']}{found}"
         )
+        left = adapter.get("left_out") or {}
+        if left:
+            parts = ", ".join(f"{plural(n, 'module')} for {c}" for c, n in sorted(left.items()))
+            lines.append(f"         left out: {parts} (other components of the pipeline)")
     if report.merged:
         changes = [(k, v) for k, v in report.merged.items() if v is not None]
         top = sorted(changes, key=lambda kv: -kv[1])[:3]

@@ -7,16 +7,18 @@ source itself, the base with adapters merged in, or a PeftModel state dict's bas
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckptkit.adapters.adapter import Adapter, AdapterError, Target
-from ckptkit.adapters.base_model import find_base
+from ckptkit.adapters.base_model import find_base, how_found
 from ckptkit.adapters.kohya import is_kohya, read_kohya
 from ckptkit.adapters.peft import CONFIG, WEIGHTS, adapter_from_tensors, read_config
 from ckptkit.adapters.wrapped import (
+    REFUSAL_API_HINT,
     REFUSAL_HINT,
     config_from_options,
     is_peft_model_state,
@@ -103,8 +105,13 @@ def read_adapter(path: str | Path, *, weight: float = 1.0) -> Adapter:
     Raises:
         AdapterError: ``path`` holds no adapter ckptkit merges.
     """
-    path = Path(path)
-    source = open_source(path)  # a PEFT folder opens as its adapter_model file
+    if not math.isfinite(weight):
+        raise UsageError(
+            f"{path} is to be merged at weight {weight}, which would merge as {weight} weights",
+            "give a finite weight (--adapter PATH:WEIGHT)",
+            api_hint="give a finite weight ((PATH, WEIGHT))",
+        )
+    source = open_source(path)  # a PEFT folder opens as its adapter_model file (or URL)
     try:
         adapter = adapter_of(source)
         if adapter is None:
@@ -153,14 +160,12 @@ def open_merged(src: str | Path, options: AdapterOptions, **read: object) -> Sou
                 raise UsageError(
                     f"{src} is not a PeftModel state dict (no base_layer / lora_A.default keys)",
                     "drop --drop-adapters, --lora-alpha and --adapter-config",
+                    api_hint="drop drop_adapters, lora_alpha and adapter_config",
                 )
             adapter = adapter_of(source)
             if adapter is not None:
-                path = options.base or str(
-                    find_base(adapter.base_name, adapter.path, adapter.revision)
-                )
                 first = [adapter]
-                base = open_source(path)
+                base = open_source(_base_of(adapter, options, trust=bool(read.get("trust"))))
             elif options.base:
                 raise UsageError(
                     f"{src} is not an adapter, so --base does not apply",
@@ -176,6 +181,30 @@ def open_merged(src: str | Path, options: AdapterOptions, **read: object) -> Sou
         raise
 
 
+def _base_of(adapter: Adapter, options: AdapterOptions, *, trust: bool) -> str:
+    """Where the base of an adapter SRC is (``--base``, else the one it names), recorded in
+    ``adapter.base_from`` for the report.
+
+    Raises:
+        UsageError: under ``--trust``, an adapter naming its own base (the base's pickle would
+            be trusted too, though no option named it).
+    """
+    if options.base:
+        adapter.base_from = "given with --base"
+        return options.base
+    if trust:
+        raise UsageError(
+            f"{adapter.path} names its base model ({adapter.base_name or 'none'}); under --trust "
+            "ckptkit follows no base an adapter names (nothing it follows may run code "
+            "unless an option named it)",
+            "name the base with --base PATH",
+            api_hint="name the base with base=PATH",
+        )
+    found = find_base(adapter.base_name, adapter.path, adapter.revision)
+    adapter.base_from = how_found(str(adapter.base_name), adapter.path, found)
+    return str(found)
+
+
 def _peft_model_state(source: Source, options: AdapterOptions) -> tuple[Source, list[Adapter]]:
     """A PeftModel state dict's base view, and its adapter when it is to be merged."""
     base, tensors, dropped = split_peft_model_state(source)
@@ -184,6 +213,7 @@ def _peft_model_state(source: Source, options: AdapterOptions) -> tuple[Source, 
             raise UsageError(
                 "--drop-adapters strips the adapter that --lora-alpha / --adapter-config merge",
                 "use one or the other",
+                api_hint="pass drop_adapters=True, or lora_alpha / adapter_config, not both",
             )
         base.dropped = [*source.dropped, dropped]
         return base, []
@@ -192,6 +222,15 @@ def _peft_model_state(source: Source, options: AdapterOptions) -> tuple[Source, 
             f"{source.path} is a PeftModel state dict: the base's weights with a LoRA adapter's "
             "tensors beside them, and no lora_alpha to say how to merge them",
             REFUSAL_HINT,
+            api_hint=REFUSAL_API_HINT,
+        )
+    if options.lora_alpha is not None and not math.isfinite(options.lora_alpha):
+        raise UsageError(
+            f"--lora-alpha {options.lora_alpha}: lora_alpha must be a finite number (it would "
+            f"merge as {options.lora_alpha} weights)",
+            "give the lora_alpha the adapter was trained with",
+            api_hint=f"lora_alpha={options.lora_alpha}: give a finite lora_alpha, the one the "
+            "adapter was trained with",
         )
     config = read_config(Path(options.adapter_config)) if options.adapter_config else None
     adapter = adapter_from_tensors(

@@ -11,7 +11,7 @@ from typing import Any
 from ckptkit.errors import FormatError
 from ckptkit.formats.base.source import Source
 
-__all__ = ["Target", "Adapter", "AdapterError"]
+__all__ = ["Target", "Adapter", "AdapterError", "factor_rank"]
 
 
 class AdapterError(FormatError):
@@ -63,6 +63,10 @@ class Adapter:
     revision: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
     weight: float = 1.0
+    # A kohya LoRA merged into one pipeline component: the other components' module counts.
+    left_out: dict[str, int] = field(default_factory=dict)
+    # How its base was found: "--base", the adapter's base_model_name_or_path, ...
+    base_from: str | None = None
 
     def base_keys(self) -> list[str]:
         """The base tensors this adapter changes, in the names it gives them."""
@@ -102,3 +106,27 @@ class Adapter:
 
     def close(self) -> None:
         self.source.close()
+
+
+def factor_rank(a_key: str, a: tuple[int, ...], b_key: str, b: tuple[int, ...], path: Path) -> int:
+    """The rank of a LoRA's two factors, checked to be two factors of one rank: ``A`` (or
+    ``lora_down``) ``rank x inputs [x kernel]``, ``B`` (``lora_up``) ``outputs x rank [x 1]``,
+    as many dimensions each, none of them zero.
+
+    Raises:
+        AdapterError: naming both tensors and their shapes.
+    """
+    fits = (
+        len(a) >= 2
+        and len(a) == len(b)
+        and all(n >= 1 for n in (*a, *b))
+        and b[1] == a[0]
+        and all(k == 1 for k in b[2:])
+    )
+    if not fits:
+        raise AdapterError(
+            f"{a_key} {list(a)} and {b_key} {list(b)} in {path} are not the two factors of one "
+            "rank (A: rank x inputs, B: outputs x rank)",
+            "the adapter is damaged: save it again",
+        )
+    return a[0]

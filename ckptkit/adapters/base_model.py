@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ckptkit.errors import FormatError
 
-__all__ = ["hf_cache", "find_base"]
+__all__ = ["hf_cache", "find_base", "how_found"]
 
 
 def hf_cache() -> Path:
@@ -29,10 +29,16 @@ def _cached(repo_id: str, revision: str | None) -> Path | None:
     snapshots = repo / "snapshots"
     if not snapshots.is_dir():
         return None
+    if revision and (revision.startswith("/") or ".." in revision.split("/")):
+        raise FormatError(
+            f"the adapter's revision '{revision[:80]}' climbs out of the Hugging Face cache",
+            "name the base with --base PATH",
+        )
     for ref in [revision, "main"] if revision else ["main"]:
         ref_file = repo / "refs" / str(ref)
         if ref_file.is_file():
-            commit = ref_file.read_text().strip()
+            with open(ref_file, "rb") as f:  # a ref holds a commit hash: 40 hex digits
+                commit = f.read(256).decode("utf-8", "replace").strip()
             if (snapshots / commit).is_dir():
                 return snapshots / commit
         if ref and (snapshots / ref).is_dir():  # a commit hash given as the revision
@@ -52,7 +58,9 @@ def find_base(name: str | None, adapter: Path, revision: str | None = None) -> P
     if not name:
         raise FormatError(f"{adapter} does not name its base model", "name it with --base PATH")
     for candidate in (Path(name).expanduser(), adapter.parent / name):
-        if candidate.exists():
+        # is_dir first: an adapter at a URL finds a folder beside it by its listing (asking a
+        # folder URL for its size is refused as "a folder").
+        if candidate.is_dir() or candidate.exists():
             return candidate
     if name.count("/") <= 1 and not name.startswith(("/", ".")):
         cached = _cached(name, revision)
@@ -63,3 +71,29 @@ def find_base(name: str | None, adapter: Path, revision: str | None = None) -> P
         f"Hugging Face cache ({hf_cache()}); ckptkit never downloads",
         "name the base with --base PATH (download it first with `huggingface-cli download`)",
     )
+
+
+def how_found(name: str, adapter: Path, found: Path) -> str:
+    """How a base found from an adapter's ``base_model_name_or_path`` was found, for the
+    report: the name, where it led, and a word when it leads out of the adapter's folder (an
+    absolute path elsewhere, or ``..`` climbing out), which a downloaded adapter could use to
+    point at any file on this machine."""
+    shown = f"the adapter's base_model_name_or_path '{name}'"
+    cache = hf_cache()
+    if _inside(found, cache):
+        return f"{shown}, in the Hugging Face cache"
+    named = Path(name).expanduser()
+    folder = adapter if adapter.is_dir() else adapter.parent
+    if named.is_absolute() or ".." in named.parts:
+        if not _inside(found, folder):
+            return f"{shown}, outside the adapter's folder (followed as named)"
+    return shown
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether a local ``path`` lies in ``folder`` (symlinks resolved); a URL (no local
+    path) is in no local folder."""
+    try:
+        return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+    except (OSError, ValueError, TypeError):
+        return False

@@ -29,6 +29,7 @@ __all__ = [
     "TokenRows",
     "Tensors",
     "merge_rows",
+    "NotFinite",
 ]
 
 # An adapter's tensors by key, as fp32 on the CPU.
@@ -169,12 +170,44 @@ class TokenRows(Change):
         return rows
 
 
+class NotFinite(ArithmeticError):
+    """A merge made NaN or inf where the base held a finite value (at ``row``, flattened)."""
+
+    def __init__(self, row: int, value: float) -> None:
+        super().__init__(f"row {row}: {value}")
+        self.row, self.value = row, value
+
+
+def _check_finite(
+    rows: torch.Tensor, merged: torch.Tensor, block: torch.Tensor, start: int
+) -> None:
+    """Refuse a merged block holding NaN or inf where the base block did not: a NaN alpha, an
+    overflowing scale or damaged factors would otherwise be written (and verified) as weights.
+
+    ``rows`` is the block in fp32, ``merged`` the same rounded to the base's dtype. One
+    reduction over ``rows`` (its least and greatest values: NaN propagates) clears nearly every
+    block; only a block that comes near the dtype's range is looked at element by element."""
+    import torch
+
+    low, high = (float(v) for v in torch.aminmax(rows))
+    limit = torch.finfo(merged.dtype).max
+    if -limit <= low and high <= limit:  # false for NaN and inf too
+        return
+    created = ~torch.isfinite(merged) & torch.isfinite(block.reshape(merged.shape))
+    if bool(created.any()):
+        row = int(created.any(dim=1).nonzero()[0])
+        raise NotFinite(start + row, float(merged[row][created[row]][0]))
+
+
 def merge_rows(
     base: torch.Tensor, steps: list[tuple[Change, Tensors]], out: torch.Tensor
 ) -> tuple[float, float]:
     """Merge ``steps`` (each change with its adapter's tensors, in order) into ``base`` a block
     of rows at a time, computing in fp32 and rounding once into ``out`` (the base's shape and
     dtype). Returns the squared norms of the change and of the base, for the report.
+
+    Raises:
+        NotFinite: the merge made NaN or inf where the base had a finite value.
 
     The blocks reuse two fp32 buffers, so a merge allocates little beyond its delta: fresh
     16 MiB temporaries per block cost page faults and grow the heap.
@@ -199,6 +232,7 @@ def merge_rows(
         for change, tensors in steps:
             rows = change.apply(rows, start, tensors)
         target[start : start + step].copy_(rows)
+        _check_finite(rows, target[start : start + step], block, start)
         if before is not None:
             change_sq += float(torch.linalg.vector_norm(rows.sub_(before))) ** 2
     if factored:

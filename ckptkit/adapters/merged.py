@@ -18,6 +18,7 @@ from ckptkit.adapters.changes import (
     BiasDelta,
     Change,
     LowRank,
+    NotFinite,
     Replace,
     Tensors,
     TokenRows,
@@ -108,9 +109,10 @@ def _low_rank(
 
 
 def bind(
-    base: dict[str, TensorInfo], adapters: list[Adapter]
+    base: dict[str, TensorInfo], adapters: list[Adapter], component: str | None = None
 ) -> dict[str, list[tuple[Adapter, Change]]]:
-    """Each base key an adapter changes -> its changes, in adapter order.
+    """Each base key an adapter changes -> its changes, in adapter order; ``component``: the
+    base is that diffusers pipeline component (a kohya LoRA brings only its modules).
 
     Raises:
         AdapterError: a missing base key, a shape or rank that does not fit, a quantized base,
@@ -119,8 +121,10 @@ def bind(
     changes: dict[str, list[tuple[Adapter, Change]]] = {}
     for adapter in adapters:
         if adapter.kind == "kohya LoRA":
-            from ckptkit.adapters.kohya import bind_kohya
+            from ckptkit.adapters.kohya import bind_kohya, for_component
 
+            if component is not None:
+                for_component(adapter, component)
             bind_kohya(adapter, list(base))
         entries = dict(adapter.source.entries())
         names = _prefix_map(adapter.base_keys(), base, adapter)
@@ -169,6 +173,13 @@ def _unweighted(adapter: Adapter, what: str) -> None:
         )
 
 
+def _component(base: Source) -> str | None:
+    """The diffusers pipeline component a base is (its folder's name in a pipeline), or None."""
+    folder = getattr(base, "folder", None)
+    in_pipeline = folder is not None and (Path(str(folder)).parent / "model_index.json").is_file()
+    return Path(str(folder)).name if in_pipeline else None
+
+
 class MergedSource(Source):
     """``base`` with ``adapters`` merged in, in order (see the module's docstring)."""
 
@@ -180,7 +191,7 @@ class MergedSource(Source):
         self.meta = getattr(base, "meta", None)
         self.folder = getattr(base, "folder", None)
         self._entries = base.entries()
-        self.changes = bind(dict(self._entries), adapters)
+        self.changes = bind(dict(self._entries), adapters, _component(base))
         for alias, target in base.aliases().items():  # tied names are one tensor: merged alike
             if target in self.changes or alias in self.changes:
                 self.changes[alias] = self.changes[target] = self.changes.get(
@@ -207,7 +218,15 @@ class MergedSource(Source):
         out = torch.empty(base.shape, dtype=base.dtype)
         loaders = {id(a): self.tensors_of(a) for a, _ in self.changes[key]}
         steps = [(change, loaders[id(adapter)]) for adapter, change in self.changes[key]]
-        change_sq, base_sq = merge_rows(base, steps, out)
+        try:
+            change_sq, base_sq = merge_rows(base, steps, out)
+        except NotFinite as exc:
+            names = ", ".join(str(a.path) for a, _ in self.changes[key])
+            raise AdapterError(
+                f"merging {names} into '{key}' gives {exc.value} at row {exc.row}, where the "
+                "base holds a finite value; nothing was written",
+                "check the adapter's lora_alpha / alpha and weight, and its factors",
+            ) from None
         self.relative[key] = math.sqrt(change_sq / base_sq) if base_sq else None
         return out
 

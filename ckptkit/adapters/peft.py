@@ -12,12 +12,21 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptkit.adapters.adapter import Adapter, AdapterError, Target
+from ckptkit.adapters.adapter import Adapter, AdapterError, Target, factor_rank
+from ckptkit.adapters.patterns import (
+    KeyTable,
+    Pattern,
+    PatternError,
+    full_pattern,
+    peft_key_pattern,
+)
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.folders.layouts import ADAPTER_FILES
+from ckptkit.formats.io.small import quoted, read_json
 
 __all__ = ["CONFIG", "WEIGHTS", "read_config", "adapter_from_tensors", "PREFIX"]
 
@@ -46,17 +55,16 @@ _PARTS = re.compile(
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    """An ``adapter_config.json``, checked for what a LoRA merge needs."""
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise AdapterError(f"{path} is not readable JSON ({exc})", "check the file") from None
+    """An ``adapter_config.json``, checked for what a LoRA merge needs (its size and nesting
+    bounded, a FIFO refused, every number and pattern checked: ``check_config``)."""
+    config = read_json(path, "adapter config")
     if not isinstance(config, dict):
         raise AdapterError(f"{path} is not an adapter config (not a JSON object)")
     kind = config.get("peft_type", "LORA")
     if kind != "LORA":
         raise AdapterError(
-            f"{path} is a PEFT {kind} adapter; ckptkit merges LoRA (and DoRA, rsLoRA) only",
+            f"{path} is a PEFT {quoted(str(kind))} adapter; ckptkit merges LoRA (and DoRA, "
+            "rsLoRA) only",
             "merge it with peft's merge_and_unload",
         )
     for name, why in _REFUSED.items():
@@ -68,48 +76,168 @@ def read_config(path: Path) -> dict[str, Any]:
     init = config.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INIT):
         raise AdapterError(
-            f"{path} was initialised with init_lora_weights={init!r}, which changes the base "
-            "weights too, so the adapter alone does not say what to merge",
+            f"{path} was initialised with init_lora_weights={quoted(init)}, which changes the "
+            "base weights too, so the adapter alone does not say what to merge",
             "save it with peft's path_initial_model_for_weight_conversion for a plain LoRA",
         )
+    check_config(config, path)
     return config
 
 
-def _matches(pattern: str, module: str) -> bool:
-    """Whether a config's pattern names a module, as peft's ``get_pattern_key`` matches: the
-    pattern matches the end of the module path."""
-    return re.match(rf"(.*\.)?({pattern})$", module) is not None
+# The largest rank and token index read: far beyond any real adapter, small enough that no
+# arithmetic on them overflows.
+MAX_RANK = 1 << 20
+MAX_INDEX = 1 << 31
 
 
-def _pattern(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """``rank_pattern`` / ``alpha_pattern``'s value for a module: the first pattern's that
-    matches."""
-    return next(
-        (value for pattern, value in patterns.items() if _matches(pattern, module)), default
+def _bad(where: Path | str, field: str, value: Any, why: str) -> AdapterError:
+    return AdapterError(
+        f"{where} sets {field}={_shown(value)}: {why}", f"fix {field} in the adapter's {CONFIG}"
     )
 
 
-def _token_indices(config: dict[str, Any], module: str, path: Path) -> tuple[int, ...]:
-    """The token indices ``trainable_token_indices`` gives a module (a list means the input
-    embedding, the only one there is)."""
+def _shown(value: Any, limit: int = 60) -> str:
+    """A config's value as its JSON text, cut short for an error line."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):  # an int too long to print
+        text = type(value).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _rank(value: Any, where: Path | str, field: str) -> int:
+    """A rank from a config: a whole number from 1 to ``MAX_RANK``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(where, field, value, "a rank is a whole number")
+    if not math.isfinite(value) or value != int(value) or not 1 <= value <= MAX_RANK:
+        raise _bad(where, field, value, f"a rank is a whole number from 1 to {MAX_RANK:,}")
+    return int(value)
+
+
+def _alpha(value: Any, where: Path | str, field: str) -> float:
+    """A ``lora_alpha`` from a config: a finite number (NaN or inf would merge as NaN/inf)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(where, field, value, "lora_alpha is a number")
+    try:
+        alpha = float(value)
+    except OverflowError:  # an int too large for a float
+        alpha = math.inf
+    if not math.isfinite(alpha):
+        raise _bad(where, field, value, "lora_alpha must be a finite number")
+    return alpha
+
+
+def _compiled(pattern: Any, where: Path | str, field: str, make: Any = peft_key_pattern) -> Pattern:
+    if not isinstance(pattern, str):
+        raise _bad(where, field, pattern, "a module pattern is a string")
+    try:
+        return make(pattern)
+    except PatternError as exc:
+        raise AdapterError(
+            f"{where} has pattern {quoted(pattern)} in {field}, which ckptkit cannot match: {exc}",
+            f"write it as a plain regular expression in the adapter's {CONFIG}",
+        ) from None
+
+
+def _indices(value: Any, where: Path | str, field: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_INDEX for i in value
+    ):
+        raise _bad(where, field, value, "token indices are a list of whole numbers from 0")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """A config's per-module rules, checked and compiled once: ``rank_pattern`` and
+    ``alpha_pattern`` (first match wins, as peft's ``get_pattern_key``) and the token indices
+    of ``trainable_token_indices``."""
+
+    r: int | None
+    lora_alpha: float | None
+    rank_keys: KeyTable
+    ranks: tuple[int, ...]  # rank_pattern's values, in its keys' order
+    alpha_keys: KeyTable
+    alphas: tuple[float, ...]
+    tokens: tuple[int, ...] | None  # a list: the input embedding's
+    token_patterns: tuple[tuple[Pattern, tuple[int, ...]], ...]  # a dict: each module's
+
+    def rank(self, module: str, default: int) -> int:
+        found = self.rank_keys.first(module)
+        if found is not None:
+            return self.ranks[found]
+        return self.r if self.r is not None else default
+
+    def alpha(self, module: str, r: int) -> float:
+        found = self.alpha_keys.first(module)
+        if found is not None:
+            return self.alphas[found]
+        return self.lora_alpha if self.lora_alpha is not None else float(r)
+
+    def token_indices(self, module: str) -> tuple[int, ...] | None:
+        if self.tokens is not None:
+            return self.tokens
+        return next((i for p, i in self.token_patterns if p.matches(module)), None)
+
+
+def check_config(config: dict[str, Any], where: Path | str) -> Rules:
+    """Every number and pattern of a config that a merge reads, checked (type, finite, range)
+    and compiled; one AdapterError naming ``where``, the field and the value."""
+    r = None if "r" not in config else _rank(config["r"], where, "r")
+    alpha = (
+        None if "lora_alpha" not in config else _alpha(config["lora_alpha"], where, "lora_alpha")
+    )
+    patterns = {}
+    for field in ("rank_pattern", "alpha_pattern"):
+        value = config.get(field) or {}
+        if not isinstance(value, dict):
+            raise _bad(where, field, value, "it maps module patterns to numbers")
+        patterns[field] = value
+    ranks = tuple(
+        _rank(v, where, f"rank_pattern[{quoted(k)}]") for k, v in patterns["rank_pattern"].items()
+    )
+    alphas = tuple(
+        _alpha(v, where, f"alpha_pattern[{quoted(k)}]")
+        for k, v in patterns["alpha_pattern"].items()
+    )
+    rank_keys, alpha_keys = (
+        KeyTable(
+            [k if isinstance(k, str) else "" for k in patterns[field]],
+            lambda key, field=field: _compiled(key, where, field),  # type: ignore[misc]
+        )
+        for field in ("rank_pattern", "alpha_pattern")
+    )
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        _compiled(targets, where, "target_modules", full_pattern)
+    elif targets is not None and not (
+        isinstance(targets, list) and all(isinstance(t, str) for t in targets)
+    ):
+        raise _bad(where, "target_modules", targets, "it is a pattern or a list of module names")
+    tokens: tuple[int, ...] | None = None
+    token_patterns: tuple[tuple[Pattern, tuple[int, ...]], ...] = ()
     spec = config.get("trainable_token_indices")
-    if isinstance(spec, list):
-        return tuple(int(i) for i in spec)
     if isinstance(spec, dict):
-        for pattern, indices in spec.items():
-            if _matches(pattern, module):
-                return tuple(int(i) for i in indices)
-    raise AdapterError(
-        f"{path} holds trainable tokens for {module}, but its config names no indices for it "
-        "(trainable_token_indices)",
-        "check the adapter's adapter_config.json",
-    )
+        token_patterns = tuple(
+            (
+                _compiled(k, where, "trainable_token_indices"),
+                _indices(v, where, f"trainable_token_indices[{quoted(k)}]"),
+            )
+            for k, v in spec.items()
+        )
+    elif spec is not None:
+        tokens = _indices(spec, where, "trainable_token_indices")
+    for field in ("base_model_name_or_path", "revision"):
+        if config.get(field) is not None and not isinstance(config[field], str):
+            raise _bad(where, field, config[field], "it is a name or a path")
+    return Rules(r, alpha, rank_keys, ranks, alpha_keys, alphas, tokens, token_patterns)
 
 
 def adapter_from_tensors(
     path: Path, source: Source, config: dict[str, Any], *, kind: str, prefix: str = PREFIX
 ) -> Adapter:
     """An Adapter from its tensors (by peft's key names under ``prefix``) and its config."""
+    rules = check_config(config, path)
     entries = dict(source.entries())
     parts: dict[str, dict[str, str]] = {}
     replaced: dict[str, str] = {}
@@ -131,9 +259,9 @@ def adapter_from_tensors(
     for module, found in parts.items():
         if "token_adapter.trainable_tokens_delta" in found:
             rows = found.pop("token_adapter.trainable_tokens_delta")
-            tokens[module + ".weight"] = (rows, _token_indices(config, module, path))
+            tokens[module + ".weight"] = (rows, _token_indices(rules, module, path))
         if found:
-            targets.append(_target(path, module, found, entries, config))
+            targets.append(_target(path, module, found, entries, config, rules))
     dora = any(t.magnitude for t in targets)
     variant = ("DoRA" if dora else "LoRA") if not config.get("use_rslora") else "rsLoRA"
     if dora and config.get("use_rslora"):
@@ -158,6 +286,7 @@ def _target(
     found: dict[str, str],
     entries: dict[str, TensorInfo],
     config: dict[str, Any],
+    rules: Rules,
 ) -> Target:
     """One LoRA module: its factors, rank and scale, checked against the config."""
     embedding = "lora_embedding_A" in found or "lora_embedding_B" in found
@@ -172,20 +301,14 @@ def _target(
             f"{path} holds no {missing[0]} for {module}", "the adapter is incomplete: save it again"
         )
     a, b = entries[found[a_name]], entries[found[b_name]]
-    rank = a.shape[0]
-    if len(a.shape) < 2 or len(b.shape) < 2 or b.shape[1] != rank:
-        raise AdapterError(
-            f"{found[a_name]} {list(a.shape)} and {found[b_name]} {list(b.shape)} in {path} are "
-            "not the two factors of one rank",
-            "the adapter is damaged: save it again",
-        )
-    r = int(_pattern(config.get("rank_pattern") or {}, module, config.get("r", rank)))
+    rank = factor_rank(found[a_name], a.shape, found[b_name], b.shape, path)
+    r = rules.rank(module, rank)
     if r != rank:
         raise AdapterError(
             f"{found[a_name]} in {path} has rank {rank}, but the config says r={r}",
             "the adapter's config does not belong to its weights",
         )
-    alpha = float(_pattern(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", r)))
+    alpha = rules.alpha(module, r)
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return Target(
         module=module,
@@ -199,3 +322,16 @@ def _target(
         bias=found.get("lora_B.bias"),
         fan_in_fan_out=bool(config.get("fan_in_fan_out")),
     )
+
+
+def _token_indices(rules: Rules, module: str, path: Path) -> tuple[int, ...]:
+    """The token indices ``trainable_token_indices`` gives a module (a list means the input
+    embedding, the only one there is)."""
+    indices = rules.token_indices(module)
+    if indices is None:
+        raise AdapterError(
+            f"{path} holds trainable tokens for {module}, but its config names no indices for "
+            "it (trainable_token_indices)",
+            "check the adapter's adapter_config.json",
+        )
+    return indices

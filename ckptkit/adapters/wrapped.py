@@ -22,11 +22,21 @@ from ckptkit.formats.base.tree import DroppedPart
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["is_peft_model_state", "split_peft_model_state", "ViewSource", "REFUSAL_HINT"]
+__all__ = [
+    "is_peft_model_state",
+    "split_peft_model_state",
+    "ViewSource",
+    "REFUSAL_HINT",
+    "REFUSAL_API_HINT",
+]
 
 REFUSAL_HINT = (
     "pass --drop-adapters for the base model alone, or merge with --lora-alpha N or "
     "--adapter-config adapter_config.json"
+)
+REFUSAL_API_HINT = (  # the same, for ckptkit.convert()'s callers
+    "pass drop_adapters=True for the base model alone, or merge with lora_alpha=N or "
+    "adapter_config='adapter_config.json'"
 )
 
 # A named adapter's tensors (the name is the segment after the part).
@@ -109,7 +119,14 @@ def split_peft_model_state(source: Source) -> tuple[ViewSource, ViewSource, Drop
         if match is None:
             plain = key.replace(".base_layer.", ".").replace(".original_module.", ".")
             plain = plain.replace(".token_adapter.", ".")
-            base[plain[len(PREFIX) :] if plain.startswith(PREFIX) else plain] = key
+            plain = plain[len(PREFIX) :] if plain.startswith(PREFIX) else plain
+            if plain in base:  # two tensors for one base name: neither may silently win
+                raise AdapterError(
+                    f"{source.path} holds both '{base[plain]}' and '{key}', which are the same "
+                    f"base tensor '{plain}' once peft's wrapper segments are removed",
+                    "the state dict is damaged: save it again",
+                )
+            base[plain] = key
             continue
         names.add(match["name"])
         part, rest = match["part"], match["rest"]
