@@ -57,7 +57,7 @@ def adapter_file_in(folder: Path) -> Path | None:
     """The weights file of a PEFT adapter folder, or None."""
     if not (folder / "adapter_config.json").is_file():
         return None
-    return next((folder / n for n in ADAPTER_FILES if (folder / n).is_file()), None)
+    return next((folder / n for n in ADAPTER_FILES if _is_file_like(folder / n)), None)
 
 
 # Weights (of any format) and indexes: never copied beside converted weights, which replace them.
