@@ -28,7 +28,7 @@ from ckptkit.formats.folders.diffusers import (
     read_model_index,
     variants_in,
 )
-from ckptkit.formats.folders.layouts import folder_files
+from ckptkit.formats.folders.layouts import copied_beside_weights, folder_files
 from ckptkit.formats.io.atomic import check_folder_output
 from ckptkit.keys import KeyPlan, KeyRules
 
@@ -76,7 +76,10 @@ class PipelineReport(ConvertReport):
             elif c.copied:
                 lines.append(f"{c.name} ({c.cls}): copied {plural(len(c.copied), 'file')}")
             if c.left_out:
-                lines.append(f"{c.name}: left out (not regular files): {', '.join(c.left_out)}")
+                lines.append(
+                    f"{c.name}: left out (links, special files, weights and pickles are not "
+                    f"copied): {', '.join(c.left_out)}"
+                )
         if self.left_out:
             lines.append(f"Left out {', '.join(self.left_out)} (links, not copied)")
         verb = "Would write" if self.dry_run else "Wrote   "
@@ -127,8 +130,10 @@ def convert_pipeline(
     cls = read_model_index(src).get("_class_name") or "pipeline"
     _check_variant(src, components, read.variant)
     check_folder_output(dst, force=True, inputs=[src])
+    if dst.resolve().is_relative_to(src.resolve()):  # into a component: the source rewritten
+        raise OutputError(f"output {dst} is inside the pipeline {src}", "write to a new path")
     existing = dst.is_dir() and any(dst.iterdir())
-    if existing and not force and not dry_run:
+    if existing and not force:
         raise OutputError(
             f"{dst} exists and holds files",
             "pass --force to replace the pipeline's files in it (its other files are kept)",
@@ -235,12 +240,15 @@ def _convert_into(
 
 def _copy_tree(folder: Path, out: Path, dry_run: bool) -> tuple[list[str], list[str]]:
     """A component's folder without weights (a tokenizer's, a scheduler's), copied: its regular
-    files, in sub-folders too; links and special files (a FIFO would block the copy) are left
-    out and named."""
+    files, in sub-folders too; links, special files (a FIFO would block the copy) and what a
+    model folder's copy leaves behind (weights and pickles of any name, training state) are
+    left out and named."""
     copied, left_out = [], []
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder).as_posix()
         if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            left_out.append(rel)
+        elif path.is_file() and not copied_beside_weights(path.name):
             left_out.append(rel)
         elif path.is_file():  # rglob does not go into linked folders
             copied.append(rel)
@@ -250,6 +258,30 @@ def _copy_tree(folder: Path, out: Path, dry_run: bool) -> tuple[list[str], list[
     if not dry_run:
         out.mkdir(exist_ok=True)
     return copied, left_out
+
+
+def _check_target(dst: Path, rel: Path) -> None:
+    """A staged file's place in the existing ``dst``: reached through real folders only (a link
+    in the way would send the write, and the clean-up of stale weights, out of ``dst``), and not
+    taken by a folder.
+
+    Raises:
+        OutputError: naming the obstacle, before anything is replaced.
+    """
+    target, at = dst / rel, dst
+    for part in rel.parts:
+        at = at / part
+        if at.is_symlink():
+            raise OutputError(
+                f"{at} is a link: ckptkit writes a pipeline through no link",
+                "remove the link, or write to a new folder",
+            )
+        last = at == target
+        if at.exists() and at.is_dir() == last:  # a folder where the file goes, or the reverse
+            raise OutputError(
+                f"{at} is in the way of the pipeline's {'file' if last else 'folder'} {target}",
+                "move it away, or write to a new folder",
+            )
 
 
 def _put_in_place(stage: Path, dst: Path, report: PipelineReport) -> None:
@@ -266,11 +298,13 @@ def _put_in_place(stage: Path, dst: Path, report: PipelineReport) -> None:
                 f"{target} is a file where the pipeline's '{c.name}' folder goes",
                 "move it away, or write to a new folder",
             )
-    for path in sorted(stage.rglob("*")):
-        if path.is_file():
-            target = dst / path.relative_to(stage)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(path, target)
+    staged = [path for path in sorted(stage.rglob("*")) if path.is_file()]
+    for path in staged:  # every obstacle found before anything is replaced
+        _check_target(dst, path.relative_to(stage))
+    for path in staged:
+        target = dst / path.relative_to(stage)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
     for c in report.components:
         if c.report is None:
             continue

@@ -338,8 +338,14 @@ def test_a_pipeline_component_that_is_not_a_regular_file_is_left_out_and_named(
     os.symlink("/etc/hostname", pipeline / "README.md")
     result = run("convert", pipeline, "out")
     assert result.exit_code == 0, result.stderr
-    assert "tokenizer: left out (not regular files): vocab.json" in result.stdout
-    assert "scheduler: left out (not regular files): elsewhere.json" in result.stdout
+    assert (
+        "tokenizer: left out (links, special files, weights and pickles are not copied): vocab.json"
+        in result.stdout
+    )
+    assert (
+        "scheduler: left out (links, special files, weights and pickles are not copied): elsewhere.json"
+        in result.stdout
+    )
     assert "Left out README.md (links, not copied)" in result.stdout
     out = tmp_path / "out"
     assert not [
@@ -364,3 +370,49 @@ def test_a_converted_pipeline_loads_with_diffusion_pipeline_from_pretrained(tmp_
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key].to(torch.bfloat16)), f"{name}.{key}"
+
+
+def test_force_over_a_pipeline_writes_through_no_link(run, tmp_path):
+    """A component folder of the output that is a link elsewhere: --force neither writes nor
+    deletes through it (the folder it leads to keeps its files), and nothing is replaced."""
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    assert run("convert", PIPELINE, out).exit_code == 0
+    shutil.copytree(out / "vae", victim)
+    (victim / "diffusion_pytorch_model.fp16.safetensors").write_bytes(b"not ckptkit's")
+    shutil.rmtree(out / "vae")
+    (out / "vae").symlink_to(victim)
+    before = {p.name: p.read_bytes() for p in victim.iterdir()}
+    index = (out / "model_index.json").stat().st_mtime_ns
+    one_error(run("convert", PIPELINE, out, "--force"), f"{out / 'vae'} is a link")
+    assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
+    assert (out / "model_index.json").stat().st_mtime_ns == index  # nothing replaced
+
+
+def test_a_folder_in_the_way_stops_a_pipeline_before_anything_is_replaced(run, tmp_path):
+    out = tmp_path / "out"
+    assert run("convert", PIPELINE, out).exit_code == 0
+    (out / "vae" / "config.json").unlink()
+    (out / "vae" / "config.json").mkdir()
+    index = (out / "model_index.json").stat().st_mtime_ns
+    one_error(
+        run("convert", PIPELINE, out, "--force"), f"{out / 'vae' / 'config.json'} is in the way"
+    )
+    assert (out / "model_index.json").stat().st_mtime_ns == index
+
+
+def test_pickles_in_a_pipeline_s_other_folders_are_not_copied(run, pipeline, tmp_path):
+    """A scheduler or tokenizer folder holding a pickle (a .ckpt, a .pt) does not carry it
+    into the converted pipeline: a model folder's copy leaves weights and pickles behind."""
+    malicious = MALICIOUS.read_bytes()
+    (pipeline / "scheduler" / "model.ckpt").write_bytes(malicious)
+    (pipeline / "tokenizer" / "evil.pt").write_bytes(malicious)
+    result = run("convert", pipeline, tmp_path / "out")
+    assert result.exit_code == 0, result.stderr
+    assert not (tmp_path / "out" / "scheduler" / "model.ckpt").exists()
+    assert not (tmp_path / "out" / "tokenizer" / "evil.pt").exists()
+    assert "scheduler: left out" in result.stdout and "model.ckpt" in result.stdout
+    assert run("scan", tmp_path / "out").exit_code == 0
+
+
+def test_a_pipeline_is_not_converted_into_itself(run, pipeline):
+    one_error(run("convert", pipeline, pipeline / "unet", "--force"), "is inside the pipeline")

@@ -26,6 +26,7 @@ __all__ = [
     "folder_parts",
     "find_deepspeed",
     "find_dcp",
+    "copied_beside_weights",
 ]
 
 # The weights file of a Hugging Face model folder (save_pretrained), in transformers' order.
@@ -71,14 +72,18 @@ def folder_files(folder: Path) -> list[Path]:
     """A model folder's files other than weights and indexes (config.json, tokenizer files,
     generation_config.json, a model card): what a converted copy of the folder keeps. A training
     checkpoint's state (``trainer_state.json``, pickled RNG states) is left behind."""
-    return sorted(
-        p
-        for p in folder.iterdir()
-        if p.is_file()
-        and not p.name.startswith(".")
-        and not p.name.endswith(_WEIGHT_SUFFIXES)
-        and not is_index_name(p.name)  # a variant's too (...index.fp16.json)
-        and not _TRAINING_STATE.fullmatch(p.name)
+    return sorted(p for p in folder.iterdir() if p.is_file() and copied_beside_weights(p.name))
+
+
+def copied_beside_weights(name: str) -> bool:
+    """Whether a model folder's file of this name goes along with its converted weights: not
+    hidden, not weights of any format (pickles among them), not an index (a variant's too,
+    ``...index.fp16.json``), not a training checkpoint's state."""
+    return not (
+        name.startswith(".")
+        or name.endswith(_WEIGHT_SUFFIXES)
+        or is_index_name(name)
+        or _TRAINING_STATE.fullmatch(name)
     )
 
 
