@@ -12,14 +12,19 @@ import sys
 
 def _run_as_module() -> bool:
     """Whether this import is ``python -m ckptkit`` (or ``torchrun -m ckptkit``, whose workers
-    are started that way) locating the module: ``sys.argv`` is ``["-m"]`` only then."""
+    are started that way) locating the module: ``sys.argv`` is ``["-m"]`` only then, and the
+    module runpy is locating is named in its frame (whatever flags came with ``-m``: ``-Em``)."""
     if sys.argv[:1] != ["-m"]:
         return False
-    args = getattr(sys, "orig_argv", [])
-    for i, arg in enumerate(args[1:], 1):
-        if arg.startswith("-m"):
-            name = arg[2:] or (args[i + 1] if i + 1 < len(args) else "")
-            return name == "ckptkit" or name.startswith("ckptkit.")
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if (
+            frame.f_code.co_name == "_run_module_as_main"
+            and frame.f_globals.get("__name__") == "runpy"
+        ):
+            name = frame.f_locals.get("mod_name", "")
+            return isinstance(name, str) and (name == "ckptkit" or name.startswith("ckptkit."))
+        frame = frame.f_back
     return False
 
 
@@ -34,7 +39,7 @@ if _run_as_module() and not getattr(sys.flags, "safe_path", False) and sys.path:
 
 # Imported after the current folder left sys.path.
 import importlib  # noqa: E402
-import types  # noqa: E402
+import types  # noqa: E402 - (the annotation above is never evaluated)
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors

@@ -27,10 +27,12 @@ def _env():
     return env
 
 
-def test_python_m_ckptkit_runs_nothing_from_the_current_folder(tmp_path):
+@pytest.mark.parametrize("flags", [["-m"], ["-Em"], ["-Bm"], ["-u", "-m"], ["-X", "utf8", "-m"]])
+def test_python_m_ckptkit_runs_nothing_from_the_current_folder(tmp_path, flags):
+    """However -m comes (alone, or after other flags in one argument: -Em)."""
     folder = _bait_folder(tmp_path)
     done = subprocess.run(
-        [sys.executable, "-m", "ckptkit", "inspect", str(ROOT / "fixtures" / "ddp.pt")],
+        [sys.executable, *flags, "ckptkit", "inspect", str(ROOT / "fixtures" / "ddp.pt")],
         cwd=folder,
         env=_env(),
         capture_output=True,
