@@ -249,3 +249,20 @@ def test_any_state_dict_through_dcp_and_back_is_bit_exact(tmp_path_factory, stat
     for key, tensor in state.items():
         assert bit_equal(back[key], tensor.contiguous()), key
         assert _same_values(loaded[key], tensor), key
+
+
+def test_force_stopped_by_a_folder_leaves_the_earlier_save_whole(tmp_path, run):
+    """A folder by a DCP file's name (here a rank file's) stops --force before the earlier
+    save's files go: it still loads."""
+    out = tmp_path / "out"
+    assert run("convert", FIXTURE_DIR / "single.pt", out, "--to", "dcp").exit_code == 0
+    (out / "notes.txt").write_text("keep me")
+    (out / "__5_0.distcp").mkdir()
+    before = sorted(os.listdir(out))
+    result = run("convert", FIXTURE_DIR / "single.pt", out, "--to", "dcp", "--force")
+    assert result.exit_code == 1
+    assert "__5_0.distcp is a folder" in result.stderr
+    assert sorted(os.listdir(out)) == before
+    expected = torch.load(FIXTURE_DIR / "single.pt", weights_only=True)
+    loaded = _dcp_load(out, expected)
+    assert all(bit_equal(loaded[k], expected[k]) for k in expected)

@@ -212,3 +212,27 @@ def test_inspect_of_a_model_folder_does_not_suggest_stripping_its_names(gpt2, ru
     assert "every key starts with 'transformer.': the model folder's own names" in result.output
     shown = run("inspect", folder, "--json")
     assert '"model_folder": true' in shown.output
+
+
+def test_a_trainer_output_dir_with_its_final_model_reads_that_unless_a_checkpoint_is_named(
+    gpt2, tmp_path, run
+):
+    """trainer.save_model() puts the final model beside the checkpoint-N folders: the folder
+    reads as that model; --select checkpoint-N still takes a checkpoint. training_args.bin
+    (a pickle of the Trainer's) is no model of the folder's own."""
+    _, _, folder = gpt2
+    output_dir = tmp_path / "output_dir"
+    (output_dir / "checkpoint-2").mkdir(parents=True)
+    for p in folder.iterdir():
+        (output_dir / "checkpoint-2" / p.name).write_bytes(p.read_bytes())
+    torch.save({"not": "weights"}, output_dir / "training_args.bin")
+    shown = run("inspect", output_dir)
+    assert shown.exit_code == 0, shown.stderr
+    assert "checkpoint-2, the newest of the Trainer's 1 checkpoints" in shown.output
+    for p in folder.iterdir():
+        (output_dir / p.name).write_bytes(p.read_bytes())
+    final = run("inspect", output_dir)
+    assert final.exit_code == 0 and "checkpoint-2" not in final.output, final.output
+    chosen = run("inspect", output_dir, "--select", "checkpoint-2")
+    assert chosen.exit_code == 0, chosen.stderr
+    assert "checkpoint-2, chosen with --select" in chosen.output

@@ -106,16 +106,26 @@ def run_checkpoint(folder: Path, select: str | None = None) -> tuple[Path, str] 
 # transformers' Trainer saves output_dir/checkpoint-N (N the global step), each a model folder.
 TRAINER_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+# What the Trainer saves beside its weights: pickles of its own, never the model.
+_TRAINER_STATE = re.compile(
+    r"training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state.*"
+)
 
 
 def trainer_checkpoint(folder: Path, select: str | None = None) -> tuple[Path, str] | None:
-    """The checkpoint of a Trainer's ``output_dir`` to read, and why: the newest
-    ``checkpoint-N`` (by N), or the one ``select`` names. None when ``folder`` holds weights of
-    its own (the final model saved there) or no ``checkpoint-N`` folder."""
+    """The checkpoint of a Trainer's ``output_dir`` to read, and why: the one ``select`` names,
+    else the newest ``checkpoint-N`` (by N). None when ``folder`` holds no ``checkpoint-N``
+    folder, or, unless ``select`` names one, holds weights of its own (the final model saved
+    there: the folder itself is read)."""
     if not folder.is_dir():
         return None
     entries = list(folder.iterdir())
-    if any(p.suffix in _WEIGHT_FILES and p.is_file() for p in entries):
+    named = select is not None and TRAINER_CHECKPOINT.fullmatch(select) is not None
+    own = any(
+        p.suffix in _WEIGHT_FILES and not _TRAINER_STATE.fullmatch(p.name) and p.is_file()
+        for p in entries
+    )
+    if own and not named:
         return None
     found = sorted(
         (int(m.group(1)), p)
@@ -124,13 +134,13 @@ def trainer_checkpoint(folder: Path, select: str | None = None) -> tuple[Path, s
     )
     if not found:
         return None
-    if select is not None and TRAINER_CHECKPOINT.fullmatch(select):
-        named = [p for _, p in found if p.name == select]
-        if not named:
+    if named:
+        chosen = [p for _, p in found if p.name == select]
+        if not chosen:
             raise SelectError(
                 f"{folder} holds no Trainer checkpoint '{select}'",
                 f"give one of {', '.join(p.name for _, p in found)}",
             )
-        return named[0], "chosen with --select"
+        return chosen[0], "chosen with --select"
     others = "; --select checkpoint-N for another" if len(found) > 1 else ""
     return found[-1][1], f"the newest of the Trainer's {len(found)} checkpoints{others}"

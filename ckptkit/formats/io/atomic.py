@@ -126,9 +126,18 @@ def _holds_others(folder: Path, owns: Callable[[str], bool]) -> bool:
 
 def _replace_owned(tmp: Path, dst: Path, owns: Callable[[str], bool], entry: str | None) -> None:
     """``tmp``'s files put into ``dst``, replacing only the names ``owns`` (see
-    :func:`atomic_folder`): a reader never finds an entry file over a mix of old and new."""
-    for old in sorted((p for p in dst.iterdir() if owns(p.name)), key=lambda p: p.name != entry):
-        old.unlink()
+    :func:`atomic_folder`): a reader never finds an entry file over a mix of old and new.
+    What would stop the swap half-way (a folder by one of those names) stops it before the old
+    files go."""
+    old = sorted((p for p in dst.iterdir() if owns(p.name)), key=lambda p: p.name != entry)
+    for path in old:
+        if path.is_dir() and not path.is_symlink():
+            raise OutputError(
+                f"{path} is a folder where {dst} holds its output's files",
+                "move it away, or write to a new folder",
+            )
+    for path in old:
+        path.unlink()
     _fsync_dir(dst)
     for new in sorted(tmp.iterdir(), key=lambda p: p.name == entry):
         os.replace(new, dst / new.name)
