@@ -4,6 +4,7 @@ file too (flags override it), and recorded in every checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -121,6 +122,12 @@ class TrainConfig:
         for name in ("warmup_steps", "num_workers", "keep_last"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{_flag(name)} must not be negative")
+        for name in ("lr", "momentum", "weight_decay", "lr_gamma", "clip_grad_norm", "timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise UsageError(f"--{_flag(name)} {value} is not a finite number of at least 0")
+        if self.lr <= 0 or self.timeout_s <= 0:
+            raise UsageError(f"--{'lr' if self.lr <= 0 else 'timeout'} must be positive")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UsageError("--clip-grad-norm must be positive")
         if self.val_fraction is not None and not 0 < self.val_fraction < 1:
