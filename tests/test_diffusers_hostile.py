@@ -153,6 +153,9 @@ def _config(folder, **fields):
     [
         ("layers_per_block", 1200, "1200"),  # 827 MiB and 30 s of modules, before
         ("layers_per_block", -1, "-1"),
+        ("layers_per_block", True, "true"),  # a count is a whole number, not a boolean...
+        ("layers_per_block", 1.5, "1.5"),  # ... nor a fraction ...
+        ("layers_per_block", "2", '"2"'),  # ... nor text (each reached diffusers' own errors)
         ("transformer_layers_per_block", [1, 10**6], "[1, 1000000]"),
         ("norm_eps", float("nan"), "NaN"),
         ("norm_eps", float("inf"), "Infinity"),

@@ -405,6 +405,13 @@ def _check_model_config(config: dict[str, Any], path: Path) -> None:
             value = stack.pop()
             if isinstance(value, list):
                 stack.extend(value)
+            elif (
+                repeats
+                and value is not None
+                and (not isinstance(value, int) or value is True or value is False)
+            ):
+                # a count is a whole number (true, 1.5, "2" would reach diffusers' own errors)
+                raise _odd_value(path, field, top, f"a count from 0 to {_MAX_REPEATS}")
             elif isinstance(value, float) and not math.isfinite(value):
                 raise _odd_value(path, field, top, "a finite number")
             elif isinstance(value, int) and not isinstance(value, bool):
