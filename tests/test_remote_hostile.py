@@ -250,6 +250,8 @@ def test_the_deadline_grows_with_the_bytes_asked(monkeypatch):
     monkeypatch.setenv("CKPTKIT_REMOTE_DEADLINE", "nan")  # not a number: the default
     monkeypatch.delenv("CKPTKIT_REMOTE_MIN_RATE")
     assert remote_module.deadline_s(0) == remote_module.DEADLINE_S
+    monkeypatch.setenv("CKPTKIT_REMOTE_DEADLINE", "1e300")  # a timer cannot wait that long
+    assert remote_module.deadline_s(0) == 7 * 24 * 3600
 
 
 # --- lengths bounded before their bytes are asked for -----------------------------------------

@@ -81,7 +81,10 @@ def deadline_s(nbytes: int) -> float:
     second (default 64 KiB/s)."""
     grace = max(0.01, _setting("CKPTKIT_REMOTE_DEADLINE", DEADLINE_S))
     rate = max(1.0, _setting("CKPTKIT_REMOTE_MIN_RATE", MIN_RATE))
-    return grace + max(0, nbytes) / rate
+    return min(grace + max(0, nbytes) / rate, _LONGEST_S)
+
+
+_LONGEST_S = 7 * 24 * 3600.0  # a week: what a timer can wait (1e300 s would break it)
 
 
 class RemoteError(CkptkitError):
