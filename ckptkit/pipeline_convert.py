@@ -45,6 +45,7 @@ class ComponentResult:
     report: ConvertReport | None = None  # None: no weights, its files copied
     copied: list[str] = field(default_factory=list)
     left_out: list[str] = field(default_factory=list)  # not regular files (links, FIFOs...)
+    followed: str | None = None  # the folder, where a link leads it out of the pipeline
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +55,7 @@ class ComponentResult:
             "convert": self.report.to_dict() if self.report is not None else None,
             "copied": self.copied,
             "left_out": self.left_out,
+            "followed": self.followed,
         }
 
 
@@ -70,6 +72,8 @@ class PipelineReport(ConvertReport):
 
         lines = [f"Pipeline {self.source} ({self.pipeline}) -> {self.destination}"]
         for c in self.components:
+            if c.followed:
+                lines.append(f"{c.name}: read from outside the pipeline: {c.followed}")
             if c.report is not None:
                 lines.append(f"{c.name} ({c.cls}):")
                 lines += [f"  {line}" for line in convert_lines(c.report)]
@@ -205,6 +209,8 @@ def _convert_into(
     ``model_index.json`` and the pipeline's other top-level files (not weights)."""
     for c in components:
         result = ComponentResult(c.name, c.library, c.cls)
+        if not c.folder.resolve().is_relative_to(src.resolve()):  # followed, and said so
+            result.followed = f"{c.folder} -> {c.folder.resolve()}"
         if c.holds_weights():
             variant = read.variant if read.variant in variants_in(c.folder) else None
             sub = convert_checkpoint(

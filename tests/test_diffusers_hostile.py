@@ -419,3 +419,14 @@ def test_pickles_in_a_pipeline_s_other_folders_are_not_copied(run, pipeline, tmp
 
 def test_a_pipeline_is_not_converted_into_itself(run, pipeline):
     one_error(run("convert", pipeline, pipeline / "unet", "--force"), "is inside the pipeline")
+
+
+def test_a_component_folder_linked_out_of_the_pipeline_is_said(run, pipeline, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(pipeline / "vae", elsewhere)
+    (pipeline / "vae").symlink_to(elsewhere)
+    result = run("convert", pipeline, tmp_path / "out")
+    assert result.exit_code == 0, result.stderr
+    assert (
+        f"vae: read from outside the pipeline: {pipeline / 'vae'} -> {elsewhere}" in result.stdout
+    )

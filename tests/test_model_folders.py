@@ -236,3 +236,20 @@ def test_a_trainer_output_dir_with_its_final_model_reads_that_unless_a_checkpoin
     chosen = run("inspect", output_dir, "--select", "checkpoint-2")
     assert chosen.exit_code == 0, chosen.stderr
     assert "checkpoint-2, chosen with --select" in chosen.output
+
+
+def test_a_model_folder_file_linked_out_of_the_folder_is_said_when_copied(gpt2, tmp_path, run):
+    """A config linked elsewhere is copied into the converted folder as the link leads: said
+    in the report, never silent."""
+    _, _, folder = gpt2
+    model = tmp_path / "model"
+    model.mkdir()
+    for p in folder.iterdir():
+        (model / p.name).write_bytes(p.read_bytes())
+    (tmp_path / "elsewhere.json").write_bytes((folder / "generation_config.json").read_bytes())
+    (model / "generation_config.json").unlink()
+    (model / "generation_config.json").symlink_to(tmp_path / "elsewhere.json")
+    result = run("convert", model, tmp_path / "out")
+    assert result.exit_code == 0, result.stderr
+    said = f"read from outside {model}: {model / 'generation_config.json'} -> {tmp_path / 'elsewhere.json'}"
+    assert said in result.stdout

@@ -40,6 +40,7 @@ from ckptkit.formats.folders.layouts import (
     adapter_file_in,
     find_dcp,
     find_deepspeed,
+    folder_files,
     folder_parts,
     model_file_in,
 )
@@ -129,9 +130,11 @@ def open_source(
 
 def _note_followed(source: Source, folder: Path) -> None:
     """Say which of a folder's files are read from outside it (symlinked elsewhere): what was
-    followed is reported, never silent."""
+    followed is reported, never silent. A model folder's config and tokenizer files count:
+    a converted copy of the folder carries them."""
     inside = folder.resolve()
-    for file in source.files():
+    copied = folder_files(source.folder) if source.folder is not None else []
+    for file in [*source.files(), *copied]:
         if isinstance(file, Path) and not file.resolve().is_relative_to(inside):
             shown = f"{file} -> {file.resolve()}"
             if shown not in source.followed:
