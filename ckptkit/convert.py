@@ -426,10 +426,11 @@ def _whole_pipeline(
 
     plain = read.select is None and not read.ema and read.names_from is None
     into_file = Path(str(dst)).suffix.lower() in (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+    merges_only = replace(read.adapters, adapters=()) == AdapterOptions()  # kohya LoRAs merged
     return (
         plain
         and not into_file
-        and not read.adapters.any
+        and merges_only
         and part is None
         and not is_url(str(src))  # a pipeline at a URL: one component with --select
         and is_pipeline(Path(src))
@@ -445,6 +446,12 @@ def _convert_pipeline(src: str | Path, dst: str | Path, options: dict[str, Any])
             f"{src} is a diffusers pipeline: converted whole, it is written to a local folder",
             "give a local folder, or take one component with --select NAME",
             api_hint="give a local folder, or take one component with select=",
+        )
+    if options["check_outputs"]:
+        raise UsageError(
+            "--check-outputs checks the merge of one model",
+            "take one component with --select NAME",
+            api_hint="take one component with select=",
         )
     del options["part"], options["check_outputs"]
     return convert_pipeline(as_path(src), Path(dst), **options)

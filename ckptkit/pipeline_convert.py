@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ckptkit.adapters import AdapterOptions, read_adapter
+from ckptkit.adapters.kohya import components as kohya_components
 from ckptkit.convert import ConvertReport, OutputOptions, ReadOptions, convert_checkpoint
 from ckptkit.errors import OutputError, SelectError, UsageError
 from ckptkit.formats.folders.diffusers import (
@@ -133,6 +135,7 @@ def convert_pipeline(
     components = pipeline_components(src)
     cls = read_model_index(src).get("_class_name") or "pipeline"
     _check_variant(src, components, read.variant)
+    changed = _changed_components(src, components, read.adapters)
     check_folder_output(dst, force=True, inputs=[src])
     if dst.resolve().is_relative_to(src.resolve()):  # into a component: the source rewritten
         raise OutputError(f"output {dst} is inside the pipeline {src}", "write to a new path")
@@ -157,12 +160,16 @@ def convert_pipeline(
         dry_run=dry_run,
     )
     if dry_run:
-        _convert_into(src, dst, components, report, read, output, dry_run, verify, progress)
+        _convert_into(
+            src, dst, components, changed, report, read, output, dry_run, verify, progress
+        )
         return report
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.pipeline-") as tmp:
         stage = Path(tmp) / dst.name
         stage.mkdir()
-        _convert_into(src, stage, components, report, read, output, dry_run, verify, progress)
+        _convert_into(
+            src, stage, components, changed, report, read, output, dry_run, verify, progress
+        )
         _put_in_place(stage, dst, report)
     _named_in(report, stage, dst)
     return report
@@ -194,10 +201,42 @@ def _check_variant(src: Path, components: list[Component], variant: str | None) 
         )
 
 
+def _changed_components(
+    src: Path, components: list[Component], adapters: AdapterOptions
+) -> set[str]:
+    """The components the kohya LoRAs to merge change (a whole pipeline takes those: each part
+    merged into its own component).
+
+    Raises:
+        UsageError: an adapter of another kind (it has one base: merge it with --select), or
+            one that changes a component the pipeline lacks.
+    """
+    changed: set[str] = set()
+    for path, weight in adapters.adapters:
+        adapter = read_adapter(path, weight=weight)
+        if adapter.kind != "kohya LoRA":
+            raise UsageError(
+                f"{path} is a {adapter.kind}: merged into a whole pipeline only a kohya LoRA "
+                "finds its components",
+                "merge it into one component with --select NAME",
+                api_hint="merge it into one component with select=",
+            )
+        held = {c.name for c in components if c.holds_weights()}
+        missing = sorted(set(kohya_components(adapter)) - held)
+        if missing:
+            raise UsageError(
+                f"{path} changes {', '.join(missing)}, which the pipeline {src} lacks",
+                "merge it into the pipeline it was trained on",
+            )
+        changed |= set(kohya_components(adapter))
+    return changed
+
+
 def _convert_into(
     src: Path,
     out: Path,
     components: list[Component],
+    changed: set[str],
     report: PipelineReport,
     read: ReadOptions,
     output: OutputOptions,
@@ -213,10 +252,16 @@ def _convert_into(
             result.followed = f"{c.folder} -> {c.folder.resolve()}"
         if c.holds_weights():
             variant = read.variant if read.variant in variants_in(c.folder) else None
+            merged = c.name in changed  # the LoRAs' parts for it, read through the pipeline
             sub = convert_checkpoint(
-                c.folder,
+                src if merged else c.folder,
                 out / c.name,
-                read=replace(read, variant=variant),
+                read=replace(
+                    read,
+                    variant=variant,
+                    select=c.name if merged else None,
+                    adapters=read.adapters if merged else AdapterOptions(),
+                ),
                 output=output,
                 dry_run=dry_run,
                 verify=verify,

@@ -683,3 +683,45 @@ def test_revision_climbing_out_of_the_hf_cache_refused(run, tmp_path, monkeypatc
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     folder = peft_copy(tmp_path, base_model_name_or_path="org/tiny", revision="../../../elsewhere")
     one_error(run("convert", folder, "out.safetensors"), "revision", "--base")
+
+
+def test_kohya_lora_merges_into_a_whole_pipeline_in_one_command(run, tmp_path):
+    """`convert PIPELINE OUT --adapter kohya.safetensors`: each part merged into its own
+    component (the UNet's and the text encoder's), the other components converted as they
+    are; each equals that component's merge on its own."""
+    lora_path, _ = _kohya_for_pipeline(tmp_path)
+    out = tmp_path / "merged"
+    result = run("convert", PIPELINE, out, "--adapter", lora_path)
+    assert result.exit_code == 0, result.output
+    files = {"unet": "diffusion_pytorch_model.safetensors", "text_encoder": "model.safetensors"}
+    for component, name in files.items():
+        alone = tmp_path / f"{component}.safetensors"
+        args = ["convert", PIPELINE, alone, "--select", component, "--adapter", lora_path]
+        assert run(*args).exit_code == 0
+        merged = load_file(out / component / name)
+        assert merged.keys() == load_file(alone).keys()
+        assert all(torch.equal(merged[k], v) for k, v in load_file(alone).items())
+        assert not all(
+            torch.equal(merged[k], v) for k, v in load_file(PIPELINE / component / name).items()
+        )
+    vae = "diffusion_pytorch_model.safetensors"
+    assert load_file(out / "vae" / vae).keys() == load_file(PIPELINE / "vae" / vae).keys()
+    assert (out / "model_index.json").read_bytes() == (PIPELINE / "model_index.json").read_bytes()
+
+
+def test_a_whole_pipeline_takes_no_adapter_it_cannot_place(run, tmp_path):
+    one_error(
+        run("convert", PIPELINE, tmp_path / "o", "--adapter", ADAPTERS / "bert_lora"),
+        "bert_lora is a PEFT LoRA",
+        "--select",
+    )
+    lora = {
+        "lora_te2_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight": torch.ones(2, 8),
+        "lora_te2_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight": torch.ones(8, 2),
+    }
+    save_file(lora, tmp_path / "sdxl_lora.safetensors")
+    one_error(
+        run("convert", PIPELINE, tmp_path / "o", "--adapter", tmp_path / "sdxl_lora.safetensors"),
+        "changes text_encoder_2, which the pipeline",
+    )
+    assert not (tmp_path / "o").exists()
