@@ -333,14 +333,16 @@ def _regex(depth: int = 2):
     return st.lists(seq, min_size=1, max_size=3).map("|".join).map(lambda p: p if depth else p)
 
 
+# Nesting and text length kept small: the reference is Python's backtracking `re`, which a
+# pattern such as (((a|a)+)+)+ keeps busy for seconds on 12 characters (minutes on 14).
 PATTERNS = st.one_of(
-    _regex(),
-    _regex().map(lambda p: "^" + p),
-    _regex().map(lambda p: p + "$"),
-    _regex().map(lambda p: r"\b" + p + r"\B"),
-    _regex().map(lambda p: "(?i)" + p.upper()),
+    _regex(1),
+    _regex(1).map(lambda p: "^" + p),
+    _regex(1).map(lambda p: p + "$"),
+    _regex(1).map(lambda p: r"\b" + p + r"\B"),
+    _regex(1).map(lambda p: "(?i)" + p.upper()),
 )
-TEXTS = st.text(alphabet="ab._1A\n", max_size=12)
+TEXTS = st.text(alphabet="ab._1A\n", max_size=8)
 
 
 @settings(max_examples=200, deadline=None)
