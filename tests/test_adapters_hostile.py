@@ -274,6 +274,7 @@ def test_hostile_pattern_is_matched_in_linear_work():
         assert pattern.work <= (len(text) + 1) * pattern.states
 
 
+@pytest.mark.slow  # seconds: 12k-16k modules, or a subprocess
 def test_hostile_pattern_in_a_config_does_not_hang(tmp_path):
     """inspect and convert of an adapter whose rank_pattern backtracks catastrophically on
     its module names end (a real process, with a deadline only as the test's guard)."""
@@ -469,6 +470,7 @@ def _modules(n: int) -> list[str]:
     return [f"model.layers.{i // 4}.block.proj_{i % 4}" for i in range(n)]
 
 
+@pytest.mark.slow  # seconds: 12k-16k modules, or a subprocess
 def test_kohya_with_many_modules_binds_in_linear_work(tmp_path):
     """16,000 kohya modules against a base whose names carry a prefix the LoRA's lack (the
     suffix match): the lines run grow with the modules, not with modules x base keys."""
@@ -487,6 +489,7 @@ def test_kohya_with_many_modules_binds_in_linear_work(tmp_path):
     assert budget.lines > MANY  # the budget saw the work
 
 
+@pytest.mark.slow  # seconds: 12k-16k modules, or a subprocess
 def test_rank_pattern_naming_every_module_is_matched_in_linear_work(tmp_path):
     """A rank_pattern and an alpha_pattern listing each of 12,000 modules by name (what some
     tools write): tried key after key that is 144 million matches; looked up, the lines run

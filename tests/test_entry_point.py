@@ -27,7 +27,16 @@ def _env():
     return env
 
 
-@pytest.mark.parametrize("flags", [["-m"], ["-Em"], ["-Bm"], ["-u", "-m"], ["-X", "utf8", "-m"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["-m"],
+        ["-Em"],
+        pytest.param(["-Bm"], marks=pytest.mark.slow),
+        pytest.param(["-u", "-m"], marks=pytest.mark.slow),
+        pytest.param(["-X", "utf8", "-m"], marks=pytest.mark.slow),
+    ],
+)
 def test_python_m_ckptkit_runs_nothing_from_the_current_folder(tmp_path, flags):
     """However -m comes (alone, or after other flags in one argument: -Em)."""
     folder = _bait_folder(tmp_path)
