@@ -170,39 +170,26 @@ def _open_layout(
     """The reader of what a folder (or a glob of rank files) holds by its layout, a local one
     or one at a URL (a RemotePath answers the layouts' checks from its listings); None for a
     single file."""
-    run = run_checkpoint(path, select)
-    if run is not None:  # ckptkit train's --out folder: the checkpoint `latest` names
-        checkpoint, why = run
-        source = open_source(
-            checkpoint,
-            trust=trust,
-            allow_globals=allow_globals,
-            check_safety=check_safety,
-            ema=ema,
-            unnamed=True,
-        )
-        source.selected_reason += f"; {checkpoint.name}, {why}"
-        return source
-    trainer = trainer_checkpoint(path, select)
-    if trainer is not None:  # a Trainer's output_dir: its newest checkpoint-N
-        checkpoint, why = trainer
-        source = open_source(
-            checkpoint,
-            select=None if why == "chosen with --select" else select,
-            trust=trust,
-            allow_globals=allow_globals,
-            check_safety=check_safety,
-            ema=ema,
-            variant=variant,
-        )
-        source.selected_reason += f"; {checkpoint.name}, {why}"
-        return source
     # What a folder's files are opened with: the caller's trust and safety check (inspect
     # describes a model folder's hostile pickle as it does the file itself).
     opener = functools.partial(
         open_source, trust=trust, allow_globals=allow_globals, check_safety=check_safety
     )
+    run = run_checkpoint(path, select)
+    if run is not None:  # ckptkit train's --out folder: the checkpoint `latest` names
+        return _pointed_to(opener(run[0], ema=ema, unnamed=True), *run)
+    trainer = trainer_checkpoint(path, select)
+    if trainer is not None:  # a Trainer's output_dir: its newest checkpoint-N
+        chosen = trainer[1] == "chosen with --select"
+        source = opener(trainer[0], select=None if chosen else select, ema=ema, variant=variant)
+        return _pointed_to(source, *trainer)
     return _open_folder(path, select, ema, variant, opener)
+
+
+def _pointed_to(source: Source, checkpoint: Path, why: str) -> Source:
+    """A checkpoint a folder points to (``latest``, the newest ``checkpoint-N``), said so."""
+    source.selected_reason += f"; {checkpoint.name}, {why}"
+    return source
 
 
 def _named(
