@@ -18,11 +18,17 @@ matches is asked, so lazy and greedy repeats are the same here. Stdlib only.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Callable
-from re import _constants as C  # type: ignore[attr-defined]
-from re import _parser  # type: ignore[attr-defined]
 from typing import Any
+
+try:  # Python's own regex parser: re._parser from 3.11, sre_parse before (the same code)
+    C: Any = importlib.import_module("re._constants")
+    _parser: Any = importlib.import_module("re._parser")
+except ImportError:
+    C = importlib.import_module("sre_constants")
+    _parser = importlib.import_module("sre_parse")
 
 __all__ = ["PatternError", "Pattern", "KeyTable", "MAX_STATES", "peft_key_pattern", "full_pattern"]
 
