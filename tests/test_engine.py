@@ -259,6 +259,7 @@ def cli(cwd, *args, preexec=None, timeout=120):
     )
 
 
+@pytest.mark.slow  # 4-5 s of real worker processes; the full suite runs it
 def test_a_crashing_worker_ends_the_job_fast_naming_its_rank(helpers):
     started = time.monotonic()
     proc = cli(

@@ -89,15 +89,21 @@ def test_torchrun_m_ckptkit_runs_nothing_from_the_current_folder(tmp_path):
     "flags, needle",
     [
         (["--batch-size", "3", "--nproc-per-node", "2", "--mode", "ddp"], "does not split"),
-        (["--grad-accum", "3", "--batch-size", "4"], "does not split"),
         (["--resume", "missing.pt"], "cannot resume: missing.pt does not exist"),
-        (["--model", "nomodule"], "is not MODULE:FACTORY"),
-        (["--loss", "nofn"], "unknown --loss"),
-        (["--early-stop-patience", "2"], "needs --monitor"),
         (["--lr", "nan"], "--lr nan is not a finite number"),
-        (["--lr", "-1"], "--lr -1.0 is not a finite number"),
-        (["--lr", "0"], "--lr must be positive"),
-        (["--weight-decay", "inf"], "--weight-decay inf is not a finite number"),
+        # A subprocess each: the rest in the full suite.
+        *[
+            pytest.param(flags, needle, marks=pytest.mark.slow)
+            for flags, needle in [
+                (["--grad-accum", "3", "--batch-size", "4"], "does not split"),
+                (["--model", "nomodule"], "is not MODULE:FACTORY"),
+                (["--loss", "nofn"], "unknown --loss"),
+                (["--early-stop-patience", "2"], "needs --monitor"),
+                (["--lr", "-1"], "--lr -1.0 is not a finite number"),
+                (["--lr", "0"], "--lr must be positive"),
+                (["--weight-decay", "inf"], "--weight-decay inf is not a finite number"),
+            ]
+        ],
     ],
 )
 def test_train_usage_errors_answer_before_torch_is_imported(tmp_path, flags, needle):

@@ -17,6 +17,7 @@ def opts(fx):
     return {"check_safety": False} if fx.bad else {"allow_globals": fx.allow}
 
 
+@pytest.mark.slow  # 3-4 s: every fixture made again
 def test_make_fixtures_reproduces_the_checked_in_files(tmp_path):
     subprocess.run(
         [sys.executable, str(FIXTURE_DIR / "make_fixtures.py"), str(tmp_path)],
