@@ -30,6 +30,7 @@ from ckptkit.errors import (
 from ckptkit.formats.base.dtypes import DTYPES, TensorSpec
 from ckptkit.formats.base.source import KEPT_IN_TORCH, KINDS, Source, TensorInfo
 from ckptkit.formats.base.tree import DroppedPart
+from ckptkit.formats.files.readings import WEIGHT_SUFFIXES
 from ckptkit.formats.folders.dcp import DISTCP, METADATA, SIDECAR
 from ckptkit.formats.folders.layouts import folder_files
 from ckptkit.formats.io.atomic import (
@@ -425,7 +426,7 @@ def _whole_pipeline(
     from ckptkit.formats.folders.diffusers import is_pipeline
 
     plain = read.select is None and not read.ema and read.names_from is None
-    into_file = Path(str(dst)).suffix.lower() in (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+    into_file = Path(str(dst)).suffix.lower() in WEIGHT_SUFFIXES
     merges_only = replace(read.adapters, adapters=()) == AdapterOptions()  # kohya LoRAs merged
     return (
         plain

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import CkptkitError, FormatError
-from ckptkit.formats.files.readings import Reading, readings, remote_readings
+from ckptkit.formats.files.readings import WEIGHT_SUFFIXES, Reading, readings, remote_readings
 from ckptkit.formats.folders.diffusers import MODEL_INDEX, is_pipeline, pipeline_components
 from ckptkit.formats.folders.layouts import folder_parts
 from ckptkit.formats.io.rangefile import RangeFile
@@ -193,11 +193,6 @@ def _scan_folder(folder: Path, allowed: frozenset[str]) -> list[ScanReport]:
     return reports
 
 
-# The files of a folder at a URL that a loader would read, by their names (a local folder's
-# are found by its layout; a URL's are listed, not opened).
-_LOADED_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
-
-
 def _scan_url_folder(folder: RemotePath, allowed: frozenset[str]) -> list[ScanReport]:
     """A folder (a prefix) at a URL: each checkpoint file in it, by its name; a diffusers
     pipeline's, in the folders of its components."""
@@ -223,7 +218,7 @@ def _scan_url_folder(folder: RemotePath, allowed: frozenset[str]) -> list[ScanRe
 
 
 def _loaded(name: str) -> bool:
-    return name.endswith(_LOADED_SUFFIXES)
+    return name.endswith(WEIGHT_SUFFIXES)  # a URL's files are listed by name, not opened
 
 
 def overall_verdict(reports: Iterable[ScanReport]) -> str:

@@ -34,6 +34,7 @@ from ckptkit.formats.pickles.unpickler import PickleScan
 from ckptkit.formats.pickles.verdicts import PickleFindings, scan_pickle
 
 __all__ = [
+    "WEIGHT_SUFFIXES",
     "detect_format",
     "regular_file",
     "readings",
@@ -60,7 +61,10 @@ _READS = "ckptkit reads PyTorch files (torch.save: .pt .pth .bin .ckpt) and safe
 _STORAGE_MEMBER_PARTS = 2  # ".../data/<n>"
 
 
-_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".tar", ".pkl", ".gguf")
+# The files a loader reads weights from (torch.save's usual names, safetensors): a folder's
+# weights, the files scan lists in a folder at a URL, an output named as a file.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+_CHECKPOINT_SUFFIXES = (*WEIGHT_SUFFIXES, ".tar", ".pkl", ".gguf")
 
 
 def _checkpoint_files(folder: Path, limit: int = 8) -> list[str]:

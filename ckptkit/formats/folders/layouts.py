@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from ckptkit.errors import FormatError
+from ckptkit.formats.files.readings import WEIGHT_SUFFIXES
 from ckptkit.formats.files.safetensors import dcp_sharding_info
 from ckptkit.formats.folders.diffusers import WEIGHTS_STEM, is_index_name, part_kind
 from ckptkit.formats.folders.runs import CHECKPOINT_NAME, CHECKPOINT_STEM, is_run_folder
@@ -62,7 +63,7 @@ def adapter_file_in(folder: Path) -> Path | None:
 
 
 # Weights (of any format) and indexes: never copied beside converted weights, which replace them.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_WEIGHT_SUFFIXES = (*WEIGHT_SUFFIXES, ".h5", ".msgpack", ".gguf")
 # A training checkpoint's state beside the model (transformers' Trainer, Accelerate, DeepSpeed):
 # never copied into a converted model folder, which is a release, not a place to resume from.
 _TRAINING_STATE = re.compile(r"trainer_state\.json|.*\.pkl|zero_to_fp32\.py|latest")

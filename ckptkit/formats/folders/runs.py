@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from ckptkit.errors import FormatError, SelectError
+from ckptkit.formats.files.readings import WEIGHT_SUFFIXES
 from ckptkit.formats.io.small import read_pointer
 
 __all__ = [
@@ -105,7 +106,6 @@ def run_checkpoint(folder: Path, select: str | None = None) -> tuple[Path, str] 
 
 # transformers' Trainer saves output_dir/checkpoint-N (N the global step), each a model folder.
 TRAINER_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
-_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 # What the Trainer saves beside its weights: pickles of its own, never the model.
 _TRAINER_STATE = re.compile(
     r"training_args\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state.*"
@@ -122,7 +122,7 @@ def trainer_checkpoint(folder: Path, select: str | None = None) -> tuple[Path, s
     entries = list(folder.iterdir())
     named = select is not None and TRAINER_CHECKPOINT.fullmatch(select) is not None
     own = any(
-        p.suffix in _WEIGHT_FILES and not _TRAINER_STATE.fullmatch(p.name) and p.is_file()
+        p.suffix in WEIGHT_SUFFIXES and not _TRAINER_STATE.fullmatch(p.name) and p.is_file()
         for p in entries
     )
     if own and not named:
