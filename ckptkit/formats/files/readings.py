@@ -29,6 +29,7 @@ from typing import Any
 
 from ckptkit.errors import FormatError, MissingFileError
 from ckptkit.formats.files.torchzip import ZipDamage, ZipIndex
+from ckptkit.formats.io.small import file_kind
 from ckptkit.formats.pickles.machine import PickleRun
 from ckptkit.formats.pickles.unpickler import PickleScan
 from ckptkit.formats.pickles.verdicts import PickleFindings, scan_pickle
@@ -99,8 +100,9 @@ def regular_file(path: Path) -> int:
             else "give a checkpoint file; it holds none ckptkit knows by its name",
         )
     if not stat.S_ISREG(info.st_mode):
-        kind = "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device or socket"
-        raise FormatError(f"{path} is {kind}, not a regular file", "give a checkpoint file")
+        raise FormatError(
+            f"{path} is a {file_kind(info.st_mode)}, not a regular file", "give a checkpoint file"
+        )
     if not os.access(path, os.R_OK):
         raise FormatError(f"cannot read {path}: permission denied")
     return info.st_size

@@ -21,6 +21,7 @@ __all__ = [
     "JSON_LIMIT",
     "JSON_DEPTH",
     "open_regular",
+    "file_kind",
     "read_small",
     "read_json",
     "parse_json",
@@ -45,7 +46,7 @@ def open_regular(path: str | os.PathLike[str]) -> Any:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise FormatError(
-                f"{path} is not a regular file (a {_kind(mode)})",
+                f"{path} is a {file_kind(mode)}, not a regular file",
                 "give the path of a file that holds the data",
             )
         if hasattr(os, "set_blocking"):
@@ -56,7 +57,8 @@ def open_regular(path: str | os.PathLike[str]) -> Any:
         raise
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, by its ``st_mode`` ("FIFO", "socket"...)."""
     for test, name in (
         (stat.S_ISFIFO, "FIFO"),
         (stat.S_ISCHR, "character device"),
