@@ -33,14 +33,6 @@ from ckptkit.formats.base.tree import DroppedPart
 from ckptkit.formats.files.readings import WEIGHT_SUFFIXES
 from ckptkit.formats.folders.dcp import DISTCP, METADATA, SIDECAR
 from ckptkit.formats.folders.layouts import folder_files
-from ckptkit.formats.io.atomic import (
-    atomic_folder,
-    atomic_outputs,
-    check_folder_output,
-    check_output,
-)
-from ckptkit.formats.io.remote import RemotePath, as_path, is_url
-from ckptkit.formats.io.upload import PART, Uploads, staging_folder
 from ckptkit.formats.open import open_source
 from ckptkit.formats.output import output_format
 from ckptkit.formats.output.copier import Copier, Item
@@ -65,6 +57,9 @@ from ckptkit.keys import (
 from ckptkit.meta import TRAINING_KEY, CheckpointMeta
 from ckptkit.progress import progress_bar
 from ckptkit.spread import Part, all_succeeded, parse_part
+from ckptkit.storage.atomic import atomic_folder, atomic_outputs, check_folder_output, check_output
+from ckptkit.storage.remote import RemotePath, as_path, is_url
+from ckptkit.storage.upload import PART, Uploads, staging_folder
 
 __all__ = [
     "convert",
@@ -378,7 +373,7 @@ def convert_checkpoint(
     part: Part | str | None = None,
 ) -> ConvertReport:
     """:func:`convert` with its options grouped, as the CLI gives them: plan, write, report.
-    A ``dst`` URL is written through a local staging folder (see ``formats/io/upload.py``);
+    A ``dst`` URL is written through a local staging folder (see ``storage/upload.py``);
     ``part`` writes one share of a sharded output's shards (see ``ckptkit.spread``)."""
     read, keys, output = read or ReadOptions(), keys or KeyRules(), output or OutputOptions()
     options = {

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import CkptkitError
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo, url_prefetcher
-from ckptkit.formats.io.fetch import aligned
 from ckptkit.formats.open import open_source
 from ckptkit.keys import build_plan, match_keys
 from ckptkit.progress import progress_bar
+from ckptkit.storage.fetch import aligned
 
 if TYPE_CHECKING:
     import torch
@@ -287,7 +287,7 @@ class _Reader:
     reused buffers per side, so nothing the size of a tensor is ever in memory."""
 
     def __init__(self) -> None:
-        from ckptkit.formats.io.bytecopy import RangeReader
+        from ckptkit.storage.bytecopy import RangeReader
 
         self._files = RangeReader()
         self._fetchers: dict[int, Any] = {}  # id(source) -> its Prefetcher (a URL's tensors)
@@ -302,7 +302,7 @@ class _Reader:
     def same_bytes(self, a: tuple[Path, int, int] | None, b: tuple[Path, int, int] | None) -> bool:
         if a is None or b is None or a[2] != b[2]:
             return False
-        from ckptkit.formats.io.bytecopy import same_bytes
+        from ckptkit.storage.bytecopy import same_bytes
 
         return same_bytes(self._files.fd(a[0]), a[1], self._files.fd(b[0]), b[1], a[2])
 

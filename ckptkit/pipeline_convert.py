@@ -31,8 +31,8 @@ from ckptkit.formats.folders.diffusers import (
     variants_in,
 )
 from ckptkit.formats.folders.layouts import copied_beside_weights, folder_files
-from ckptkit.formats.io.atomic import check_folder_output
 from ckptkit.keys import KeyPlan, KeyRules
+from ckptkit.storage.atomic import check_folder_output
 
 __all__ = ["PipelineReport", "ComponentResult", "convert_pipeline"]
 

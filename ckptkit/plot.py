@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ckptkit.engine.runlog import METRICS_LOG, STEPS_LOG, records
 from ckptkit.errors import CkptkitError, FormatError, MissingFileError, OutputError, UsageError
-from ckptkit.formats.io.remote import RemotePath, as_path, is_url
+from ckptkit.storage.remote import RemotePath, as_path, is_url
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -349,7 +349,7 @@ def plot_runs(
     """
     if not runs:
         raise UsageError("give at least one run folder")
-    from ckptkit.formats.io.atomic import atomic_output, check_output
+    from ckptkit.storage.atomic import atomic_output, check_output
 
     if is_url(str(out)):
         raise UsageError(f"plot writes a local image, not {out}", "give a local path to -o")

@@ -17,8 +17,6 @@ from ckptkit.errors import CkptkitError, FormatError
 from ckptkit.formats.files.readings import WEIGHT_SUFFIXES, Reading, readings, remote_readings
 from ckptkit.formats.folders.diffusers import MODEL_INDEX, is_pipeline, pipeline_components
 from ckptkit.formats.folders.layouts import folder_parts
-from ckptkit.formats.io.rangefile import RangeFile
-from ckptkit.formats.io.remote import RemotePath, as_path, is_url, open_remote
 from ckptkit.formats.pickles.safe_globals import safe_globals
 from ckptkit.formats.pickles.verdicts import (
     DAMAGED,
@@ -29,6 +27,9 @@ from ckptkit.formats.pickles.verdicts import (
     classify,
     worst_of,
 )
+from ckptkit.storage.backends import open_remote
+from ckptkit.storage.rangefile import RangeFile
+from ckptkit.storage.remote import RemotePath, as_path, is_url
 
 __all__ = ["scan", "scan_many", "overall_verdict", "report_of", "ScanReport"]
 

@@ -27,11 +27,12 @@ from typing import Any
 
 from ckptkit.errors import FormatError, UsageError
 from ckptkit.formats.files.safetensors import read_header
-from ckptkit.formats.io.atomic import atomic_outputs
-from ckptkit.formats.io.rangefile import RangeFile
-from ckptkit.formats.io.remote import RemotePath, as_path, is_url, open_remote
-from ckptkit.formats.io.upload import Uploads, staging_folder
 from ckptkit.formats.output.plan import index_document
+from ckptkit.storage.atomic import atomic_outputs
+from ckptkit.storage.backends import open_remote
+from ckptkit.storage.rangefile import RangeFile
+from ckptkit.storage.remote import RemotePath, as_path, is_url
+from ckptkit.storage.upload import Uploads, staging_folder
 
 __all__ = ["Part", "parse_part", "launched_part", "all_succeeded", "finish", "FinishReport"]
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo, url_prefetcher
-from ckptkit.formats.io.bytecopy import RangeReader
-from ckptkit.formats.io.fetch import aligned
+from ckptkit.storage.bytecopy import RangeReader
+from ckptkit.storage.fetch import aligned
 
 if TYPE_CHECKING:
     import numpy

@@ -22,11 +22,11 @@ from ckptkit.formats.base.tree import EMA_MODEL_WHY, Candidate, DroppedPart
 from ckptkit.formats.files.readings import readings as find_readings
 from ckptkit.formats.files.readings import remote_readings
 from ckptkit.formats.folders.diffusers import is_pipeline
-from ckptkit.formats.io.remote import RemotePath, is_url
 from ckptkit.formats.open import open_source
 from ckptkit.keys import WRAPPERS, Wrapper, build_plan, detect_wrappers
 from ckptkit.meta import NAMESPACE, CheckpointMeta, training_of
 from ckptkit.scan import ScanReport, report_of
+from ckptkit.storage.remote import RemotePath, is_url
 
 __all__ = ["summarize", "Summary", "collapse", "keep"]
 
@@ -326,7 +326,7 @@ def _pipeline(folder: Path, variant: str | None) -> Summary:
 def _tree_size(folder: Path) -> int:
     """The bytes of every file under a folder (at a URL: one recursive listing)."""
     if isinstance(folder, RemotePath):
-        from ckptkit.formats.io.remote import filesystem
+        from ckptkit.storage.backends.fs import filesystem
 
         fs, root = filesystem(str(folder))
         return int(fs.du(root))

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 import ckptkit
 from ckptkit.errors import OutputError
-from ckptkit.formats.io.atomic import _commit, atomic_outputs, remove_stale_temps
+from ckptkit.storage.atomic import _commit, atomic_outputs, remove_stale_temps
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 

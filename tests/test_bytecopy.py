@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.io import bytecopy
+from ckptkit.storage import bytecopy
 
 
 @pytest.fixture(params=["memcmp", "reads"])

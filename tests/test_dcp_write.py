@@ -205,7 +205,7 @@ def test_a_killed_run_s_temp_folder_is_removed_by_the_next(tmp_path):
     code = (
         "import os, sys, time\n"
         "from pathlib import Path\n"
-        "from ckptkit.formats.io.atomic import atomic_folder\n"
+        "from ckptkit.storage.atomic import atomic_folder\n"
         "with atomic_folder(Path(sys.argv[1])) as tmp:\n"
         "    (tmp / 'part').write_bytes(b'x' * 100)\n"
         "    print(tmp, flush=True)\n"

@@ -18,10 +18,11 @@ from helpers import FIXTURE_DIR, ROOT, one_error, single_process_dcp
 from safetensors.torch import load_file, save_file
 
 import ckptkit
-import ckptkit.formats.io.remote as remote_module
+import ckptkit.storage.backends.base as remote_module
 from ckptkit.errors import CkptkitError, UsageError
-from ckptkit.formats.io.rangefile import RangeFile
-from ckptkit.formats.io.remote import RemotePath, as_path, is_url, open_remote
+from ckptkit.storage.backends import open_remote
+from ckptkit.storage.rangefile import RangeFile
+from ckptkit.storage.remote import RemotePath, as_path, is_url
 
 range_server = servers.range_server
 s3_server = servers.s3_server
@@ -290,7 +291,7 @@ class _Bytes(remote_module.Remote):
 
 
 def test_the_prefetcher_joins_near_ranges_splits_large_ones_and_keeps_order():
-    from ckptkit.formats.io.fetch import Prefetcher
+    from ckptkit.storage.fetch import Prefetcher
 
     data = bytes(range(256)) * 4096  # 1 MiB
     remote = _Bytes(data)
@@ -309,7 +310,7 @@ def test_the_prefetcher_joins_near_ranges_splits_large_ones_and_keeps_order():
 
 
 def test_the_prefetcher_gives_a_key_taken_out_of_order_and_bounds_what_it_holds():
-    from ckptkit.formats.io.fetch import Prefetcher
+    from ckptkit.storage.fetch import Prefetcher
 
     data = bytes(range(256)) * 4096
     remote = _Bytes(data)
@@ -423,7 +424,7 @@ def test_a_sharded_output_at_s3_and_a_remote_to_remote_convert(files, s3_env):
 def test_a_failed_upload_leaves_no_object_and_no_open_upload(files, s3_env, run, monkeypatch):
     """The first shard goes up as a multipart upload (parts of 5 MiB, S3's least) that is never
     completed: the cast overflow in the last shard aborts it, and nothing is listed."""
-    import ckptkit.formats.io.upload as upload
+    import ckptkit.storage.upload as upload
 
     monkeypatch.setattr(upload, "PART", 5 * 2**20)
     s3_env.bucket("out")
@@ -570,7 +571,7 @@ def test_a_dcp_output_replaced_at_a_url_never_mixes_two_saves(files, s3_env, mon
     """--force over a DCP save at a URL: the old .metadata (byte offsets into the old chunks)
     goes before the new files are committed, so a failure among the commits leaves no save
     to read, never the old .metadata over the new chunks (torch would load wrong values)."""
-    import ckptkit.formats.io.upload as upload
+    import ckptkit.storage.upload as upload
 
     s3_env.bucket("out")
     ckptkit.convert(files / "m.pt", "s3://out/save", to="dcp")

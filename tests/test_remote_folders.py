@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import ckptkit
 from ckptkit.errors import FormatError, SelectError, UsageError
-from ckptkit.formats.io.remote import RemotePath
+from ckptkit.storage.remote import RemotePath
 
 range_server = servers.range_server
 s3_server = servers.s3_server

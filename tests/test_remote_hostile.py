@@ -22,9 +22,9 @@ import torch
 from helpers import one_error
 from safetensors.torch import save_file
 
-import ckptkit.formats.io.remote as remote_module
-from ckptkit.formats.io.remote import RemoteError, byte_count
-from ckptkit.formats.io.small import JSON_LIMIT
+import ckptkit.storage.backends.base as remote_module
+from ckptkit.storage.backends.base import RemoteError, byte_count
+from ckptkit.storage.small import JSON_LIMIT
 
 s3_server = servers.s3_server
 s3 = servers.s3
@@ -285,7 +285,8 @@ def test_a_dcp_sharding_check_of_a_url_folder_reads_no_header_past_its_file(s3_e
     head = struct.pack("<Q", 90_000_000) + b"{" + b" " * 100
     s3_env.fs.pipe(f"{bucket}/folder/model.safetensors", head + b" " * (3 << 20))
     from ckptkit.formats.folders.layouts import find_dcp
-    from ckptkit.formats.io.remote import RemotePath, Traffic
+    from ckptkit.storage.backends.base import Traffic
+    from ckptkit.storage.remote import RemotePath
 
     folder = RemotePath(f"s3://{bucket}/folder")
     assert find_dcp(folder) is None
@@ -361,7 +362,7 @@ def test_plot_of_a_missing_url_or_to_a_url_is_one_error(s3_env, run):
 
 
 def test_a_redirect_from_https_to_plain_http_is_refused():
-    from ckptkit.formats.io.http import HttpRemote
+    from ckptkit.storage.backends.http import HttpRemote
 
     remote = HttpRemote("https://127.0.0.1:1/m.safetensors")  # no request made yet
     with pytest.raises(RemoteError, match="redirects from https to plain http"):
@@ -370,7 +371,7 @@ def test_a_redirect_from_https_to_plain_http_is_refused():
 
 def test_a_folder_at_a_url_probed_as_a_file_is_no_file(s3_env):
     # what an adapter's base next to it (adapter.parent / name) is looked up by
-    from ckptkit.formats.io.remote import RemotePath
+    from ckptkit.storage.remote import RemotePath
 
     bucket = s3_env.bucket("ckpts")
     s3_env.fs.pipe(f"{bucket}/base/model.safetensors", b"x")

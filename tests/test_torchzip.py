@@ -12,7 +12,7 @@ import torch
 from ckptkit.formats.base.dtypes import TensorSpec
 from ckptkit.formats.base.tensors import as_bytes, bit_equal, dtype_name
 from ckptkit.formats.files.torchzip import ALIGNMENT, begin_archive, state_pickle
-from ckptkit.formats.io.bytecopy import write_all
+from ckptkit.storage.bytecopy import write_all
 
 STATE = {
     "a": torch.arange(6.0).reshape(2, 3),

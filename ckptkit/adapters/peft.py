@@ -26,7 +26,7 @@ from ckptkit.adapters.patterns import (
 )
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.folders.layouts import ADAPTER_FILES
-from ckptkit.formats.io.small import quoted, read_json
+from ckptkit.storage.small import quoted, read_json
 
 __all__ = ["CONFIG", "WEIGHTS", "read_config", "adapter_from_tensors", "PREFIX"]
 

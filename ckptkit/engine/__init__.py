@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.engine.config import TrainConfig, under_launcher
 from ckptkit.errors import UsageError
-from ckptkit.formats.io.remote import is_url
+from ckptkit.storage.remote import is_url
 
 if TYPE_CHECKING:
     from types import FrameType

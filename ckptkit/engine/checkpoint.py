@@ -37,9 +37,10 @@ from ckptkit.engine.saver import BackgroundSaver, Staging, dcp_stager, staged
 from ckptkit.errors import CkptkitError, FormatError, OutputError, UsageError
 from ckptkit.formats.base.tensors import as_bytes, dtype_name
 from ckptkit.formats.folders.runs import BEST, CHECKPOINT_NAME, LATEST, list_checkpoints
-from ckptkit.formats.io.atomic import atomic_folder, atomic_output
-from ckptkit.formats.io.remote import as_path, filesystem, is_url
-from ckptkit.formats.io.small import read_pointer
+from ckptkit.storage.atomic import atomic_folder, atomic_output
+from ckptkit.storage.backends.fs import filesystem
+from ckptkit.storage.remote import as_path, is_url
+from ckptkit.storage.small import read_pointer
 
 __all__ = [
     "checkpoint_name",

@@ -409,7 +409,7 @@ def _preempted(config: TrainConfig, name: str) -> Preempted:
     from pathlib import Path
 
     from ckptkit.engine.checkpoint import LATEST
-    from ckptkit.formats.io.small import read_pointer
+    from ckptkit.storage.small import read_pointer
 
     pointer = Path(config.out) / LATEST
     last = Path(config.out) / read_pointer(pointer) if pointer.is_file() else None

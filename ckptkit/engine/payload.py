@@ -33,9 +33,9 @@ from ckptkit.engine.distributed import (
 from ckptkit.engine.runlog import logger
 from ckptkit.errors import FormatError, UsageError
 from ckptkit.formats.base.tree import map_leaves
-from ckptkit.formats.io.remote import is_url
 from ckptkit.keys import match_keys, mismatch_message
 from ckptkit.meta import TRAINING_KEY, version
+from ckptkit.storage.remote import is_url
 from ckptkit.text import escape
 
 if TYPE_CHECKING:

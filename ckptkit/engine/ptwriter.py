@@ -21,8 +21,8 @@ import torch
 from ckptkit.formats.base.tensors import as_bytes, dtype_name
 from ckptkit.formats.base.tree import map_leaves
 from ckptkit.formats.files.torchzip import ArchiveWriter, StorageRecord, tensor_record
-from ckptkit.formats.io.bytecopy import write_all
 from ckptkit.formats.pickles.writer import dumps
+from ckptkit.storage.bytecopy import write_all
 
 __all__ = ["write_payload"]
 

@@ -35,8 +35,9 @@ from typing import Any
 from ckptkit.engine.checkpoint import RUN_LOGS, find_resume
 from ckptkit.errors import UsageError
 from ckptkit.formats.folders.runs import BEST, CHECKPOINT_NAME, LATEST, list_checkpoints
-from ckptkit.formats.io.remote import RemotePath, filesystem, is_url
-from ckptkit.formats.io.upload import Uploads
+from ckptkit.storage.backends.fs import filesystem
+from ckptkit.storage.remote import RemotePath, is_url
+from ckptkit.storage.upload import Uploads
 
 __all__ = ["MIRROR_ENV", "staged_run", "push", "shown_path", "dcp_url", "dcp_complete"]
 

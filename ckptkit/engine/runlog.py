@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ckptkit.errors import UsageError
-from ckptkit.formats.io.small import read_jsonl
+from ckptkit.storage.small import read_jsonl
 
 __all__ = [
     "METRICS_LOG",
@@ -97,7 +97,7 @@ def rewind(path: Path, step: int) -> None:
     """Keep the records of the first ``step`` steps (a resumed run writes the rest)."""
     if not path.is_file():
         return
-    from ckptkit.formats.io.atomic import atomic_output
+    from ckptkit.storage.atomic import atomic_output
 
     kept = [json.dumps(r) + "\n" for r in records(path) if _step_of(r) <= step]
     with atomic_output(path, force=True) as tmp:

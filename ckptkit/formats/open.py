@@ -6,7 +6,7 @@ by its content. Nothing in the checkpoint runs; torch is imported only
 when a tensor is loaded.
 
 A folder at a URL (a prefix: ``s3://bucket/run``) is told by the same checks, which a
-:class:`~ckptkit.formats.io.remote.RemotePath` answers from one listing per folder; its files
+:class:`~ckptkit.storage.remote.RemotePath` answers from one listing per folder; its files
 are then read with ranged requests. Over HTTP nothing is listed: only a DCP folder (found by its
 ``.metadata``) or a file can be named there.
 """
@@ -46,7 +46,7 @@ from ckptkit.formats.folders.layouts import (
 )
 from ckptkit.formats.folders.rank_files import find_rank_files
 from ckptkit.formats.folders.runs import run_checkpoint, trainer_checkpoint
-from ckptkit.formats.io.remote import RemotePath, as_path, is_url
+from ckptkit.storage.remote import RemotePath, as_path, is_url
 
 __all__ = ["open_source", "checkpoint_index"]
 

@@ -186,8 +186,8 @@ def url_prefetcher(source: Source, keys: Iterable[str], files: Any, workers: int
     """For a source at a URL: the bytes of ``keys`` (those laid out as byte ranges, in the
     order they will be read) fetched ahead, ``workers`` requests at a time, through
     ``files``' connections (a RangeReader); None for a local source or nothing to fetch."""
-    from ckptkit.formats.io.fetch import Prefetcher
-    from ckptkit.formats.io.remote import RemotePath
+    from ckptkit.storage.fetch import Prefetcher
+    from ckptkit.storage.remote import RemotePath
 
     if not isinstance(source.path, RemotePath):
         return None

@@ -29,10 +29,10 @@ from typing import Any
 
 from ckptkit.errors import FormatError, MissingFileError
 from ckptkit.formats.files.torchzip import ZipDamage, ZipIndex
-from ckptkit.formats.io.small import file_kind
 from ckptkit.formats.pickles.machine import PickleRun
 from ckptkit.formats.pickles.unpickler import PickleScan
 from ckptkit.formats.pickles.verdicts import PickleFindings, scan_pickle
+from ckptkit.storage.small import file_kind
 
 __all__ = [
     "WEIGHT_SUFFIXES",

@@ -20,10 +20,10 @@ from ckptkit.errors import FormatError
 from ckptkit.formats.base.dtypes import DTYPES, DType, TensorSpec, from_safetensors, nbytes
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tensors import as_bytes, dtype_name, from_buffer
-from ckptkit.formats.io.bytecopy import preallocate, write_all
-from ckptkit.formats.io.remote import RemotePath
-from ckptkit.formats.io.small import open_regular
 from ckptkit.meta import NAMESPACE, CheckpointMeta
+from ckptkit.storage.bytecopy import preallocate, write_all
+from ckptkit.storage.remote import RemotePath
+from ckptkit.storage.small import open_regular
 
 if TYPE_CHECKING:
     import torch

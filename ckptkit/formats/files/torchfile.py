@@ -29,7 +29,6 @@ from ckptkit.formats.base.tensors import dtype_name, from_buffer, torch_dtype
 from ckptkit.formats.base.tree import node_at, nodes, select_state_dict
 from ckptkit.formats.files.readings import LEGACY_MAGIC, Reading, readings, remote_readings
 from ckptkit.formats.files.torchzip import INFLATE_PIECE, ZipDamage, ZipIndex
-from ckptkit.formats.io.rangefile import RangeFile
 from ckptkit.formats.pickles.safe_globals import safe_globals
 from ckptkit.formats.pickles.unpickler import (
     DATA_GLOBALS,
@@ -40,6 +39,7 @@ from ckptkit.formats.pickles.unpickler import (
 )
 from ckptkit.formats.pickles.verdicts import check_allowed, is_dangerous
 from ckptkit.keys import module_prefixes
+from ckptkit.storage.rangefile import RangeFile
 
 if TYPE_CHECKING:
     import torch

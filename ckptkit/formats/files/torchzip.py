@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptkit.formats.base.dtypes import DTYPES, STORAGE_DTYPES, TensorSpec
-from ckptkit.formats.io.bytecopy import write_all
 from ckptkit.formats.pickles.writer import Call, PersistentId, Ref, _Writer
+from ckptkit.storage.bytecopy import write_all
 
 __all__ = [
     "ZipIndex",

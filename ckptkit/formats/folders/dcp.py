@@ -30,14 +30,15 @@ from ckptkit.formats.base.dtypes import DTYPES, from_safetensors
 from ckptkit.formats.base.tree import nodes
 from ckptkit.formats.files.safetensors import HF_SHARDING
 from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, Piece, check_cover
-from ckptkit.formats.io.rangefile import RangeFile
-from ckptkit.formats.io.remote import RemoteError, RemotePath, Traffic
 from ckptkit.formats.pickles.machine import Global, Opaque, fields
 from ckptkit.formats.pickles.safe_globals import safe_globals
 from ckptkit.formats.pickles.unpickler import DATA_GLOBALS, TensorStub
 from ckptkit.formats.pickles.verdicts import scan_pickle
 from ckptkit.formats.pickles.writer import Call, New, Ref, dumps
 from ckptkit.meta import jsonable
+from ckptkit.storage.backends.base import RemoteError, Traffic
+from ckptkit.storage.rangefile import RangeFile
+from ckptkit.storage.remote import RemotePath
 
 __all__ = ["DCPSource", "METADATA", "DISTCP", "SIDECAR", "dcp_metadata"]
 

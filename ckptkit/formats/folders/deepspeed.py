@@ -29,10 +29,11 @@ from ckptkit.errors import FormatError, SelectError
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tree import DroppedPart, nodes, select_state_dict
-from ckptkit.formats.io.bytecopy import RangeReader
-from ckptkit.formats.io.rangefile import RangeFile
-from ckptkit.formats.io.remote import RemotePath, Traffic
 from ckptkit.formats.pickles.unpickler import TensorStub
+from ckptkit.storage.backends.base import Traffic
+from ckptkit.storage.bytecopy import RangeReader
+from ckptkit.storage.rangefile import RangeFile
+from ckptkit.storage.remote import RemotePath
 
 if TYPE_CHECKING:
     import torch

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, SelectError
 from ckptkit.formats.base.source import Source, TensorInfo
-from ckptkit.formats.io.small import quoted, read_json
+from ckptkit.storage.small import quoted, read_json
 
 if TYPE_CHECKING:
     import torch

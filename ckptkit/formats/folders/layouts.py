@@ -15,8 +15,8 @@ from ckptkit.formats.files.readings import WEIGHT_SUFFIXES
 from ckptkit.formats.files.safetensors import dcp_sharding_info
 from ckptkit.formats.folders.diffusers import WEIGHTS_STEM, is_index_name, part_kind
 from ckptkit.formats.folders.runs import CHECKPOINT_NAME, CHECKPOINT_STEM, is_run_folder
-from ckptkit.formats.io.remote import RemotePath
-from ckptkit.formats.io.small import quoted, read_pointer
+from ckptkit.storage.remote import RemotePath
+from ckptkit.storage.small import quoted, read_pointer
 
 __all__ = [
     "MODEL_FILES",

@@ -30,10 +30,11 @@ from typing import Any
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, check_cover
-from ckptkit.formats.io.rangefile import RangeFile
-from ckptkit.formats.io.remote import RemotePath, Traffic
 from ckptkit.formats.pickles.machine import Opaque, build_state, fields
 from ckptkit.formats.pickles.unpickler import SHARDED_KINDS, TensorStub, UnsupportedTensor
+from ckptkit.storage.backends.base import Traffic
+from ckptkit.storage.rangefile import RangeFile
+from ckptkit.storage.remote import RemotePath
 
 __all__ = [
     "RankFilesSource",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ckptkit.errors import FormatError, SelectError
 from ckptkit.formats.files.readings import WEIGHT_SUFFIXES
-from ckptkit.formats.io.small import read_pointer
+from ckptkit.storage.small import read_pointer
 
 __all__ = [
     "LATEST",

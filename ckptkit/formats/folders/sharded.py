@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.base.source import Source, TensorInfo
-from ckptkit.formats.io.small import read_json
+from ckptkit.storage.small import read_json
 
 if TYPE_CHECKING:
     import torch

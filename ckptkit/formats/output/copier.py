@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import FormatError, VerificationError
 from ckptkit.formats.base.dtypes import DTYPES, TensorSpec
 from ckptkit.formats.base.source import Source
-from ckptkit.formats.io.bytecopy import (
+from ckptkit.storage.backends.base import Remote
+from ckptkit.storage.bytecopy import (
     COMPARE_CHUNK,
     RangeReader,
     copy_range,
@@ -33,8 +34,8 @@ from ckptkit.formats.io.bytecopy import (
     same_bytes,
     write_all,
 )
-from ckptkit.formats.io.fetch import Prefetcher
-from ckptkit.formats.io.remote import Remote, RemotePath
+from ckptkit.storage.fetch import Prefetcher
+from ckptkit.storage.remote import RemotePath
 
 if TYPE_CHECKING:
     import torch

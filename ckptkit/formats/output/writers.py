@@ -19,8 +19,6 @@ from typing import Any, ClassVar, Protocol
 from ckptkit.errors import VerificationError
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.files.safetensors import read_header, write_safetensors
-from ckptkit.formats.io.atomic import syncing
-from ckptkit.formats.io.bytecopy import preallocate
 from ckptkit.formats.output.copier import (
     Copier,
     Item,
@@ -29,6 +27,8 @@ from ckptkit.formats.output.copier import (
     differs,
     metadata_differ,
 )
+from ckptkit.storage.atomic import syncing
+from ckptkit.storage.bytecopy import preallocate
 
 __all__ = ["Writer", "writer_for", "WRITERS"]
 

@@ -1,94 +1,27 @@
-"""Checkpoints at URLs: bytes read with range requests, never the whole object.
-
-``is_url`` tells a URL (``s3://``, ``gs://``, ``az://``, ``hf://``, ``http(s)://``,
-``memory://``...) from a local path; ``open_remote`` gives a :class:`Remote`, which reads byte
-ranges and counts what it asked for. HTTP(S) goes through a small client of its own (the
-standard library's ``http.client``): the first ranged answer carries the object's size in its
-``Content-Range``, so a safetensors header costs one or two requests and no ``HEAD``. Every
-other scheme goes through fsspec, its back-end installed as an extra (``torch-ckptkit[s3]``).
-
-Transient failures (timeouts, dropped connections, 5xx, 429) are retried with exponential
-backoff; a range that comes back short is a failure too. What still fails after the last try is
-one :class:`RemoteError` naming the URL.
+"""Checkpoints at URLs: a :class:`RemotePath` stands where a :class:`pathlib.Path` would,
+reading byte ranges through a back-end (:mod:`ckptkit.storage.backends`), never the whole
+object. ``is_url`` tells a URL (``s3://``, ``gs://``, ``az://``, ``hf://``, ``http(s)://``,
+``memory://``...) from a local path.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import math
 import os
 import re
 import threading
-import time
-from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
-from ckptkit.errors import CkptkitError, MissingFileError, UsageError
-from ckptkit.formats.io.small import quoted
+from ckptkit.errors import MissingFileError
+from ckptkit.storage.backends import open_remote
+from ckptkit.storage.backends.base import Remote, RemoteError, Traffic, _Folder, byte_count
+from ckptkit.storage.backends.fs import _failure, filesystem
 
-__all__ = [
-    "Remote",
-    "RemoteError",
-    "RemotePath",
-    "as_path",
-    "is_url",
-    "open_remote",
-    "TRIES",
-    "byte_count",
-    "deadline_s",
-]
+__all__ = ["RemotePath", "as_path", "is_url"]
 
-# The extra that installs each scheme's fsspec back-end.
-EXTRAS = {
-    "s3": "s3",
-    "s3a": "s3",
-    "gs": "gcs",
-    "gcs": "gcs",
-    "az": "azure",
-    "abfs": "azure",
-    "abfss": "azure",
-    "adl": "azure",
-    "hf": "hf",
-}
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def _setting(name: str, default: float) -> float:
-    """A number from the environment, or its default when unset or not a number."""
-    try:
-        value = float(os.environ.get(name, default))
-    except ValueError:
-        return default
-    return value if math.isfinite(value) else default
-
-
-TRIES = max(1, int(_setting("CKPTKIT_REMOTE_TRIES", 5)))
-BACKOFF_S = max(0.0, _setting("CKPTKIT_REMOTE_BACKOFF", 0.2))
-TIMEOUT_S = max(0.1, _setting("CKPTKIT_REMOTE_TIMEOUT", 60))
-# A request's total time: DEADLINE_S, plus what its bytes take at MIN_RATE bytes a second. A
-# socket timeout bounds each wait for a byte, not the answer: a server that drips a byte a
-# second would hold a request for days. Read when each request is made.
-DEADLINE_S = 120.0
-MIN_RATE = 64 * 1024
-
-
-def deadline_s(nbytes: int) -> float:
-    """How long one request for ``nbytes`` may take in all: ``CKPTKIT_REMOTE_DEADLINE``
-    seconds (default 120), plus the time its bytes take at ``CKPTKIT_REMOTE_MIN_RATE`` bytes a
-    second (default 64 KiB/s)."""
-    grace = max(0.01, _setting("CKPTKIT_REMOTE_DEADLINE", DEADLINE_S))
-    rate = max(1.0, _setting("CKPTKIT_REMOTE_MIN_RATE", MIN_RATE))
-    return min(grace + max(0, nbytes) / rate, _LONGEST_S)
-
-
-_LONGEST_S = 7 * 24 * 3600.0  # a week: what a timer can wait (1e300 s would break it)
-
-
-class RemoteError(CkptkitError):
-    """A remote object that could not be read (after retries), or a URL that cannot be used."""
 
 
 def is_url(path: object) -> bool:
@@ -272,7 +205,7 @@ class RemotePath:
         return entry[1] if entry is not None and entry[0] else None
 
     def open_range(self, traffic: Traffic | None = None) -> Any:
-        """The object as a :class:`~ckptkit.formats.io.rangefile.RangeFile`, owned by the
+        """The object as a :class:`~ckptkit.storage.rangefile.RangeFile`, owned by the
         caller, its requests counted in ``traffic`` (its own by default): the one :meth:`head`
         read through where there is one (what it fetched is not fetched again), else one made
         now (its size from the listing where known). The requests made in this tree to find
@@ -280,7 +213,7 @@ class RemotePath:
         with self._tree.lock:
             raw = self._tree.probes.pop(self.url, None)
         if raw is None:
-            from ckptkit.formats.io.rangefile import RangeFile
+            from ckptkit.storage.rangefile import RangeFile
 
             raw = RangeFile(open_remote(self, traffic=traffic, size=self.listed_size()))
         else:  # its requests went to the tree's pending ones, claimed below
@@ -297,7 +230,7 @@ class RemotePath:
             kept = self._tree.heads.get(self.url)
         if kept is not None and kept[1] >= count:
             return kept[0][:count]
-        from ckptkit.formats.io.rangefile import RangeFile
+        from ckptkit.storage.rangefile import RangeFile
 
         size = self.listed_size()
         with self._tree.lock:
@@ -432,203 +365,3 @@ class RemotePath:
                 "give its s3:// (or other listable) URL, or download it and give the local copy",
             )
         return listed
-
-
-@dataclass
-class Traffic:
-    """What a :class:`Remote` asked for: requests made (tries included) and bytes received."""
-
-    requests: int = 0
-    bytes: int = 0
-    retries: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, nbytes: int) -> None:
-        """A request made, and the bytes it brought (0 for one that failed)."""
-        with self.lock:
-            self.requests += 1
-            self.bytes += nbytes
-
-    def retried(self) -> None:
-        with self.lock:
-            self.retries += 1
-
-
-class Remote(ABC):
-    """One remote object: its size and ranged reads, retried, counted in ``traffic``."""
-
-    def __init__(self, url: str, traffic: Traffic | None = None, size: int | None = None) -> None:
-        self.url = url
-        self.traffic = traffic or Traffic()  # one Traffic may count a whole folder's requests
-        self._size = size  # known from a listing: no request asks for it
-
-    @property
-    def size(self) -> int:
-        if self._size is None:
-            self._size = self._retried(self._stat, "read the size of")
-        return self._size
-
-    def read(self, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` (clipped to the object), in one request (retried)."""
-        end = min(end, self.size) if self._size is not None else end
-        if end <= start:
-            return b""
-        return self._retried(lambda: self._checked(start, end), f"read bytes {start}-{end} of")
-
-    def tail(self, count: int) -> tuple[int, bytes]:
-        """The last ``count`` bytes (fewer when the object is smaller) and where they start."""
-        start = max(0, self.size - count)
-        return start, self.read(start, self.size)
-
-    def _checked(self, start: int, end: int) -> bytes:
-        data = self._range(start, end)
-        want = min(end, self.size) - start
-        if len(data) != want:  # a dropped connection or a server that cut the body short
-            raise _Transient(f"{len(data)} of {want} bytes came back")
-        return data
-
-    def _retried(self, call: Any, what: str) -> Any:
-        delay = BACKOFF_S
-        for attempt in range(TRIES):
-            try:
-                return call()
-            except _Transient as exc:
-                if attempt == TRIES - 1:
-                    raise RemoteError(
-                        f"could not {what} {self.url} after {TRIES} tries ({exc})",
-                        "check the URL and the network, then run it again",
-                    ) from None
-                self.traffic.retried()
-                time.sleep(delay)
-                delay *= 2
-        raise AssertionError("unreachable")
-
-    @abstractmethod
-    def _stat(self) -> int:
-        """The object's size (raises _Transient on a failure worth retrying)."""
-
-    @abstractmethod
-    def _range(self, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` in one request (raises _Transient to retry)."""
-
-    def close(self) -> None:  # noqa: B027 - back-ends without connections need not override it
-        """Release connections."""
-
-
-def byte_count(value: Any, what: str) -> int:
-    """A size a server claims, as an int: a whole number of bytes, not negative.
-
-    Raises:
-        RemoteError: anything else, naming ``what`` and the value.
-    """
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    raise RemoteError(
-        f"{what} is not a byte count ({quoted(value, 40)})",
-        "check the URL; the server answered nonsense",
-    )
-
-
-class _Folder(UsageError):
-    """A URL opened as an object that is a folder (a prefix): an error to a reader, a plain
-    "no" to :meth:`RemotePath.is_file`."""
-
-
-class _Transient(Exception):
-    """A failure a retry may cure: a timeout, a dropped connection, a 5xx or a short body."""
-
-
-def open_remote(
-    url: str | RemotePath, *, traffic: Traffic | None = None, size: int | None = None
-) -> Remote:
-    """The remote object at ``url``, its requests counted in ``traffic`` (its own by
-    default); ``size`` when a listing gave it.
-
-    Raises:
-        UsageError: a scheme whose fsspec back-end is not installed (naming the extra).
-        MissingFileError: no object at the URL.
-    """
-    url = str(url)
-    scheme = url.split("://", 1)[0].lower()
-    if scheme in ("http", "https"):
-        from ckptkit.formats.io.http import HttpRemote
-
-        return HttpRemote(url, traffic, size)
-    return FsspecRemote(url, traffic, size)
-
-
-class FsspecRemote(Remote):
-    """Any fsspec URL: ``fs.size`` once, ``fs.cat_file(path, start, end)`` for each range."""
-
-    def __init__(self, url: str, traffic: Traffic | None = None, size: int | None = None) -> None:
-        super().__init__(url, traffic, size)
-        self.fs, self.path = filesystem(url)
-
-    def _stat(self) -> int:
-        info = self._call(self.fs.info, self.path)
-        self.traffic.add(0)
-        if info.get("type") == "directory":
-            raise _Folder(f"{self.url} is a folder", "give the checkpoint file inside it")
-        return byte_count(info.get("size"), f"{self.url}: its size")
-
-    def _range(self, start: int, end: int) -> bytes:
-        data = bytes(self._call(self.fs.cat_file, self.path, start=start, end=end))
-        self.traffic.add(len(data))
-        return data
-
-    def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
-        """A back-end call, its exceptions as ckptkit's: missing, denied, or (``_failure``)
-        one to retry or to say; a failed request is counted."""
-        try:
-            return method(*args, **kwargs)
-        except FileNotFoundError:
-            self.traffic.add(0)
-            raise MissingFileError(self.url) from None
-        except PermissionError as exc:
-            self.traffic.add(0)
-            raise RemoteError(
-                f"{self.url}: access denied ({exc})", "check the credentials"
-            ) from None
-        except Exception as exc:  # the back-end's own: retried when it may pass, else said
-            self.traffic.add(0)
-            raise _failure(self.url, exc) from None
-
-
-# What fsspec back-ends raise for a failure worth retrying: timeouts and connection errors
-# (OSError covers both, and s3fs maps 5xx answers to OSError subclasses), and the back-ends'
-# own classes for them (aiohttp's, httpx's, botocore's), told by name: ckptkit imports none.
-_TRANSIENT: tuple[type[BaseException], ...] = (OSError, TimeoutError)
-_TRANSIENT_NAMES = re.compile(r"Connect|Timeout|Temporar|Throttl|SlowDown|Unavailable|Payload")
-
-
-def _failure(url: str, exc: Exception) -> Exception:
-    """A back-end's exception as a retryable failure, or as the error that names it."""
-    name = type(exc).__name__
-    if isinstance(exc, _TRANSIENT) or _TRANSIENT_NAMES.search(name):
-        return _Transient(f"{name}: {exc}")
-    return RemoteError(
-        f"cannot read {url} ({name}: {exc})", "check the URL, the credentials and the network"
-    )
-
-
-def filesystem(url: str) -> tuple[Any, str]:
-    """fsspec's filesystem for ``url`` and the path inside it.
-
-    Raises:
-        UsageError: the scheme is unknown, or its back-end is not installed (naming the extra).
-    """
-    import fsspec  # type: ignore[import-untyped]
-
-    scheme = url.split("://", 1)[0].lower()
-    try:
-        return fsspec.core.url_to_fs(url)
-    except ImportError as exc:
-        extra = EXTRAS.get(scheme)
-        hint = (
-            f"pip install 'torch-ckptkit[{extra}]'"
-            if extra
-            else f"install the fsspec back-end for {scheme}:// ({exc})"
-        )
-        raise UsageError(f"{url}: reading {scheme}:// URLs needs a package", hint) from None
-    except ValueError as exc:  # "Protocol not known"
-        raise UsageError(f"{url}: {exc}", "give a local path or a URL fsspec knows") from None

@@ -17,7 +17,8 @@ import os
 from typing import Any
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.io.remote import Traffic, open_remote
+from ckptkit.storage.backends import open_remote
+from ckptkit.storage.backends.base import Traffic
 
 __all__ = [
     "copy_range",

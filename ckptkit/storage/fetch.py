@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ckptkit.errors import FormatError
-from ckptkit.formats.io.remote import Remote
+from ckptkit.storage.backends.base import Remote
 
 __all__ = ["Prefetcher", "aligned", "CHUNK", "GAP"]
 

@@ -9,13 +9,13 @@ back, so there are never more open than reads in flight. A server that ignores `
 (answering ``200`` with the whole object) is refused unless the read starts at byte 0: reading
 on to a later range would fetch everything before it, again for every read. Failures worth
 retrying (timeouts, dropped connections, 5xx, 429) raise ``_Transient`` for
-:class:`~ckptkit.formats.io.remote.Remote` to retry.
+:class:`~ckptkit.storage.remote.Remote` to retry.
 
 A server is not trusted to answer what was asked: an answer is used only when its
 ``Content-Range`` is the range asked (start, end, and the size known so far), its
 ``Content-Length`` says as much, and its body holds that many bytes; no more than that is ever
 read (one byte more, to tell a body that runs on). Each request has a total deadline
-(:func:`~ckptkit.formats.io.remote.deadline_s`): a server that drips its answer has the
+(:func:`~ckptkit.storage.remote.deadline_s`): a server that drips its answer has the
 connection cut when it passes.
 """
 
@@ -29,7 +29,7 @@ import threading
 import urllib.parse
 
 from ckptkit.errors import CkptkitError, MissingFileError
-from ckptkit.formats.io.remote import (
+from ckptkit.storage.backends.base import (
     TIMEOUT_S,
     Remote,
     RemoteError,

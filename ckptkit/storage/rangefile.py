@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from ckptkit.formats.io.remote import Remote
+from ckptkit.storage.backends.base import Remote
 
 __all__ = ["RangeFile", "READAHEAD"]
 

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import OutputError, UsageError
-from ckptkit.formats.io.bytecopy import punch_hole, read_into
-from ckptkit.formats.io.remote import RemotePath, filesystem
+from ckptkit.storage.backends.fs import filesystem
+from ckptkit.storage.bytecopy import punch_hole, read_into
+from ckptkit.storage.remote import RemotePath
 
 __all__ = ["Stream", "Uploads", "staging_folder"]
 

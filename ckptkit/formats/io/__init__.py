@@ -1,1 +1,0 @@
-"""Bytes on disk: atomic commits, byte ranges and the kernel copy. Stdlib only."""
