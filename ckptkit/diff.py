@@ -287,7 +287,7 @@ class _Reader:
     reused buffers per side, so nothing the size of a tensor is ever in memory."""
 
     def __init__(self) -> None:
-        from ckptkit.storage.bytecopy import RangeReader
+        from ckptkit.storage.pieces import RangeReader
 
         self._files = RangeReader()
         self._fetchers: dict[int, Any] = {}  # id(source) -> its Prefetcher (a URL's tensors)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo, url_prefetcher
-from ckptkit.storage.bytecopy import RangeReader
 from ckptkit.storage.fetch import aligned
+from ckptkit.storage.pieces import RangeReader
 
 if TYPE_CHECKING:
     import numpy

@@ -8,13 +8,12 @@ safetensors header.
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from ckptkit.adapters import describe
 from ckptkit.formats.base.source import Source, TensorInfo
@@ -26,7 +25,15 @@ from ckptkit.formats.open import open_source
 from ckptkit.keys import WRAPPERS, Wrapper, build_plan, detect_wrappers
 from ckptkit.meta import NAMESPACE, CheckpointMeta, training_of
 from ckptkit.scan import ScanReport, report_of
-from ckptkit.storage.remote import RemotePath, is_url
+from ckptkit.storage.backends.base import counting
+from ckptkit.storage.location import (
+    Location,
+    is_remote,
+    location,
+    may_be_folder,
+    size,
+    tree_size,
+)
 
 __all__ = ["summarize", "Summary", "collapse", "keep"]
 
@@ -183,11 +190,18 @@ def summarize(
     Raises:
         CkptkitError: the file cannot be read as a checkpoint.
     """
-    remote = is_url(path)
-    # A URL stands where a Path would (name, suffix, parent): never opened as a local file.
-    path = cast(Path, RemotePath(str(path))) if remote else Path(path)
+    with counting() as traffic:  # what reading it cost, at a URL: listings, headers, verdict
+        summary = _summarize(location(path), select, variant, names_from)
+    if is_remote(location(path)):
+        summary.fetched = {"requests": traffic.requests, "bytes": traffic.bytes}
+    return summary
+
+
+def _summarize(
+    path: Location, select: str | None, variant: str | None, names_from: str | Path | None
+) -> Summary:
     # (A URL with a suffix names a file, or a glob: no folder listed to find out.)
-    if select is None and names_from is None and not (remote and path.suffix) and is_pipeline(path):
+    if select is None and names_from is None and may_be_folder(path) and is_pipeline(path):
         return _pipeline(path, variant)
     # Reading is static, so an unsafe file can be shown too; its verdict comes from the same
     # parse the reader made.
@@ -219,7 +233,7 @@ def summarize(
             safety=safety,
             candidates=list(source.candidates),
             parts=_folder_parts(source.folder or path, safety)  # a pipeline's component's
-            if not remote and path.is_dir() and source.format != "sharded"
+            if not is_remote(path) and path.is_dir() and source.format != "sharded"
             else [],
             shards={
                 name: _size_on_disk(shard) for name, shard in getattr(source, "shards", {}).items()
@@ -228,8 +242,6 @@ def summarize(
             ema_model=_ema_model(source, path, names_from),
             model_folder=source.folder is not None,
         )
-        if remote:  # what reading the headers (and the verdict) cost, after both
-            summary.fetched = _fetched(source)
     return summary
 
 
@@ -265,7 +277,7 @@ def _ema_model(source: Source, path: Path, names_from: str | Path | None) -> dic
     }
 
 
-def _pipeline(folder: Path, variant: str | None) -> Summary:
+def _pipeline(folder: Location, variant: str | None) -> Summary:
     """A diffusers pipeline folder: its class and, for each component, what weights it holds
     (the file read, tensors, bytes by dtype, verdict) or why none can be read."""
     from ckptkit.errors import CkptkitError
@@ -273,7 +285,6 @@ def _pipeline(folder: Path, variant: str | None) -> Summary:
 
     index = read_model_index(folder)
     components = []
-    fetched = {"requests": 0, "bytes": 0} if isinstance(folder, RemotePath) else None
     for component in pipeline_components(folder):
         row: dict[str, Any] = {
             "name": component.name,
@@ -287,9 +298,6 @@ def _pipeline(folder: Path, variant: str | None) -> Summary:
                     entries = source.entries()
                     aliases = source.aliases()
                     safety = _safety(source)
-                    if fetched is not None:  # at a URL: what each component's headers cost
-                        for what, count in _fetched(source).items():
-                            fetched[what] += count
                     dtypes: dict[str, int] = defaultdict(int)
                     for key, info in entries:
                         if key not in aliases:
@@ -312,8 +320,7 @@ def _pipeline(folder: Path, variant: str | None) -> Summary:
     return Summary(
         path=str(folder),
         format="diffusers pipeline",
-        file_size=_tree_size(folder),
-        fetched=fetched,
+        file_size=tree_size(folder),
         selected_reason="a diffusers pipeline: --select COMPONENT takes one",
         pipeline={
             "class": index.get("_class_name"),
@@ -323,17 +330,7 @@ def _pipeline(folder: Path, variant: str | None) -> Summary:
     )
 
 
-def _tree_size(folder: Path) -> int:
-    """The bytes of every file under a folder (at a URL: one recursive listing)."""
-    if isinstance(folder, RemotePath):
-        from ckptkit.storage.backends.fs import filesystem
-
-        fs, root = filesystem(str(folder))
-        return int(fs.du(root))
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
-def _folder_parts(folder: Path, opened: ScanReport | None) -> list[dict[str, Any]]:
+def _folder_parts(folder: Location, opened: ScanReport | None) -> list[dict[str, Any]]:
     """Each file of a folder, what it is and its verdict; the file already opened (and
     scanned) as the folder's model is not scanned again."""
     from ckptkit.formats.folders.layouts import folder_parts
@@ -347,43 +344,22 @@ def _folder_parts(folder: Path, opened: ScanReport | None) -> list[dict[str, Any
         {
             "name": name,
             "kind": kind,
-            "bytes": (folder / name).stat().st_size,
+            "bytes": size(folder / name),
             "verdict": report.verdict if report.error is None else "not a checkpoint",
         }
         for (name, kind), report in zip(named, reports, strict=True)
     ]
 
 
-def _fetched(source: Any) -> dict[str, int]:
-    """The ranged requests a source at a URL made, and the bytes they brought (a sharded
-    checkpoint's: every shard's; its index, read whole, is not counted)."""
-    sources = list(getattr(source, "shards", {}).values()) or [source]
-    files = [getattr(s, "remote_file", None) for s in sources]
-    traffics = [raw.remote.traffic for raw in files if raw is not None]
-    if not traffics and hasattr(source, "traffic"):  # a folder's files, counted together
-        traffics = [source.traffic]
-    return {
-        "requests": sum(t.requests for t in traffics),
-        "bytes": sum(t.bytes for t in traffics),
-    }
-
-
 def _size_on_disk(source: Any) -> int:
-    raw = getattr(source, "remote_file", None)
+    raw = source.remote_file
     if raw is not None:  # a file at a URL: its size came with the first read
         return int(raw.remote.size)
     shards = getattr(source, "shards", None)
-    if shards and not isinstance(source.path, Path):  # a sharded checkpoint at a URL
+    if shards:  # each shard's (at a URL: known from its first read)
         return sum(_size_on_disk(shard) for shard in shards.values())
     sized = getattr(source, "file_size", None)  # sizes a folder's listing gave
-    return sum(
-        sized(path)
-        if sized
-        else path.size()
-        if isinstance(path, RemotePath)
-        else os.path.getsize(path)
-        for path in source.files()
-    )
+    return sum(sized(path) if sized else size(path) for path in source.files())
 
 
 def _wrappers_stripped(keys: list[str]) -> list[str | None]:

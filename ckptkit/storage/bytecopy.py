@@ -17,8 +17,6 @@ import os
 from typing import Any
 
 from ckptkit.errors import FormatError
-from ckptkit.storage.backends import open_remote
-from ckptkit.storage.backends.base import Traffic
 
 __all__ = [
     "copy_range",
@@ -28,7 +26,6 @@ __all__ = [
     "preallocate",
     "release_pages",
     "CHUNK",
-    "RangeReader",
 ]
 
 CHUNK = 8 * 1024 * 1024
@@ -248,56 +245,3 @@ def read_into(fd: int, buf: bytearray | memoryview, offset: int) -> bool:
 
 # Tried in order; each goes on from where the one before stopped.
 _COPIERS = (_mapped_write, _copy_file_range, _read_write)
-
-
-class RangeReader:
-    """Reads byte ranges of several files (a sharded layout's pieces) into one buffer, each file
-    opened once and kept open until :meth:`close`."""
-
-    def __init__(self) -> None:
-        self._fds: dict[Any, int] = {}
-        self._remotes: dict[str, Any] = {}  # a URL's Remote (``io.remote``), per URL
-        self.traffic = Traffic()  # the requests of every URL read, counted together
-
-    def remote(self, url: Any, size: int | None = None) -> Any:
-        """The Remote of a URL (a RemotePath), opened once and kept until :meth:`close`;
-        ``size`` when a listing gave it."""
-        if str(url) not in self._remotes:
-            self._remotes[str(url)] = open_remote(url, traffic=self.traffic, size=size)
-        return self._remotes[str(url)]
-
-    def fd(self, path: Any) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
-
-    def forget(self, path: Any) -> None:
-        """Close ``path``'s descriptor (an output uploaded and deleted: its blocks freed)."""
-        fd = self._fds.pop(path, None)
-        if fd is not None:
-            os.close(fd)
-
-    def read(self, pieces: Any, buf: memoryview) -> None:
-        """Fill ``buf`` with the ``(path, offset, length)`` pieces, end to end.
-
-        Raises:
-            FormatError: a file ends before its piece does.
-        """
-        at = 0
-        for path, offset, length in pieces:
-            if length and not isinstance(path, (str, os.PathLike)):  # a URL: one ranged read
-                data = self.remote(path).read(offset, offset + length)
-                if len(data) != length:
-                    raise FormatError(f"{path} is truncated", "copy or download it again")
-                buf[at : at + length] = data
-            elif length and not read_into(self.fd(path), buf[at : at + length], offset):
-                raise FormatError(f"{path} is truncated", "copy or download it again")
-            at += length
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-        for remote in self._remotes.values():
-            remote.close()
-        self._remotes.clear()

@@ -16,8 +16,10 @@ from typing import Any, cast
 
 from ckptkit.errors import MissingFileError
 from ckptkit.storage.backends import open_remote
-from ckptkit.storage.backends.base import Remote, RemoteError, Traffic, _Folder, byte_count
+from ckptkit.storage.backends.base import Remote, RemoteError, _Folder, byte_count, counter
 from ckptkit.storage.backends.fs import _failure, filesystem
+from ckptkit.storage.backends.schemes import backend
+from ckptkit.storage.rangefile import RangeFile
 
 __all__ = ["RemotePath", "as_path", "is_url"]
 
@@ -40,11 +42,11 @@ class _Tree:
     """What was learnt of one tree of URLs (a folder, its sub-folders and files) while it is
     read, shared by the RemotePaths made from one another (``/``, ``parent``): each folder's
     listing, made once; small files read whole; files' first bytes read for a layout's check,
-    and the files they were read through, handed on to their reader; and the requests made for
-    these (``pending``) until a reader claims them (:meth:`RemotePath.claim`). A RemotePath made
-    anew from a string starts a new tree: nothing learnt before is trusted."""
+    and the files they were read through, handed on to their reader. A RemotePath made anew
+    from a string starts a new tree: nothing learnt before is trusted. (Requests are counted
+    by the command, where each remote is opened: see ``backends.base.counting``.)"""
 
-    __slots__ = ("lock", "listings", "contents", "heads", "probes", "sized", "pending")
+    __slots__ = ("lock", "listings", "contents", "heads", "probes", "sized")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -53,7 +55,6 @@ class _Tree:
         self.heads: dict[str, tuple[bytes, int]] = {}  # url -> (first bytes, how many asked)
         self.probes: dict[str, Any] = {}  # url -> the RangeFile its head was read through
         self.sized: dict[str, Remote] = {}  # url -> the Remote its size was asked through
-        self.pending = Traffic()
 
 
 # Small files a layout reads whole (DeepSpeed's latest, model_index.json), kept for a second look.
@@ -133,7 +134,7 @@ class RemotePath:
     @property
     def listable(self) -> bool:
         """Whether its scheme lists folders (http(s) does not)."""
-        return self.scheme not in ("http", "https")
+        return backend(self.url).listable
 
     # ------------------------------------------------------------------ objects
 
@@ -149,9 +150,7 @@ class RemotePath:
         with self._tree.lock:
             remote = self._tree.sized.pop(self.url, None)
         if remote is None:
-            remote = open_remote(
-                self, traffic=self._tree.pending if size is not None else None, size=size
-            )
+            remote = open_remote(self, size=size)
         try:
             data = remote.read(0, remote.size)
         finally:
@@ -174,7 +173,7 @@ class RemotePath:
         with self._tree.lock:
             if self._tree.listings.get(self.url):  # a folder, listed
                 return False
-        remote = open_remote(self, traffic=self._tree.pending)
+        remote = open_remote(self)
         try:
             remote.size  # noqa: B018 - asked for its request
             return True
@@ -204,21 +203,14 @@ class RemotePath:
         entry = self._entry()
         return entry[1] if entry is not None and entry[0] else None
 
-    def open_range(self, traffic: Traffic | None = None) -> Any:
+    def open_range(self) -> RangeFile:
         """The object as a :class:`~ckptkit.storage.rangefile.RangeFile`, owned by the
-        caller, its requests counted in ``traffic`` (its own by default): the one :meth:`head`
-        read through where there is one (what it fetched is not fetched again), else one made
-        now (its size from the listing where known). The requests made in this tree to find
-        it (see :meth:`claim`) are counted there too."""
+        caller: the one :meth:`head` read through where there is one (what it fetched is not
+        fetched again), else one made now (its size from the listing where known)."""
         with self._tree.lock:
             raw = self._tree.probes.pop(self.url, None)
         if raw is None:
-            from ckptkit.storage.rangefile import RangeFile
-
-            raw = RangeFile(open_remote(self, traffic=traffic, size=self.listed_size()))
-        else:  # its requests went to the tree's pending ones, claimed below
-            raw.remote.traffic = traffic or Traffic()
-        self.claim(raw.remote.traffic)
+            raw = RangeFile(open_remote(self, size=self.listed_size()))
         return raw
 
     def head(self, count: int) -> bytes:
@@ -230,13 +222,11 @@ class RemotePath:
             kept = self._tree.heads.get(self.url)
         if kept is not None and kept[1] >= count:
             return kept[0][:count]
-        from ckptkit.storage.rangefile import RangeFile
-
         size = self.listed_size()
         with self._tree.lock:
             raw = self._tree.probes.get(self.url)
             if raw is None:
-                remote = open_remote(self, traffic=self._tree.pending, size=size)
+                remote = open_remote(self, size=size)
                 raw = self._tree.probes[self.url] = RangeFile(remote)
         data = raw.pread(0, count)
         with self._tree.lock:
@@ -248,23 +238,12 @@ class RemotePath:
     def names(self) -> list[str] | None:
         """The names in the folder (the prefix) this URL names, listed now: empty when it is
         no folder; None for http(s), which has no listing."""
-        listed = self.listing()
-        return None if listed is None else list(listed)
+        return list(self._list()) if self.listable else None
 
-    def listing(self, traffic: Traffic | None = None) -> dict[str, int | None] | None:
-        """:meth:`names` with each one's size (None for a sub-folder), in one request, counted
-        in ``traffic`` when given. A reader that gives ``traffic`` for a folder its layout was
-        found by takes the listing made for that (and the requests made to find it: see
-        :meth:`claim`); without ``traffic``, the folder is listed anew."""
-        if not self.listable:
-            return None
-        if traffic is not None:
-            with self._tree.lock:
-                kept = self._tree.listings.get(self.url)
-            if kept is not None:
-                self.claim(traffic)
-                return dict(kept)
-        return self._list(traffic)
+    def listing(self) -> dict[str, int | None] | None:
+        """:meth:`names` with each one's size (None for a sub-folder): the listing made for
+        this tree (the layouts' checks), else one made now and kept; None for http(s)."""
+        return self.listed()
 
     def listed(self) -> dict[str, int | None] | None:
         """:meth:`listing`, made once per tree (the folder checks' answers come from it);
@@ -274,25 +253,13 @@ class RemotePath:
         with self._tree.lock:
             kept = self._tree.listings.get(self.url)
         if kept is None:
-            found = self._list(self._tree.pending)
+            found = self._list()
             with self._tree.lock:
                 kept = self._tree.listings.setdefault(self.url, found)
-        return kept
+        return dict(kept)
 
-    def claim(self, traffic: Traffic) -> None:
-        """Count in ``traffic`` the requests made in this tree so far (listings, small files
-        read, probes' size asked) and not yet counted by a reader: what finding the layout
-        cost goes to the reader of that layout."""
-        pending = self._tree.pending
-        with pending.lock:
-            requests, nbytes = pending.requests, pending.bytes
-            pending.requests = pending.bytes = 0
-        with traffic.lock:
-            traffic.requests += requests
-            traffic.bytes += nbytes
-
-    def _list(self, traffic: Traffic | None) -> dict[str, int | None]:
-        """The folder listed now (one request), fsspec's cached listing dropped first."""
+    def _list(self) -> dict[str, int | None]:
+        """The folder listed now (one request, counted), fsspec's cached listing dropped first."""
         fs, path = filesystem(self.url)
         fs.invalidate_cache(path)  # fsspec caches listings: what was written since must show
         try:
@@ -302,8 +269,7 @@ class RemotePath:
         except Exception as exc:  # the back-end's own: said, as a read's would be
             raise _failure(self.url, exc) from None
         finally:
-            if traffic is not None:
-                traffic.add(0)
+            counter().add(0)
         listed = {
             str(info["name"]).rstrip("/").rsplit("/", 1)[-1]: (
                 byte_count(info.get("size"), f"{self.url}: the listing's size of {info['name']}")
@@ -343,7 +309,7 @@ class RemotePath:
         Raises:
             RemoteError: over http(s), which has no listing.
         """
-        return iter([self / name for name in self._listed_or_refused()])
+        return iter([self / name for name in self.listed_or_refused()])
 
     def glob(self, pattern: str) -> Iterator[RemotePath]:
         """What the folder holds by a pattern of one name (``*.index.json``), from its
@@ -354,10 +320,10 @@ class RemotePath:
         """
         if "/" in pattern:
             raise ValueError(f"a folder at a URL is globbed one level at a time, not {pattern!r}")
-        listed = self._listed_or_refused()
+        listed = self.listed_or_refused()
         return iter([self / name for name in listed if fnmatch.fnmatchcase(name, pattern)])
 
-    def _listed_or_refused(self) -> dict[str, int | None]:
+    def listed_or_refused(self) -> dict[str, int | None]:
         listed = self.listed()
         if listed is None:
             raise RemoteError(
@@ -365,3 +331,9 @@ class RemotePath:
                 "give its s3:// (or other listable) URL, or download it and give the local copy",
             )
         return listed
+
+    def tree_size(self) -> int:
+        """The bytes of every object under this folder (one recursive listing, counted)."""
+        fs, root = filesystem(self.url)
+        counter().add(0)
+        return int(fs.du(root))

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import FormatError
 from ckptkit.formats.base import dtypes
 from ckptkit.formats.base.tree import Candidate, DroppedPart, Selection
+from ckptkit.storage.rangefile import RangeFile
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +90,9 @@ class Source(ABC):
     # The tensors are a diffusers EMAModel's shadow_params, a list keyed here by position
     # ("0", "1", ...): names come from the model (open_source's names_from).
     unnamed: bool = False
+    # A file at a URL: the byte file its reader reads through (its first read gave the size);
+    # None on a local disk, where readers map or kernel-copy the file itself.
+    remote_file: RangeFile | None = field(default=None, init=False, repr=False)
 
     @abstractmethod
     def entries(self) -> list[tuple[str, TensorInfo]]:
@@ -187,13 +191,13 @@ def url_prefetcher(source: Source, keys: Iterable[str], files: Any, workers: int
     order they will be read) fetched ahead, ``workers`` requests at a time, through
     ``files``' connections (a RangeReader); None for a local source or nothing to fetch."""
     from ckptkit.storage.fetch import Prefetcher
-    from ckptkit.storage.remote import RemotePath
 
-    if not isinstance(source.path, RemotePath):
-        return None
     spans = []
     for key in keys:
         span = source.byte_span(key)
-        if span is not None and isinstance(span[0], RemotePath):
-            spans.append((key, files.remote(span[0]), span[1], span[2]))
+        if span is None:
+            continue
+        remote = files.remote(span[0])
+        if remote is not None:  # a range of a file at a URL
+            spans.append((key, remote, span[1], span[2]))
     return Prefetcher(spans, workers=workers) if spans else None

@@ -325,8 +325,10 @@ class SafetensorsSource(Source):
         info = self._infos[self._virtual.get(key, key)]
         begin, end = info.byte_range
         data = bytearray(end - begin)
-        self.remote_file.seek(self._data_start + begin)
-        if self.remote_file.readinto(data) != len(data):
+        raw = self.remote_file
+        assert raw is not None  # load() fetches only a file at a URL
+        raw.seek(self._data_start + begin)
+        if raw.readinto(data) != len(data):
             raise FormatError(f"{self.path} is truncated", "copy it again")
         return from_buffer(data, 0, len(data), info.dtype).reshape(info.shape)
 

@@ -21,7 +21,7 @@ from ckptkit.errors import FormatError
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tree import select_state_dict
-from ckptkit.storage.bytecopy import RangeReader
+from ckptkit.storage.pieces import RangeReader
 
 if TYPE_CHECKING:
     import torch

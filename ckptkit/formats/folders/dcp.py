@@ -36,7 +36,7 @@ from ckptkit.formats.pickles.unpickler import DATA_GLOBALS, TensorStub
 from ckptkit.formats.pickles.verdicts import scan_pickle
 from ckptkit.formats.pickles.writer import Call, New, Ref, dumps
 from ckptkit.meta import jsonable
-from ckptkit.storage.backends.base import RemoteError, Traffic
+from ckptkit.storage.backends.base import RemoteError
 from ckptkit.storage.rangefile import RangeFile
 from ckptkit.storage.remote import RemotePath
 
@@ -135,11 +135,6 @@ class DCPSource(ChunkedSource):
             self.extras.update(_trainer_state(folder / LIGHTNING_META, self._files))
         if self._files.has(SIDECAR):
             self.metadata = _sidecar(folder / SIDECAR, self._files.read(SIDECAR))
-
-    @property
-    def traffic(self) -> Traffic:
-        """A folder at a URL: every request reading it made (listing, .metadata, values)."""
-        return self._reader.traffic
 
     def _tree(self, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
         items = meta.get("state_dict_metadata")
@@ -330,7 +325,7 @@ class _Files:
     """The files of a DCP folder, on disk or at a URL. At a URL, one listing (where the store
     lists) says which files are there and their sizes; over HTTP, a missing one is found by
     one request, once. Each file at a URL is read through one RangeFile on the source's
-    reader, so every request counts in its ``traffic``."""
+    reader."""
 
     def __init__(self, folder: Path, reader: Any) -> None:
         self.folder, self._reader = folder, reader
@@ -339,7 +334,7 @@ class _Files:
         self._missing: set[str] = set()
         self._listed: dict[str, int | None] | None = None
         if isinstance(folder, RemotePath):
-            self._listed = folder.listing(reader.traffic)
+            self._listed = folder.listing()
 
     def has(self, name: str) -> bool:
         if not self._remote:

@@ -30,8 +30,7 @@ from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tree import DroppedPart, nodes, select_state_dict
 from ckptkit.formats.pickles.unpickler import TensorStub
-from ckptkit.storage.backends.base import Traffic
-from ckptkit.storage.bytecopy import RangeReader
+from ckptkit.storage.pieces import RangeReader
 from ckptkit.storage.rangefile import RangeFile
 from ckptkit.storage.remote import RemotePath
 
@@ -161,8 +160,6 @@ class DeepSpeedSource(Source):
         self._parts: dict[str, _Part] = {}
         self._aliases: dict[str, str] = {}
         self._reader = RangeReader()
-        if isinstance(folder, RemotePath):  # the listings that found the layout: its requests
-            folder.claim(self._reader.traffic)
         try:
             self._read(select or "fp32")
         except BaseException:
@@ -173,11 +170,6 @@ class DeepSpeedSource(Source):
         opened = _TorchFile(path, DEEPSPEED_GLOBALS, self._reader)
         self._files.append(opened)
         return opened
-
-    @property
-    def traffic(self) -> Traffic:
-        """A folder at a URL: every request reading it made (listings, headers, pickles)."""
-        return self._reader.traffic
 
     def _read(self, select: str) -> None:
         tag = self.tag

@@ -184,7 +184,7 @@ def describe_weights(weights: Weights) -> str:
 # ------------------------------------------------------------------------------- pipelines
 
 
-def is_pipeline(folder: Path) -> bool:
+def is_pipeline(folder: Location) -> bool:
     """A diffusers pipeline folder: ``model_index.json`` at its top."""
     return folder.is_dir() and (folder / MODEL_INDEX).is_file()
 

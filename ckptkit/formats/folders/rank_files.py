@@ -32,7 +32,6 @@ from ckptkit.errors import FormatError
 from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, check_cover
 from ckptkit.formats.pickles.machine import Opaque, build_state, fields
 from ckptkit.formats.pickles.unpickler import SHARDED_KINDS, TensorStub, UnsupportedTensor
-from ckptkit.storage.backends.base import Traffic
 from ckptkit.storage.rangefile import RangeFile
 from ckptkit.storage.remote import RemotePath
 
@@ -150,8 +149,6 @@ class RankFilesSource(ChunkedSource):
     ) -> None:
         super().__init__(where, "rank files")
         self._files = files
-        if isinstance(where, RemotePath):  # the listing that found the files: its request
-            where.claim(self._reader.traffic)
 
         def build() -> Any:
             roots, parts = self._read(files)
@@ -310,11 +307,6 @@ class RankFilesSource(ChunkedSource):
 
     def files(self) -> list[Path]:
         return list(self._files)
-
-    @property
-    def traffic(self) -> Traffic:
-        """Files at a URL: every request reading them made (the listing, headers, pickles)."""
-        return self._reader.traffic
 
 
 def _sharded_kind(file: Path) -> str | None:

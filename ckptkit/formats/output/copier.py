@@ -27,7 +27,6 @@ from ckptkit.formats.base.source import Source
 from ckptkit.storage.backends.base import Remote
 from ckptkit.storage.bytecopy import (
     COMPARE_CHUNK,
-    RangeReader,
     copy_range,
     read_into,
     release_pages,
@@ -35,7 +34,7 @@ from ckptkit.storage.bytecopy import (
     write_all,
 )
 from ckptkit.storage.fetch import Prefetcher
-from ckptkit.storage.remote import RemotePath
+from ckptkit.storage.pieces import RangeReader
 
 if TYPE_CHECKING:
     import torch
@@ -259,7 +258,7 @@ class Copier:
         def write(fd: int, spec: TensorSpec) -> None:
             item = items[spec.key]
             pieces = None if item.cast else self.source.byte_pieces(item.old)
-            if pieces is not None and fetcher is not None and _remote(pieces):
+            if fetcher is not None and fetcher.holds(spec.key):  # its bytes lie at a URL
                 self._write_fetched(fetcher, fd, dst, item, verify)
             elif pieces is not None:
                 for path, offset, length in pieces:  # one range, or a sharded layout's several
@@ -285,14 +284,18 @@ class Copier:
         return write
 
     def _prefetcher(self, items: dict[str, Item]) -> Prefetcher | None:
-        """For a source at a URL: its tensors' ranges fetched ahead, ``workers`` at once."""
-        if not _at_url(self.source):
-            return None
+        """For a source whose tensors lie in files at URLs: their ranges fetched ahead,
+        ``workers`` at once (a local file's are copied by the kernel instead)."""
         spans = []
         for item in items.values():
             pieces = None if item.cast else self.source.byte_pieces(item.old)
-            if pieces is not None and _remote(pieces):
-                spans += [(item.spec.key, self._remote(p), o, n) for p, o, n in pieces]
+            remotes = [self._remote(path) for path, _, _ in pieces or ()]
+            if pieces and all(remotes):
+                spans += [
+                    (item.spec.key, remote, offset, length)
+                    for remote, (_, offset, length) in zip(remotes, pieces, strict=True)
+                    if remote is not None
+                ]
         if not spans:
             return None
         if self._fetcher is not None:
@@ -300,9 +303,10 @@ class Copier:
         self._fetcher = Prefetcher(spans, workers=self.workers)
         return self._fetcher
 
-    def _remote(self, url: Any) -> Remote:
+    def _remote(self, url: Any) -> Remote | None:
         """One Remote (its connections) per URL, for the whole conversion: the source's own
-        where it has one (its size known, its first bytes fetched), else one opened here."""
+        where it has one (its size known, its first bytes fetched), else one opened here;
+        None for a local file."""
         if self._sources_remotes is None:
             self._sources_remotes = _remotes_of(self.source)
         return self._sources_remotes.get(str(url)) or self._files.remote(url)
@@ -468,16 +472,6 @@ def _remotes_of(source: Any) -> dict[str, Remote]:
     for shard in getattr(source, "shards", {}).values():
         found.update(_remotes_of(shard))
     return found
-
-
-def _at_url(source: Source) -> bool:
-    """Whether a source reads a file (or a sharded checkpoint's index) at a URL: its path is
-    a RemotePath, as the wrappers' paths (a merge's base, named shadow parameters) are theirs."""
-    return isinstance(source.path, RemotePath)
-
-
-def _remote(pieces: list[tuple[Any, int, int]]) -> bool:
-    return any(isinstance(path, RemotePath) for path, _, _ in pieces)
 
 
 def _crc_of(fd: int, start: int, count: int) -> int:

@@ -6,27 +6,31 @@ by the URL's scheme.
 HTTP(S) goes through a small client of its own: the first ranged answer carries the object's
 size in its ``Content-Range``, so a safetensors header costs one or two requests and no
 ``HEAD``.
+
+To add a back-end: a :class:`~ckptkit.storage.backends.base.Remote` subclass in a module of its
+own (``_stat`` and ``_range``; raise ``_Transient`` for what a retry may cure), and its schemes
+in :data:`~ckptkit.storage.backends.schemes.SCHEMES`.
 """
 
 from __future__ import annotations
 
-from ckptkit.storage.backends.base import Remote, Traffic
+from ckptkit.storage.backends.base import Remote
 from ckptkit.storage.backends.fs import FsspecRemote
 from ckptkit.storage.backends.http import HttpRemote
+from ckptkit.storage.backends.schemes import Backend, backend
 
-__all__ = ["open_remote"]
+__all__ = ["Backend", "backend", "open_remote"]
+
+_READERS: dict[str, type[Remote]] = {"http": HttpRemote, "fsspec": FsspecRemote}
 
 
-def open_remote(url: object, *, traffic: Traffic | None = None, size: int | None = None) -> Remote:
-    """The remote object at ``url``, its requests counted in ``traffic`` (its own by
-    default); ``size`` when a listing gave it.
+def open_remote(url: object, *, size: int | None = None) -> Remote:
+    """The remote object at ``url`` (a URL or a RemotePath), its requests counted in the
+    command's counter (:func:`~ckptkit.storage.backends.base.counting`); ``size`` when a
+    listing gave it.
 
     Raises:
         UsageError: a scheme whose fsspec back-end is not installed (naming the extra).
         MissingFileError: no object at the URL.
     """
-    url = str(url)
-    scheme = url.split("://", 1)[0].lower()
-    if scheme in ("http", "https"):
-        return HttpRemote(url, traffic, size)
-    return FsspecRemote(url, traffic, size)
+    return _READERS[backend(url).reader](str(url), size)

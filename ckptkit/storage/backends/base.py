@@ -9,18 +9,21 @@ one :class:`RemoteError` naming the URL.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptkit.errors import CkptkitError, UsageError
 from ckptkit.storage.small import quoted
 
-__all__ = ["Remote", "RemoteError", "Traffic", "TRIES", "byte_count", "deadline_s"]
+__all__ = ["Remote", "RemoteError", "Traffic", "TRIES", "byte_count", "counting", "deadline_s"]
 
 
 def _setting(name: str, default: float) -> float:
@@ -78,12 +81,36 @@ class Traffic:
             self.retries += 1
 
 
-class Remote(ABC):
-    """One remote object: its size and ranged reads, retried, counted in ``traffic``."""
+# The Traffic of the command running in this context (see :func:`counting`).
+_COMMAND: ContextVar[Traffic | None] = ContextVar("ckptkit_command_traffic", default=None)
 
-    def __init__(self, url: str, traffic: Traffic | None = None, size: int | None = None) -> None:
+
+@contextlib.contextmanager
+def counting() -> Iterator[Traffic]:
+    """Count every request made inside the block in one :class:`Traffic`: one counter for a
+    command, which ``inspect`` reports (what reading a URL cost: listings, small files,
+    headers). A request counts where its remote is opened, so the threads a remote is handed
+    to (the prefetcher's) count there too."""
+    traffic = Traffic()
+    token = _COMMAND.set(traffic)
+    try:
+        yield traffic
+    finally:
+        _COMMAND.reset(token)
+
+
+def counter() -> Traffic:
+    """The running command's request counter (see :func:`counting`), else a new one."""
+    return _COMMAND.get() or Traffic()
+
+
+class Remote(ABC):
+    """One remote object: its size and ranged reads, retried, counted in ``traffic`` (the
+    command's counter when one is counting, see :func:`counting`)."""
+
+    def __init__(self, url: str, size: int | None = None) -> None:
         self.url = url
-        self.traffic = traffic or Traffic()  # one Traffic may count a whole folder's requests
+        self.traffic = counter()
         self._size = size  # known from a listing: no request asks for it
 
     @property

@@ -10,33 +10,20 @@ from ckptkit.errors import MissingFileError, UsageError
 from ckptkit.storage.backends.base import (
     Remote,
     RemoteError,
-    Traffic,
     _Folder,
     _Transient,
     byte_count,
 )
+from ckptkit.storage.backends.schemes import backend
 
 __all__ = ["FsspecRemote", "filesystem"]
-
-# The extra that installs each scheme's fsspec back-end.
-EXTRAS = {
-    "s3": "s3",
-    "s3a": "s3",
-    "gs": "gcs",
-    "gcs": "gcs",
-    "az": "azure",
-    "abfs": "azure",
-    "abfss": "azure",
-    "adl": "azure",
-    "hf": "hf",
-}
 
 
 class FsspecRemote(Remote):
     """Any fsspec URL: ``fs.size`` once, ``fs.cat_file(path, start, end)`` for each range."""
 
-    def __init__(self, url: str, traffic: Traffic | None = None, size: int | None = None) -> None:
-        super().__init__(url, traffic, size)
+    def __init__(self, url: str, size: int | None = None) -> None:
+        super().__init__(url, size)
         self.fs, self.path = filesystem(url)
 
     def _stat(self) -> int:
@@ -98,7 +85,7 @@ def filesystem(url: str) -> tuple[Any, str]:
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as exc:
-        extra = EXTRAS.get(scheme)
+        extra = backend(url).extra
         hint = (
             f"pip install 'torch-ckptkit[{extra}]'"
             if extra

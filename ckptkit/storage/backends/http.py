@@ -33,7 +33,6 @@ from ckptkit.storage.backends.base import (
     TIMEOUT_S,
     Remote,
     RemoteError,
-    Traffic,
     _Transient,
     deadline_s,
 )
@@ -53,8 +52,8 @@ _Connection = http.client.HTTPConnection
 class HttpRemote(Remote):
     """An object at an ``http://`` or ``https://`` URL."""
 
-    def __init__(self, url: str, traffic: Traffic | None = None, size: int | None = None) -> None:
-        super().__init__(url, traffic, size)
+    def __init__(self, url: str, size: int | None = None) -> None:
+        super().__init__(url, size)
         self._lock = threading.Lock()
         self._idle: list[_Connection] = []  # kept alive between reads
         self._first: tuple[int, bytes] | None = None  # the read that found the size
