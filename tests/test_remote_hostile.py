@@ -285,13 +285,11 @@ def test_a_dcp_sharding_check_of_a_url_folder_reads_no_header_past_its_file(s3_e
     head = struct.pack("<Q", 90_000_000) + b"{" + b" " * 100
     s3_env.fs.pipe(f"{bucket}/folder/model.safetensors", head + b" " * (3 << 20))
     from ckptkit.formats.folders.layouts import find_dcp
-    from ckptkit.storage.backends.base import Traffic
+    from ckptkit.storage.backends.base import counting
     from ckptkit.storage.remote import RemotePath
 
-    folder = RemotePath(f"s3://{bucket}/folder")
-    assert find_dcp(folder) is None
-    traffic = Traffic()
-    folder.claim(traffic)
+    with counting() as traffic:
+        assert find_dcp(RemotePath(f"s3://{bucket}/folder")) is None
     assert traffic.bytes <= 256 * 1024  # the first read only, not the 3 MiB file
 
 

@@ -79,8 +79,9 @@ def is_remote(where: object) -> bool:
 
 def may_be_folder(where: Location) -> bool:
     """False where a folder is not worth a request to rule out: a URL whose name has a suffix
-    names a file (or a glob); anything else may be a folder (a local one is asked)."""
-    return not (isinstance(where, RemotePath) and where.suffix)
+    or starts with a dot (DCP's ``.metadata``) names a file (or a glob); anything else may be
+    a folder (a local one is asked)."""
+    return not (isinstance(where, RemotePath) and (where.suffix or where.name.startswith(".")))
 
 
 def size(where: Location) -> int:

@@ -108,10 +108,15 @@ class ShardedSource(Source):
             for name in names:
                 self.shards[name] = opener(index.parent / name, **given)
             return
+        import contextvars
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(8, thread_name_prefix="ckptkit-open") as pool:
-            futures = [pool.submit(opener, index.parent / name, **given) for name in names]
+            # each in the caller's context: its requests count in the command's counter
+            futures = [
+                pool.submit(contextvars.copy_context().run, opener, index.parent / name, **given)
+                for name in names
+            ]
             failure: BaseException | None = None
             for name, future in zip(names, futures, strict=True):
                 try:
