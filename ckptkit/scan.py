@@ -27,9 +27,7 @@ from ckptkit.formats.pickles.verdicts import (
     classify,
     worst_of,
 )
-from ckptkit.storage.backends import open_remote
-from ckptkit.storage.rangefile import RangeFile
-from ckptkit.storage.remote import RemotePath, as_path, is_url
+from ckptkit.storage.location import Location, fresh_names, is_local, location, url_file
 
 __all__ = ["scan", "scan_many", "overall_verdict", "report_of", "ScanReport"]
 
@@ -113,8 +111,11 @@ def scan(path: str | Path, *, allow_globals: Iterable[str] = ()) -> ScanReport:
         UsageError: a dangerous name in ``allow_globals``.
     """
     allowed = check_allowed(allow_globals)
-    if is_url(path):
-        return _scan_url(RemotePath(str(path)), allowed)
+    where = location(path)
+    raw = url_file(where)
+    if raw is not None:  # a file at a URL: its directory and pickles read in ranged requests
+        with raw:
+            return report_of(where, remote_readings(where, raw), allowed, raw=raw)
     found = readings(path)
     if not found:
         raise FormatError(
@@ -124,15 +125,8 @@ def scan(path: str | Path, *, allow_globals: Iterable[str] = ()) -> ScanReport:
     return report_of(path, found, allowed)
 
 
-def _scan_url(url: RemotePath, allowed: frozenset[str]) -> ScanReport:
-    """A file at a URL, scanned through ranged reads (a torch zip's directory and pickles; a
-    safetensors file's header)."""
-    with RangeFile(open_remote(url)) as raw:
-        return report_of(url, remote_readings(url, raw), allowed, raw=raw)
-
-
 def report_of(
-    path: str | Path | RemotePath,
+    path: str | Path | Location,
     found: list[Reading],
     allowed: frozenset[str] = frozenset(),
     *,
@@ -144,7 +138,7 @@ def report_of(
     header) whole, so it is not read again. ``raw``: the file at a URL (a RangeFile)."""
     report = ScanReport(str(path), found[0].kind, found, allowed)
     if found[0].damaged is None and not structure_checked:
-        found[0].damaged = _structure_damage(as_path(str(path)), found, raw)
+        found[0].damaged = _structure_damage(location(str(path)), found, raw)
     if len(found) > 1:
         ways = "; ".join(f"{r.reader} reads {_article(r.kind)}" for r in found)
         report.problems.append(f"polyglot: loaders disagree on what this file is ({ways})")
@@ -165,10 +159,11 @@ def scan_many(
     reports = []
     for path in paths:
         try:
-            if is_url(str(path)) and not RemotePath(str(path)).suffix:
-                reports.extend(_scan_url_folder(RemotePath(str(path)), allowed))
-            elif Path(path).is_dir():
-                reports.extend(_scan_folder(Path(path), allowed))
+            where = location(path)
+            if is_local(where) and where.is_dir():
+                reports.extend(_scan_folder(where, allowed))
+            elif not is_local(where) and not where.suffix:  # at a URL: a folder by its name
+                reports.extend(_scan_url_folder(where, allowed))
             else:
                 reports.append(scan(path, allow_globals=allowed))
         except CkptkitError as exc:
@@ -194,15 +189,15 @@ def _scan_folder(folder: Path, allowed: frozenset[str]) -> list[ScanReport]:
     return reports
 
 
-def _scan_url_folder(folder: RemotePath, allowed: frozenset[str]) -> list[ScanReport]:
+def _scan_url_folder(folder: Location, allowed: frozenset[str]) -> list[ScanReport]:
     """A folder (a prefix) at a URL: each checkpoint file in it, by its name; a diffusers
     pipeline's, in the folders of its components."""
-    names = folder.names()
+    names = fresh_names(folder)
     if names is None:  # http(s): no listing
         return [scan(str(folder), allow_globals=allowed)]
     if MODEL_INDEX in names:
-        parts = [folder / c.name for c in pipeline_components(folder)]  # type: ignore[arg-type]
-        picked = [p / n for p in parts for n in sorted(p.names() or []) if _loaded(n)]
+        parts = [folder / c.name for c in pipeline_components(folder)]
+        picked = [p / n for p in parts for n in sorted(fresh_names(p) or []) if _loaded(n)]
     else:
         picked = [folder / n for n in sorted(names) if _loaded(n)]
     if not picked:

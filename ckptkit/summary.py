@@ -28,6 +28,7 @@ from ckptkit.scan import ScanReport, report_of
 from ckptkit.storage.backends.base import counting
 from ckptkit.storage.location import (
     Location,
+    is_local,
     is_remote,
     location,
     may_be_folder,
@@ -233,7 +234,7 @@ def _summarize(
             safety=safety,
             candidates=list(source.candidates),
             parts=_folder_parts(source.folder or path, safety)  # a pipeline's component's
-            if not is_remote(path) and path.is_dir() and source.format != "sharded"
+            if is_local(path) and path.is_dir() and source.format != "sharded"
             else [],
             shards={
                 name: _size_on_disk(shard) for name, shard in getattr(source, "shards", {}).items()
@@ -263,7 +264,9 @@ def _safety(source: Source) -> ScanReport | None:
     return None
 
 
-def _ema_model(source: Source, path: Path, names_from: str | Path | None) -> dict[str, Any] | None:
+def _ema_model(
+    source: Source, path: Location, names_from: str | Path | None
+) -> dict[str, Any] | None:
     """What a diffusers EMAModel state dict holds, or None for anything else."""
     shadow = next((c for c in source.candidates if c.why == EMA_MODEL_WHY), None)
     if shadow is None:
@@ -330,7 +333,7 @@ def _pipeline(folder: Location, variant: str | None) -> Summary:
     )
 
 
-def _folder_parts(folder: Location, opened: ScanReport | None) -> list[dict[str, Any]]:
+def _folder_parts(folder: Path, opened: ScanReport | None) -> list[dict[str, Any]]:
     """Each file of a folder, what it is and its verdict; the file already opened (and
     scanned) as the folder's model is not scanned again."""
     from ckptkit.formats.folders.layouts import folder_parts
@@ -344,7 +347,7 @@ def _folder_parts(folder: Location, opened: ScanReport | None) -> list[dict[str,
         {
             "name": name,
             "kind": kind,
-            "bytes": size(folder / name),
+            "bytes": (folder / name).stat().st_size,
             "verdict": report.verdict if report.error is None else "not a checkpoint",
         }
         for (name, kind), report in zip(named, reports, strict=True)

@@ -46,6 +46,7 @@ from ckptkit.formats.folders.layouts import (
 )
 from ckptkit.formats.folders.rank_files import find_rank_files
 from ckptkit.formats.folders.runs import run_checkpoint, trainer_checkpoint
+from ckptkit.storage.location import Location
 from ckptkit.storage.remote import RemotePath, as_path, is_url
 
 __all__ = ["open_source", "checkpoint_index"]
@@ -63,7 +64,7 @@ def checkpoint_index(path: Path) -> Path | None:
 
 
 def open_source(
-    path: str | Path,
+    path: str | Path | Location,
     *,
     select: str | None = None,
     trust: bool = False,
@@ -115,7 +116,7 @@ def open_source(
         own_variant = variant if names_from is None else None
         source = _open_url(url, select, trust, allow_globals, check_safety, ema, own_variant)
         return _named(url, source, names_from, variant, unnamed)  # type: ignore[arg-type]
-    path = Path(path)
+    path = Path(str(path))
     if variant is not None and names_from is None and not path.is_dir():
         raise UsageError(
             f"--variant picks the weights of a model folder, and {path} is not a folder",

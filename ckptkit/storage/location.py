@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 from ckptkit.storage.rangefile import RangeFile
 from ckptkit.storage.remote import RemotePath, is_url
@@ -22,12 +22,14 @@ __all__ = [
     "Location",
     "location",
     "is_remote",
+    "is_local",
     "may_be_folder",
     "size",
     "head",
     "url_file",
     "tree_size",
     "listing",
+    "fresh_names",
 ]
 
 
@@ -84,6 +86,12 @@ def may_be_folder(where: Location) -> bool:
     return not (isinstance(where, RemotePath) and (where.suffix or where.name.startswith(".")))
 
 
+def is_local(where: Location) -> TypeGuard[Path]:
+    """Whether ``where`` is on the local disk: for what only a local folder offers (its other
+    files described one by one, symlinks followed and said)."""
+    return isinstance(where, Path)
+
+
 def size(where: Location) -> int:
     """The file's size in bytes: ``stat`` on a local disk; at a URL from its folder's listing
     where that was made, else a request."""
@@ -129,3 +137,12 @@ def listing(folder: Location) -> dict[str, int | None]:
         child.name: (child.stat().st_size if child.is_file() else None)
         for child in Path(str(folder)).iterdir()
     }
+
+
+def fresh_names(folder: Location) -> list[str] | None:
+    """The names in a folder, listed now (what was written since shows): at a URL one request,
+    None over HTTP(S), which has no listing; on a local disk, read now (None for no folder)."""
+    if isinstance(folder, RemotePath):
+        return folder.names()
+    path = Path(str(folder))
+    return sorted(child.name for child in path.iterdir()) if path.is_dir() else None

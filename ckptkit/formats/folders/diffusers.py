@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, SelectError
 from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.storage.location import Location
 from ckptkit.storage.small import quoted, read_json
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ _SHARD = re.compile(
 class Weights:
     """The weights file (or shard index) of a model folder, and the variants beside it."""
 
-    path: Path
+    path: Location
     variant: str | None
     diffusers: bool  # diffusers' names (diffusion_pytorch_model), not transformers'
     variants: tuple[str | None, ...]  # every variant the folder holds (None: without one)
@@ -93,8 +94,10 @@ def is_index_name(name: str) -> bool:
     return name.endswith(".index.json") or _INDEX.fullmatch(name) is not None
 
 
-def _by_variant(folder: Path) -> dict[str | None, list[tuple[tuple[int, int, int], Path, str]]]:
-    groups: dict[str | None, list[tuple[tuple[int, int, int], Path, str]]] = {}
+def _by_variant(
+    folder: Location,
+) -> dict[str | None, list[tuple[tuple[int, int, int], Location, str]]]:
+    groups: dict[str | None, list[tuple[tuple[int, int, int], Location, str]]] = {}
     for path in folder.iterdir():
         match = _INDEX.fullmatch(path.name) or _SINGLE.fullmatch(path.name)
         if match is None or _SHARD.fullmatch(path.name) or not path.is_file():
@@ -110,7 +113,7 @@ def _by_variant(folder: Path) -> dict[str | None, list[tuple[tuple[int, int, int
     return groups
 
 
-def variants_in(folder: Path) -> set[str | None]:
+def variants_in(folder: Location) -> set[str | None]:
     """The variants whose weights a model folder holds (None: the weights without one)."""
     return set(_by_variant(folder)) if folder.is_dir() else set()
 
@@ -125,7 +128,7 @@ def _variant_name(variant: str | None) -> str:
     return variant if variant is not None else "none (without a variant)"
 
 
-def weights_in(folder: Path, variant: str | None = None) -> Weights | None:
+def weights_in(folder: Location, variant: str | None = None) -> Weights | None:
     """The weights of a model folder by diffusers' names, or transformers' names with a variant:
     the ``variant`` asked for; by default the file without a variant, else the only variant.
     None when the folder holds neither diffusers' files nor a variant (transformers' plain
@@ -196,13 +199,13 @@ class Component:
     name: str
     library: str
     cls: str
-    folder: Path
+    folder: Location
 
     def holds_weights(self) -> bool:
         return self.folder.is_dir() and bool(_by_variant(self.folder))
 
 
-def read_model_index(folder: Path) -> dict[str, Any]:
+def read_model_index(folder: Location) -> dict[str, Any]:
     """A pipeline's ``model_index.json``: read with its size and nesting bounded, its class and
     version checked to be short strings (they are printed).
 
@@ -230,14 +233,14 @@ CONFIG_LIMIT = 1 << 20
 _NAME_LIMIT = 200
 
 
-def _odd_field(path: Path, field: str, value: Any, wanted: str) -> FormatError:
+def _odd_field(path: Location, field: str, value: Any, wanted: str) -> FormatError:
     return FormatError(
         f"{path}: field '{field}' is {_shown(value)}, not {wanted}",
         f"check that {path.name} is the one diffusers wrote",
     )
 
 
-def pipeline_components(folder: Path) -> list[Component]:
+def pipeline_components(folder: Location) -> list[Component]:
     """The components a pipeline's ``model_index.json`` names (``[null, null]`` ones left out),
     in its order.
 
@@ -269,7 +272,7 @@ def _listed(components: list[Component]) -> str:
     return ", ".join(f"{c.name} ({c.cls})" for c in components) or "none"
 
 
-def pipeline_component(folder: Path, select: str | None) -> Component:
+def pipeline_component(folder: Location, select: str | None) -> Component:
     """The component ``select`` names in a pipeline folder.
 
     Raises:
