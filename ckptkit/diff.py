@@ -17,6 +17,7 @@ from ckptkit.formats.open import open_source
 from ckptkit.keys import build_plan, match_keys
 from ckptkit.progress import progress_bar
 from ckptkit.storage.fetch import aligned
+from ckptkit.storage.location import Location
 
 if TYPE_CHECKING:
     import torch
@@ -299,7 +300,9 @@ class _Reader:
         if fetcher is not None:
             self._fetchers[id(source)] = fetcher
 
-    def same_bytes(self, a: tuple[Path, int, int] | None, b: tuple[Path, int, int] | None) -> bool:
+    def same_bytes(
+        self, a: tuple[Location, int, int] | None, b: tuple[Location, int, int] | None
+    ) -> bool:
         if a is None or b is None or a[2] != b[2]:
             return False
         from ckptkit.storage.bytecopy import same_bytes
@@ -311,7 +314,7 @@ class _Reader:
         source: Source,
         key: str,
         info: TensorInfo,
-        span: tuple[Path, int, int] | None,
+        span: tuple[Location, int, int] | None,
         np: Any = None,
     ) -> Iterator[Any]:
         """The tensor's elements in order, ``PIECE`` at a time, as 1-D NumPy arrays (given the

@@ -175,7 +175,9 @@ def _scan_folder(folder: Path, allowed: frozenset[str]) -> list[ScanReport]:
     """A folder's files that a loader would read; a diffusers pipeline's are in the folders of
     the components its ``model_index.json`` names (each model folder's weights, every variant
     and shard)."""
-    folders = [c.folder for c in pipeline_components(folder)] if is_pipeline(folder) else [folder]
+    folders = (
+        [folder / c.name for c in pipeline_components(folder)] if is_pipeline(folder) else [folder]
+    )
     reports = []
     for part in folders:
         if not part.is_dir():

@@ -257,7 +257,9 @@ def _safety(source: Source) -> ScanReport | None:
         return report_of(source.path, readings, raw=raw)
     if source.format == "safetensors":  # the file itself (path may be its model folder)
         # The source has read and checked its header: the verdict needs no second parse.
-        found = find_readings(source.path) if raw is None else remote_readings(source.path, raw)
+        found = (
+            find_readings(str(source.path)) if raw is None else remote_readings(source.path, raw)
+        )
         return report_of(
             source.path, found, structure_checked=found[0].kind == "safetensors", raw=raw
         )

@@ -395,7 +395,7 @@ def _open_url_file(
 
         if select not in (None, ""):
             raise FormatError(f"{url} is a sharded state dict", "drop --select")
-        return ShardedSource(url, opener=open_source, allow_globals=allow_globals)  # type: ignore[arg-type]
+        return ShardedSource(url, opener=open_source, allow_globals=allow_globals)
     raw = url.open_range()  # what a layout's check fetched of it is not fetched again
     try:
         kind = remote_kind(url, raw)

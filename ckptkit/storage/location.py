@@ -22,6 +22,7 @@ __all__ = [
     "Location",
     "location",
     "is_remote",
+    "holds_file",
     "is_local",
     "may_be_folder",
     "size",
@@ -90,6 +91,15 @@ def is_local(where: Location) -> TypeGuard[Path]:
     """Whether ``where`` is on the local disk: for what only a local folder offers (its other
     files described one by one, symlinks followed and said)."""
     return isinstance(where, Path)
+
+
+def holds_file(where: Location) -> bool:
+    """Whether a file is there: at a URL an object (from its folder's listing where that was
+    made); on a local disk anything but a folder, so that a FIFO or a device is refused by its
+    reader, by name, rather than passed over."""
+    if isinstance(where, RemotePath):
+        return where.is_file()
+    return where.exists() and not where.is_dir()
 
 
 def size(where: Location) -> int:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ckptkit.errors import FormatError
 from ckptkit.formats.base import dtypes
 from ckptkit.formats.base.tree import Candidate, DroppedPart, Selection
+from ckptkit.storage.location import Location
 from ckptkit.storage.rangefile import RangeFile
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class TensorInfo:
 class Source(ABC):
     """An opened checkpoint. Use as a context manager, or call :meth:`close`."""
 
-    path: Path
+    path: Location
     format: str
     metadata: dict[str, str] = field(default_factory=dict)
     selected: str = ""
@@ -127,18 +128,18 @@ class Source(ABC):
         as torch's own safe loader (``weights_only=True``) gives it."""
         raise FormatError(f"'{key}' in {self.path} is not a plain tensor, which this reader keeps")
 
-    def byte_span(self, key: str) -> tuple[Path, int, int] | None:
+    def byte_span(self, key: str) -> tuple[Location, int, int] | None:
         """Where a tensor's bytes lie in a file, ready to copy as they are: (file, offset,
         length), or None when they must go through torch (strided, compressed, ...)."""
         return None
 
-    def local_span(self, key: str) -> tuple[Path, int, int] | None:
+    def local_span(self, key: str) -> tuple[Location, int, int] | None:
         """:meth:`byte_span` when its file is on a local disk (mapped, compared in place);
         None for a file at a URL, whose bytes come through :meth:`load`."""
         span = self.byte_span(key)
         return span if span is not None and isinstance(span[0], Path) else None
 
-    def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:
+    def byte_pieces(self, key: str) -> list[tuple[Location, int, int]] | None:
         """A tensor's bytes as ranges of files whose concatenation is the tensor (a sharded
         layout such as DeepSpeed's partitions), or None as for :meth:`byte_span`."""
         span = self.byte_span(key)
@@ -155,7 +156,7 @@ class Source(ABC):
         piece, not the tensor; None for any other tensor (:meth:`load` it)."""
         return None
 
-    def files(self) -> list[Path]:
+    def files(self) -> list[Location]:
         """Every file this Source reads."""
         return [self.path]
 

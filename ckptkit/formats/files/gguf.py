@@ -17,6 +17,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.storage.location import Location
 
 if TYPE_CHECKING:
     import torch
@@ -173,6 +174,7 @@ class GGUFSource(Source):
 
     def __init__(self, path: Path) -> None:
         version, meta, infos, data = read_gguf_header(path)
+        self._file = path  # local only: GGUF at a URL is refused when opened
         super().__init__(
             path=path,
             format="gguf",
@@ -205,7 +207,7 @@ class GGUFSource(Source):
     def entries(self) -> list[tuple[str, TensorInfo]]:
         return self._entries
 
-    def byte_span(self, key: str) -> tuple[Path, int, int] | None:
+    def byte_span(self, key: str) -> tuple[Location, int, int] | None:
         start, length = self._spans[key]
         return (self.path, start, length)
 
@@ -220,7 +222,7 @@ class GGUFSource(Source):
         from ckptkit.formats.base.tensors import from_buffer
 
         start, length = self._spans[key]
-        with open(self.path, "rb") as f:
+        with open(self._file, "rb") as f:
             f.seek(start)
             data = bytearray(f.read(length))
         return from_buffer(data, 0, length, info.dtype).reshape(info.shape)

@@ -22,8 +22,7 @@ from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tensors import as_bytes, dtype_name, from_buffer
 from ckptkit.meta import NAMESPACE, CheckpointMeta
 from ckptkit.storage.bytecopy import preallocate, write_all
-from ckptkit.storage.remote import RemotePath
-from ckptkit.storage.small import open_regular
+from ckptkit.storage.location import Location, head, size
 
 if TYPE_CHECKING:
     import torch
@@ -51,16 +50,11 @@ def dcp_sharding_info(path: Path) -> str | None:
     wrote it as one rank's shard (a JSON text), else None. A local file or one at a URL (its
     header read through the file's probe, which its reader then takes over); a header length
     the format or the file's size rules out is not read at all."""
-    if isinstance(path, RemotePath):
-        length = _claimed_length(path.head(8), path.size())
-        return sharding_info_in(path.head(8 + length)[8:]) if length else None
-    try:
-        with open_regular(path) as f:  # a FIFO named *.safetensors must not block a check
-            length = _claimed_length(f.read(8), os.fstat(f.fileno()).st_size)
-            text = f.read(length) if length else b""
+    try:  # a FIFO named *.safetensors is refused unopened: it must not block a check
+        length = _claimed_length(head(path, 8), size(path))
+        return sharding_info_in(head(path, 8 + length)[8:]) if length else None
     except (OSError, FormatError):
         return None
-    return sharding_info_in(text)
 
 
 def _claimed_length(head: bytes, size: int) -> int:
@@ -303,7 +297,7 @@ class SafetensorsSource(Source):
     def entries(self) -> list[tuple[str, TensorInfo]]:
         return list(self._entries)
 
-    def byte_span(self, key: str) -> tuple[Path, int, int] | None:
+    def byte_span(self, key: str) -> tuple[Location, int, int] | None:
         begin, end = self._infos[self._virtual.get(key, key)].byte_range
         return self.path, self._data_start + begin, end - begin
 

@@ -39,6 +39,7 @@ from ckptkit.formats.pickles.unpickler import (
 )
 from ckptkit.formats.pickles.verdicts import check_allowed, is_dangerous
 from ckptkit.keys import module_prefixes
+from ckptkit.storage.location import Location
 from ckptkit.storage.rangefile import RangeFile
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class ZipLayout:
 
     remote = False  # a file at a URL (read through a RangeFile), not on a local disk
 
-    def __init__(self, path: Path, raw: Any) -> None:
+    def __init__(self, path: Location, raw: Any) -> None:
         self.path, self.raw = path, raw
         self.remote = isinstance(raw, RangeFile)
         try:
@@ -219,7 +220,7 @@ class ZipLayout:
         return self._mm
 
 
-def _zip_damage(path: Path, name: str, exc: Exception) -> FormatError:
+def _zip_damage(path: Location, name: str, exc: Exception) -> FormatError:
     return FormatError(
         f"{path} is damaged: zip member '{name}' cannot be read ({type(exc).__name__}: {exc})",
         "copy or download it again",
@@ -526,11 +527,12 @@ class TorchFileSource(Source):
         if not hasattr(self, "_whole"):
             with warnings.catch_warnings():  # torch's deprecation notes on quantized storages
                 warnings.simplefilter("ignore")
-                whole = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+                # memory-mapped: a local file (tensors of a file at a URL are fetched instead)
+                whole = torch.load(str(self.path), map_location="cpu", weights_only=True, mmap=True)
             self._whole = node_at(whole, self.selected)
         return self._whole
 
-    def byte_span(self, key: str) -> tuple[Path, int, int] | None:
+    def byte_span(self, key: str) -> tuple[Location, int, int] | None:
         stub = self._stubs[key]
         if not isinstance(stub, TensorStub) or not stub.is_contiguous:
             return None

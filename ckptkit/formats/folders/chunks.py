@@ -21,6 +21,7 @@ from ckptkit.errors import FormatError
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tree import select_state_dict
+from ckptkit.storage.location import Location
 from ckptkit.storage.pieces import RangeReader
 
 if TYPE_CHECKING:
@@ -28,14 +29,14 @@ if TYPE_CHECKING:
 
 __all__ = ["Chunk", "ChunkedTensor", "ChunkedSource", "Piece", "check_cover", "contiguous_start"]
 
-Piece = tuple[Path, int, int]  # (file, offset, length)
+Piece = tuple[Location, int, int]  # (file, offset, length)
 
 
 @dataclass(frozen=True)
 class Chunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    file: Path
+    file: Location
     start: int  # where its record lies in the file (DCP: the chunk's torch.save archive)
     length: int
 
@@ -149,7 +150,7 @@ def contiguous_start(shape: tuple[int, ...], chunk: Chunk) -> int | None:
     return start
 
 
-def check_cover(where: Path, tensor: ChunkedTensor) -> None:
+def check_cover(where: Location, tensor: ChunkedTensor) -> None:
     """The chunks lie inside the tensor, do not overlap, and cover it.
 
     Raises:

@@ -21,11 +21,10 @@ from __future__ import annotations
 import io
 import os
 import zipfile
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ckptkit.errors import FormatError, MissingFileError, UnsafeCheckpointError
+from ckptkit.errors import FormatError, UnsafeCheckpointError
 from ckptkit.formats.base.dtypes import DTYPES, from_safetensors
 from ckptkit.formats.base.tree import nodes
 from ckptkit.formats.files.safetensors import HF_SHARDING
@@ -36,9 +35,9 @@ from ckptkit.formats.pickles.unpickler import DATA_GLOBALS, TensorStub
 from ckptkit.formats.pickles.verdicts import scan_pickle
 from ckptkit.formats.pickles.writer import Call, New, Ref, dumps
 from ckptkit.meta import jsonable
-from ckptkit.storage.backends.base import RemoteError
+from ckptkit.storage.folder import FolderFiles
+from ckptkit.storage.location import Location
 from ckptkit.storage.rangefile import RangeFile
-from ckptkit.storage.remote import RemotePath
 
 __all__ = ["DCPSource", "METADATA", "DISTCP", "SIDECAR", "dcp_metadata"]
 
@@ -123,7 +122,7 @@ class DCPSource(ChunkedSource):
             raise
 
     def _read(self, folder: Path, select: str | None, ema: bool) -> None:
-        self._files = _Files(folder, self._reader)
+        self._files = FolderFiles(folder, self._reader, join_gap=_JOIN_GAP)
         if self._files.has(METADATA):
             meta = read_metadata(folder / METADATA, self._files.read(METADATA))
             self._adopt_tree(lambda: self._tree(folder, meta), select=select, ema=ema)
@@ -179,7 +178,7 @@ class DCPSource(ChunkedSource):
 
         found: dict[str, tuple[str, list[Chunk]]] = {}
         for path in sorted(folder.glob("*.safetensors")):
-            raw = self._files.file(path.name) if isinstance(path, RemotePath) else None
+            raw = self._files.url_file(path.name)
             header, data_start = read_header(path, raw=raw)
             offsets = _saved_offsets(path, header.pop("__metadata__", None) or {})
             for key, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
@@ -237,18 +236,19 @@ class DCPSource(ChunkedSource):
         check_cover(folder, tensor)
         return tensor
 
-    def _fd(self, path: Path) -> int | RangeFile:
+    def _fd(self, path: Location) -> int | RangeFile:
         """A local file's descriptor, or a file at a URL (read through a RangeFile, once)."""
-        if isinstance(path, RemotePath):
-            return self._files.file(path.name)
+        raw = self._files.url_file(path.name)
+        if raw is not None:
+            return raw
         if not path.is_file():
             raise FormatError(f"{path} is missing", "copy every rank's .distcp file there")
         return self._reader.fd(path)
 
-    def _size(self, path: Path) -> int:
+    def _size(self, path: Location) -> int:
         return self._files.size(path.name)
 
-    def _archive(self, path: Path, start: int, length: int, what: str) -> tuple[Any, Any]:
+    def _archive(self, path: Location, start: int, length: int, what: str) -> tuple[Any, Any]:
         """A chunk's (or value's) torch.save archive: its statically read root and layout."""
         from ckptkit.formats.files.torchfile import ZipLayout
 
@@ -277,7 +277,7 @@ class DCPSource(ChunkedSource):
             )
         return findings.scan.root, ZipLayout(path, part)
 
-    def _object(self, path: Path, start: int, length: int, fqn: str) -> Any:
+    def _object(self, path: Location, start: int, length: int, fqn: str) -> Any:
         root, _ = self._archive(path, start, length, fqn)
         if any(isinstance(n, TensorStub) for n in nodes(root)):
             return "<tensors>"  # a value holding tensors (rare): described, not read
@@ -306,7 +306,7 @@ class DCPSource(ChunkedSource):
             )
         return self._layouts[chunk]
 
-    def files(self) -> list[Path]:
+    def files(self) -> list[Location]:
         names = {c.file for t in self._tensors.values() for c in t.chunks}
         around = [self.path / n for n in (METADATA, LIGHTNING_META, SIDECAR)]
         return sorted(names, key=str) + [p for p in around if self._files.has(p.name)]
@@ -321,90 +321,12 @@ class DCPSource(ChunkedSource):
         super().close()
 
 
-class _Files:
-    """The files of a DCP folder, on disk or at a URL. At a URL, one listing (where the store
-    lists) says which files are there and their sizes; over HTTP, a missing one is found by
-    one request, once. Each file at a URL is read through one RangeFile on the source's
-    reader."""
-
-    def __init__(self, folder: Path, reader: Any) -> None:
-        self.folder, self._reader = folder, reader
-        self._remote = isinstance(folder, RemotePath)
-        self._opened: dict[str, RangeFile] = {}
-        self._missing: set[str] = set()
-        self._listed: dict[str, int | None] | None = None
-        if isinstance(folder, RemotePath):
-            self._listed = folder.listing()
-
-    def has(self, name: str) -> bool:
-        if not self._remote:
-            return (self.folder / name).is_file()
-        if self._listed is not None:
-            return name in self._listed and self._listed[name] is not None  # None: a folder
-        try:
-            self.size(name)
-        except (MissingFileError, RemoteError):  # a 403 where listing is not allowed: absent
-            return False
-        return True
-
-    def size(self, name: str) -> int:
-        """Its size (-1 for a local file that is not there)."""
-        if not self._remote:
-            path = self.folder / name
-            return path.stat().st_size if path.is_file() else -1
-        if name in self._missing:
-            raise MissingFileError(str(self.folder / name))
-        try:
-            return int(self.file(name).remote.size)
-        except (MissingFileError, RemoteError):
-            self._missing.add(name)
-            raise
-
-    def file(self, name: str) -> RangeFile:
-        """The file at the URL, opened once."""
-        if name not in self._opened:
-            listed = (self._listed or {}).get(name)
-            self._opened[name] = RangeFile(self._reader.remote(self.folder / name, listed))
-        return self._opened[name]
-
-    def read(self, name: str) -> bytes:
-        """A small file's bytes."""
-        if not self._remote:
-            return (self.folder / name).read_bytes()
-        raw = self.file(name)
-        return raw.pread(0, raw.remote.size)
-
-    def prefetch(self, places: Iterable[Piece]) -> None:
-        """Fetch the given places of files at the URL, each file's in one request where they
-        lie close together (``dcp.save`` writes a rank's values first, side by side): the
-        plain values of a save are read together, not one request each."""
-        if not self._remote:
-            return
-        spans: dict[str, list[tuple[int, int]]] = {}
-        for path, start, length in places:
-            spans.setdefault(path.name, []).append((start, start + length))
-        for name, found in spans.items():
-            found.sort()
-            begin, end = found[0]
-            for start, stop in found[1:]:
-                if start - end > _JOIN_GAP:
-                    self.file(name).prefetch(begin, end)
-                    begin = start
-                end = max(end, stop)
-            self.file(name).prefetch(begin, end)
-
-    def close(self) -> None:
-        for raw in self._opened.values():
-            raw.close()
-        self._opened.clear()
-
-
-def _trainer_state(path: Path, files: _Files) -> dict[str, Any]:
+def _trainer_state(path: Path, files: FolderFiles) -> dict[str, Any]:
     """The plain values of Lightning's ``meta.pt`` (epoch, global_step, loops...), read
     statically."""
     from ckptkit.formats.files.torchfile import scan_torch_file
 
-    at_url = files.file(path.name) if isinstance(path, RemotePath) else None
+    at_url = files.url_file(path.name)
     scan, _, raw, _ = scan_torch_file(path, raw=at_url)
     if at_url is None:
         raw.close()

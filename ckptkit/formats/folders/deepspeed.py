@@ -30,9 +30,8 @@ from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tree import DroppedPart, nodes, select_state_dict
 from ckptkit.formats.pickles.unpickler import TensorStub
+from ckptkit.storage.location import Location
 from ckptkit.storage.pieces import RangeReader
-from ckptkit.storage.rangefile import RangeFile
-from ckptkit.storage.remote import RemotePath
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +65,7 @@ _BOOKKEEPING = (
 )
 SELECTS = ("fp32", "module")
 
-Piece = tuple[Path, int, int]  # file, offset, length
+Piece = tuple[Location, int, int]  # file, offset, length
 
 
 @dataclass(frozen=True)
@@ -89,9 +88,7 @@ class _TorchFile:
     def __init__(self, path: Path, allowed: frozenset[str], reader: RangeReader) -> None:
         from ckptkit.formats.files.torchfile import scan_torch_file
 
-        raw = None
-        if isinstance(path, RemotePath):
-            raw = RangeFile(reader.remote(path, path.listed_size()))  # its size: listed
+        raw = reader.file(path)  # at a URL: through the connection that reads its data
         try:
             scan, self.layout, self.raw, self.readings = scan_torch_file(path, allowed, raw=raw)
         except BaseException:
@@ -354,7 +351,7 @@ class DeepSpeedSource(Source):
     def aliases(self) -> dict[str, str]:
         return dict(self._aliases)
 
-    def files(self) -> list[Path]:
+    def files(self) -> list[Location]:
         return [f.path for f in self._files]
 
     def byte_pieces(self, key: str) -> list[Piece] | None:

@@ -358,7 +358,7 @@ def _quiet() -> Iterator[None]:
             shutil.rmtree(settings["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
-def _diffusers_class(name: str, config_path: Path) -> Any:
+def _diffusers_class(name: str, config_path: Location) -> Any:
     """diffusers' own model class ``name`` (never code from a folder), or None when diffusers is
     not installed or has no such model class. Call inside :func:`_quiet`.
 
@@ -394,7 +394,7 @@ _MAX_INT = 1 << 31
 _REPEATS = re.compile(r"(^|_)(layers|blocks)(_|$)")
 
 
-def _check_model_config(config: dict[str, Any], path: Path) -> None:
+def _check_model_config(config: dict[str, Any], path: Location) -> None:
     """Every number of a model's ``config.json`` in a sensible range, before diffusers is
     imported or anything is built from it.
 
@@ -424,7 +424,7 @@ def _check_model_config(config: dict[str, Any], path: Path) -> None:
                     raise _odd_value(path, field, top, f"at most {_MAX_INT:,} in size")
 
 
-def _odd_value(path: Path, field: str, value: Any, wanted: str) -> FormatError:
+def _odd_value(path: Location, field: str, value: Any, wanted: str) -> FormatError:
     return FormatError(
         f"{path}: field '{field}' is {_shown(value)}, not {wanted}",
         f"check that {path.name} is the config of the model the EMAModel was made from",
@@ -447,7 +447,7 @@ def _cut(text: str, limit: int) -> str:
 
 
 @contextlib.contextmanager
-def _registration_budget(limit: int, path: Path, held: str) -> Iterator[None]:
+def _registration_budget(limit: int, path: Location, held: str) -> Iterator[None]:
     """Stop a model's construction once it registers more than ``limit`` parameters (or ten
     times as many modules): a config that would build more than the weights file holds is
     wrong, and building it whole could take minutes and gigabytes of Python objects."""
@@ -478,7 +478,7 @@ def _registration_budget(limit: int, path: Path, held: str) -> Iterator[None]:
 
 
 def parameter_order(
-    folder: Path, limit: int, held: str
+    folder: Location, limit: int, held: str
 ) -> list[tuple[str, tuple[int, ...]]] | None:
     """A diffusers model folder's parameters in ``parameters()`` order, with their shapes: the
     model class its ``config.json`` names (diffusers' own, never code from the folder) built
@@ -641,10 +641,10 @@ class ShadowNamedSource(Source):
     def load_value(self, key: str) -> Any:
         return self.inner.load_value(self._key[key])
 
-    def byte_span(self, key: str) -> tuple[Path, int, int] | None:
+    def byte_span(self, key: str) -> tuple[Location, int, int] | None:
         return self.inner.byte_span(self._key[key])
 
-    def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:
+    def byte_pieces(self, key: str) -> list[tuple[Location, int, int]] | None:
         return self.inner.byte_pieces(self._key[key])
 
     def expected_crc(self, key: str) -> int | None:
@@ -653,7 +653,7 @@ class ShadowNamedSource(Source):
     def aliases(self) -> dict[str, str]:
         return {self._name[a]: self._name[b] for a, b in self.inner.aliases().items()}
 
-    def files(self) -> list[Path]:
+    def files(self) -> list[Location]:
         return self.inner.files()
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from ckptkit.formats.files.readings import WEIGHT_SUFFIXES
 from ckptkit.formats.files.safetensors import dcp_sharding_info
 from ckptkit.formats.folders.diffusers import WEIGHTS_STEM, is_index_name, part_kind
 from ckptkit.formats.folders.runs import CHECKPOINT_NAME, CHECKPOINT_STEM, is_run_folder
-from ckptkit.storage.remote import RemotePath
+from ckptkit.storage.location import Location, holds_file
 from ckptkit.storage.small import quoted, read_pointer
 
 __all__ = [
@@ -47,8 +47,8 @@ def model_file_in(folder: Path, select: str | None = None) -> Path | None:
     return next((folder / n for n in names if _is_file_like(folder / n)), None)
 
 
-def _is_file_like(path: Path) -> bool:
-    return path.is_file() if isinstance(path, RemotePath) else path.exists() and not path.is_dir()
+def _is_file_like(path: Location) -> bool:
+    return holds_file(path)
 
 
 # A PEFT adapter folder (peft's save_pretrained): its weights beside adapter_config.json.

@@ -32,8 +32,7 @@ from ckptkit.errors import FormatError
 from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, check_cover
 from ckptkit.formats.pickles.machine import Opaque, build_state, fields
 from ckptkit.formats.pickles.unpickler import SHARDED_KINDS, TensorStub, UnsupportedTensor
-from ckptkit.storage.rangefile import RangeFile
-from ckptkit.storage.remote import RemotePath
+from ckptkit.storage.location import Location
 
 __all__ = [
     "RankFilesSource",
@@ -162,9 +161,7 @@ class RankFilesSource(ChunkedSource):
 
         roots, parts = [], []
         for file in files:
-            at_url = None
-            if isinstance(file, RemotePath):  # read through the connection that reads its data
-                at_url = RangeFile(self._reader.remote(file, file.listed_size()))
+            at_url = self._reader.file(file)  # at a URL: the connection that reads its data
             try:
                 scan, layout, raw, _ = scan_torch_file(
                     file, RANK_GLOBALS | SHARDED_TENSOR_GLOBALS, raw=at_url
@@ -305,7 +302,7 @@ class RankFilesSource(ChunkedSource):
             tensors[path] = tensor
         return tensors
 
-    def files(self) -> list[Path]:
+    def files(self) -> list[Location]:
         return list(self._files)
 
 

@@ -7,14 +7,16 @@ own Source, headers first; tensors are read from their shard when asked for.
 
 from __future__ import annotations
 
+import contextvars
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.storage.location import Location
 from ckptkit.storage.small import read_json
 
 if TYPE_CHECKING:
@@ -32,7 +34,7 @@ def find_index(folder: Path) -> Path | None:
     return indexes[0] if indexes else None
 
 
-def read_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
+def read_index(index: Location) -> tuple[dict[str, str], dict[str, Any]]:
     """Read an index: (key -> shard file name, the index's metadata). Its size and nesting are
     bounded before anything walks it (``read_json``), local or at a URL."""
     try:
@@ -58,7 +60,7 @@ class ShardedSource(Source):
     """Several shard files read as one state dict."""
 
     def __init__(
-        self, index: Path, *, opener: Any, allow_globals: Iterable[str] | None = None
+        self, index: Location, *, opener: Any, allow_globals: Iterable[str] | None = None
     ) -> None:
         """``opener`` opens each shard (``open_source``, or one with the caller's options bound:
         then ``allow_globals`` is None and the opener's own are kept)."""
@@ -99,7 +101,7 @@ class ShardedSource(Source):
         self.globals = sorted({g for shard in self.shards.values() for g in shard.globals})
 
     def _open_shards(
-        self, index: Path, names: list[str], opener: Any, allow_globals: Iterable[str] | None
+        self, index: Location, names: list[str], opener: Any, allow_globals: Iterable[str] | None
     ) -> None:
         """Each shard opened (its header read); at a URL, several at once (a request or two
         each, mostly waiting)."""
@@ -108,14 +110,12 @@ class ShardedSource(Source):
             for name in names:
                 self.shards[name] = opener(index.parent / name, **given)
             return
-        import contextvars
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(8, thread_name_prefix="ckptkit-open") as pool:
             # each in the caller's context: its requests count in the command's counter
             futures = [
-                pool.submit(contextvars.copy_context().run, opener, index.parent / name, **given)
-                for name in names
+                pool.submit(_in_context(opener), index.parent / name, **given) for name in names
             ]
             failure: BaseException | None = None
             for name, future in zip(names, futures, strict=True):
@@ -146,10 +146,10 @@ class ShardedSource(Source):
     def load(self, key: str) -> torch.Tensor:
         return self._where[key].load(key)
 
-    def byte_span(self, key: str) -> tuple[Path, int, int] | None:
+    def byte_span(self, key: str) -> tuple[Location, int, int] | None:
         return self._where[key].byte_span(key)
 
-    def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:
+    def byte_pieces(self, key: str) -> list[tuple[Location, int, int]] | None:
         return self._where[key].byte_pieces(key)
 
     def expected_crc(self, key: str) -> int | None:
@@ -158,9 +158,16 @@ class ShardedSource(Source):
     def stream(self, key: str, piece: int) -> Iterator[bytearray] | None:
         return self._where[key].stream(key, piece)
 
-    def files(self) -> list[Path]:
+    def files(self) -> list[Location]:
         return [self.path] + [f for shard in self.shards.values() for f in shard.files()]
 
     def close(self) -> None:
         for shard in self.shards.values():
             shard.close()
+
+
+def _in_context(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` run in the caller's context (in a pool's thread): what it opens counts its
+    requests in the caller's command (``storage.backends.base.counting``)."""
+    context = contextvars.copy_context()
+    return lambda *args, **kwargs: context.run(call, *args, **kwargs)

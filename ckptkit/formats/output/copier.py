@@ -34,6 +34,7 @@ from ckptkit.storage.bytecopy import (
     write_all,
 )
 from ckptkit.storage.fetch import Prefetcher
+from ckptkit.storage.location import Location
 from ckptkit.storage.pieces import RangeReader
 
 if TYPE_CHECKING:
@@ -182,7 +183,7 @@ class Copier:
             release_pages(fd, start, count)
         return same
 
-    def fd(self, path: Path) -> int:
+    def fd(self, path: Location) -> int:
         """An open descriptor of ``path`` (the source's files and the outputs alike)."""
         return self._files.fd(path)
 
@@ -366,7 +367,7 @@ class Copier:
                 self.check_bytes(item, pieces[0][0], pieces[0][1], shown)
             self.progress(item.spec.nbytes)
 
-    def check_bytes(self, item: Item, path: Path, offset: int, shown: Path) -> None:
+    def check_bytes(self, item: Item, path: Location, offset: int, shown: Path) -> None:
         """One written tensor's bytes: copied ones as compared while written, the rest made
         again from the source."""
         same = self.checked(item.spec.key)
