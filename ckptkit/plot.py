@@ -10,7 +10,6 @@ PNG, atomically.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ckptkit.engine.runlog import METRICS_LOG, STEPS_LOG, records
 from ckptkit.errors import CkptkitError, FormatError, MissingFileError, OutputError, UsageError
-from ckptkit.storage.remote import RemotePath, as_path, is_url
+from ckptkit.storage.location import Location, absolute_parts, is_remote, listable, location
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -120,20 +119,15 @@ def run_names(runs: Sequence[str | Path]) -> list[str]:
 
 
 def _parts(run: str | Path) -> tuple[str, ...]:
-    """A run's absolute path as parts: a URL's first part is its scheme and bucket
-    (``s3://bucket``), never made a local path."""
-    if is_url(str(run)):
-        scheme, _, rest = str(run).partition("://")
-        bucket, *names = [name for name in rest.split("/") if name] or [""]
-        return (f"{scheme}://{bucket}", *names)
-    return Path(os.path.abspath(run)).parts
+    """A run's absolute path as parts (a URL's first one its scheme and bucket)."""
+    return absolute_parts(location(run))
 
 
 def _joined(parts: tuple[str, ...]) -> str:
     return "/".join(parts) if "://" in parts[0] else Path(*parts).as_posix()
 
 
-def _how_it_ran(folder: Path, epochs: list[dict[str, Any]]) -> tuple[str | None, int | None]:
+def _how_it_ran(folder: Location, epochs: list[dict[str, Any]]) -> tuple[str | None, int | None]:
     """The run's mode and world size: recorded in its checkpoints' training metadata (read
     from the pickle's header, no tensor data), the world size also in ``metrics.jsonl``."""
     from ckptkit.formats.folders.runs import is_run_folder
@@ -166,8 +160,8 @@ def read_curves(run: str | Path, name: str | None = None) -> Curves:
         FormatError: the folder does not exist, is a file, or holds no ``steps.jsonl`` nor
             ``metrics.jsonl``.
     """
-    folder = as_path(run)
-    if isinstance(folder, RemotePath) and not folder.listable:
+    folder = location(run)
+    if not listable(folder):
         raise UsageError(
             f"{folder} is a folder at an http(s) URL, which cannot be listed",
             "give its s3:// (or other listable) URL, or download the run folder",
@@ -351,7 +345,7 @@ def plot_runs(
         raise UsageError("give at least one run folder")
     from ckptkit.storage.atomic import atomic_output, check_output
 
-    if is_url(str(out)):
+    if is_remote(str(out)):
         raise UsageError(f"plot writes a local image, not {out}", "give a local path to -o")
     out = Path(out)
     check_output(out, force=force)  # before any run is read

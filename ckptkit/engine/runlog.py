@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ckptkit.errors import UsageError
+from ckptkit.storage.location import Location
 from ckptkit.storage.small import read_jsonl
 
 __all__ = [
@@ -87,7 +88,7 @@ def check_sinks(sinks: tuple[str, ...]) -> None:
 LOG_LIMIT = 512 << 20
 
 
-def records(path: Path) -> list[dict[str, Any]]:
+def records(path: Location) -> list[dict[str, Any]]:
     """A jsonl log's records; a torn last line of a killed run (or any line that is no JSON
     object, or nests too deep) is skipped."""
     return read_jsonl(path, "training log", limit=LOG_LIMIT)

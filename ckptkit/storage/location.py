@@ -24,6 +24,8 @@ __all__ = [
     "is_remote",
     "holds_file",
     "is_local",
+    "listable",
+    "absolute_parts",
     "may_be_folder",
     "size",
     "head",
@@ -100,6 +102,21 @@ def holds_file(where: Location) -> bool:
     if isinstance(where, RemotePath):
         return where.is_file()
     return where.exists() and not where.is_dir()
+
+
+def listable(where: Location) -> bool:
+    """Whether a folder there can be listed (a local one can; HTTP(S) has no listing)."""
+    return where.listable if isinstance(where, RemotePath) else True
+
+
+def absolute_parts(where: Location) -> tuple[str, ...]:
+    """The location's absolute path as parts, for naming it among others: a URL's first part
+    is its scheme and bucket (``s3://bucket``), never made a local path."""
+    if isinstance(where, RemotePath):
+        scheme, _, rest = str(where).partition("://")
+        bucket, *names = [name for name in rest.split("/") if name] or [""]
+        return (f"{scheme}://{bucket}", *names)
+    return Path(os.path.abspath(str(where))).parts
 
 
 def size(where: Location) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ckptkit.errors import FormatError, SelectError
 from ckptkit.formats.files.readings import WEIGHT_SUFFIXES
+from ckptkit.storage.location import Location
 from ckptkit.storage.small import read_pointer
 
 __all__ = [
@@ -48,7 +49,7 @@ def list_checkpoints(folder: Path) -> list[Path]:
     return [found[at] for at in sorted(found)]
 
 
-def _pointed(folder: Path, pointer: str) -> str | None:
+def _pointed(folder: Location, pointer: str) -> str | None:
     """The checkpoint name a pointer file holds, when it holds one (DeepSpeed's ``latest``
     names a tag folder such as ``global_step10`` instead)."""
     path = folder / pointer
@@ -58,7 +59,7 @@ def _pointed(folder: Path, pointer: str) -> str | None:
     return name if CHECKPOINT_NAME.fullmatch(name) else None
 
 
-def is_run_folder(folder: Path) -> bool:
+def is_run_folder(folder: Location) -> bool:
     """Whether ``folder`` is a run folder of ``ckptkit train``: its ``latest`` names one of
     its checkpoints by ckptkit's names."""
     return folder.is_dir() and _pointed(folder, LATEST) is not None
