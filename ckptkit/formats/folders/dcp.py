@@ -345,7 +345,9 @@ def _saved_offsets(path: Path, metadata: dict[str, Any]) -> dict[str, tuple[int,
     text = metadata.get(HF_SHARDING)
     try:
         info = json.loads(text) if isinstance(text, str) else None
-        offsets = {str(k): tuple(v["saved_offsets"]) for k, v in info.items()}  # type: ignore[union-attr]
+        if not isinstance(info, dict):
+            raise TypeError("no mapping of offsets")
+        offsets = {str(k): tuple(v["saved_offsets"]) for k, v in info.items()}
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         offsets = None
     if offsets is None or not all(type(o) is int and o >= 0 for at in offsets.values() for o in at):

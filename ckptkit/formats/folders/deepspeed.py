@@ -448,10 +448,11 @@ def _frozen(states: dict[str, Any], models: list[_TorchFile], stage: int) -> dic
     out = {}
     for name, shape in shapes.items():
         shape = tuple(shape)
-        frags = [(m, (m.root.get("frozen_param_fragments") or {}).get(name)) for m in models]
-        if any(not isinstance(f, TensorStub) for _, f in frags):
+        found = [(m, (m.root.get("frozen_param_fragments") or {}).get(name)) for m in models]
+        frags = [(m, f) for m, f in found if isinstance(f, TensorStub)]
+        if len(frags) != len(found):
             raise FormatError(f"{models[0].path} records no fragment of frozen '{name}'")
-        dtype = frags[0][1].dtype  # type: ignore[union-attr]
+        dtype = frags[0][1].dtype
         pieces = [m.piece(f, f"frozen '{name}'") for m, f in frags]
         size = DTYPES[dtype].itemsize * math.prod(shape)
         out[str(name)] = _Part(dtype, dtype, shape, tuple(_cut(pieces, 0, size)), f"ds:{name}")

@@ -79,7 +79,7 @@ def filesystem(url: str) -> tuple[Any, str]:
     Raises:
         UsageError: the scheme is unknown, or its back-end is not installed (naming the extra).
     """
-    import fsspec  # type: ignore[import-untyped]
+    import fsspec
 
     scheme = url.split("://", 1)[0].lower()
     try:
