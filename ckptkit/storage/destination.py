@@ -86,6 +86,13 @@ class Destination(Protocol):
     def missing(self, outputs: Sequence[Path]) -> list[str]:
         """Of outputs other processes were to write, the names not there to be seen."""
 
+    def names(self) -> list[str]:
+        """The names already there: beside a file output, in a folder output.
+
+        Raises:
+            UsageError: a URL that cannot be listed (HTTP).
+        """
+
     def remove_stale(self, dst: Path, stale: Callable[[list[str]], Iterable[str]]) -> None:
         """With ``force``: remove what ``stale`` picks of the names beside ``dst`` (an earlier
         output's shards and index that this one did not write)."""
@@ -170,6 +177,9 @@ class LocalDestination:
 
     def missing(self, outputs: Sequence[Path]) -> list[str]:
         return [path.name for path in outputs if not path.is_file()]
+
+    def names(self) -> list[str]:
+        return [path.name for path in self.where.parent.iterdir()]
 
     def remove_stale(self, dst: Path, stale: Callable[[list[str]], Iterable[str]]) -> None:
         if self._whole:  # a folder put in place whole holds nothing older
@@ -270,6 +280,14 @@ class UrlDestination:
 
     def missing(self, outputs: Sequence[Path]) -> list[str]:
         return []  # each rank uploaded its own: nothing shared to look at here
+
+    def names(self) -> list[str]:
+        names = self.root.names()
+        if names is None:
+            raise UsageError(
+                f"{self.root}: an HTTP URL cannot be listed or written", "use s3://..."
+            )
+        return names
 
     def remove_stale(self, dst: Path, stale: Callable[[list[str]], Iterable[str]]) -> None:
         folder = RemotePath(self.shown(dst)).parent
