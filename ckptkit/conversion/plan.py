@@ -263,7 +263,7 @@ def copies_into(plan: Plan, force: bool) -> list[Path]:
     copies = []
     for path in plan.copies:
         there = plan.folder / path.name
-        if there.is_file() and isinstance(path, Path):  # a URL's (RemotePath's): not compared
+        if there.is_file() and isinstance(path, Path):  # a URL's: not compared
             if (
                 there.stat().st_size == path.stat().st_size
                 and there.read_bytes() == path.read_bytes()
