@@ -16,6 +16,10 @@ a local path.
   renamed in order; a folder's temp folder, renamed whole or its owned files swapped in).
 - :class:`UrlDestination`: the uploads of ``upload.py`` (each file uploaded as it is written,
   made visible together), its files staged in a local folder.
+
+Any writer of a folder of files can use it, not only convert: stage the folder
+(``planned()``, ``files(outputs, folder=...)``), write each file at ``path(out)``, ``done(out)``
+in order, and the files are committed in that order, the entry (an index, ``.metadata``) last.
 """
 
 from __future__ import annotations
@@ -121,7 +125,7 @@ def destination(
 
     Raises:
         UsageError: a URL output ckptkit cannot write (a file name it does not write, shares
-            of a folder, an HTTP URL).
+            of a folder); an HTTP URL is refused by :meth:`~Destination.planned`.
     """
     if not is_url(str(where)):
         return LocalDestination(Path(where), force=force, inputs=inputs)
