@@ -188,8 +188,8 @@ class TorchValuesWriter(_Writer):
     as torch's safe loader read them. Such state dicts are small (quantized models, sparse
     buffers), so all of it is in memory at once."""
 
-    format, ties, keeps_special, text_keys = "torch", "shared", True, False  # never named: see
-    # writer_for
+    # No --to name or suffix of its own: writer_for picks it for a .pt output that needs it.
+    format, ties, keeps_special, text_keys = "torch", "shared", True, False
 
     def write(self, tmp: Path, items: list[Item]) -> None:
         import torch
