@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ckptkit.errors import CkptkitError, UsageError
+from ckptkit.formats.output.writers import TO_FORMATS
 from ckptkit.meta import DISTRIBUTION
 
 if TYPE_CHECKING:
@@ -274,7 +275,7 @@ def cli() -> None:
 )
 @click.option(
     "--to",
-    type=click.Choice(["safetensors", "pt", "dcp"]),
+    type=click.Choice(list(TO_FORMATS)),  # what the writers declare (formats/output/writers.py)
     help="Output format (default: DST's suffix); dcp writes a torch.distributed.checkpoint folder.",
 )
 @variant_option

@@ -20,7 +20,9 @@ from typing import Any
 
 from ckptkit.adapters import AdapterOptions, read_adapter
 from ckptkit.adapters.kohya import components as kohya_components
-from ckptkit.convert import ConvertReport, OutputOptions, ReadOptions, convert_checkpoint
+from ckptkit.conversion.options import OutputOptions, ReadOptions
+from ckptkit.conversion.report import ConvertReport
+from ckptkit.conversion.run import convert_model
 from ckptkit.errors import OutputError, SelectError, UsageError
 from ckptkit.formats.folders.diffusers import (
     MODEL_INDEX,
@@ -253,7 +255,7 @@ def _convert_into(
         if c.holds_weights():
             variant = read.variant if read.variant in variants_in(c.folder) else None
             merged = c.name in changed  # the LoRAs' parts for it, read through the pipeline
-            sub = convert_checkpoint(
+            sub = convert_model(  # one model: a component is never a pipeline itself
                 src if merged else c.folder,
                 out / c.name,
                 read=replace(
@@ -262,10 +264,14 @@ def _convert_into(
                     select=c.name if merged else None,
                     adapters=read.adapters if merged else AdapterOptions(),
                 ),
+                keys=KeyRules(),
                 output=output,
                 dry_run=dry_run,
+                force=False,
                 verify=verify,
+                check_outputs=False,
                 progress=progress,
+                part=None,
             )
             result.report = sub
             report.tensors += sub.tensors

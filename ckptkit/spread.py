@@ -28,11 +28,10 @@ from typing import Any
 from ckptkit.errors import FormatError, UsageError
 from ckptkit.formats.files.safetensors import read_header
 from ckptkit.formats.output.plan import index_document
-from ckptkit.storage.atomic import atomic_outputs
 from ckptkit.storage.backends import open_remote
+from ckptkit.storage.destination import Destination, destination
 from ckptkit.storage.rangefile import RangeFile
-from ckptkit.storage.remote import RemotePath, as_path, is_url
-from ckptkit.storage.upload import Uploads, staging_folder
+from ckptkit.storage.remote import as_path, is_url
 
 __all__ = ["Part", "parse_part", "launched_part", "all_succeeded", "finish", "FinishReport"]
 
@@ -127,10 +126,10 @@ def finish(dst: str | Path, *, force: bool = False) -> FinishReport:
         FormatError: a shard is missing or damaged, or the shards disagree.
         OutputError: the index exists (without ``force``).
     """
-    remote = is_url(str(dst))
+    target = destination(dst, force=force)
+    present = set(target.names())
     dst = as_path(str(dst))
     folder = dst.parent
-    present = set(_names(folder) if remote else (p.name for p in folder.iterdir()))
     stem = dst.name.removesuffix(".safetensors")
     pattern = re.compile(re.escape(stem) + r"-(\d{5})-of-(\d{5})\.safetensors")
     counts = {m[2] for n in present if (m := pattern.fullmatch(n))}
@@ -170,24 +169,13 @@ def finish(dst: str | Path, *, force: bool = False) -> FinishReport:
         sizes.append([(key, end - begin) for key, (begin, end) in spans])
     index = dst.with_name(dst.name + ".index.json")
     text = index_document(sizes, names, header or {})
-    if remote:
-        _upload_index(index, text, force)
-    else:
-        with atomic_outputs([index], force=force) as (tmp,):
-            tmp.write_text(text)
+    _write_index(target, index.name, text)
     return FinishReport(
         str(index),
         [str(folder / n) for n in names],
         sum(len(s) for s in sizes),
         sum(n for s in sizes for _, n in s),
     )
-
-
-def _names(folder: Path) -> list[str]:
-    names = RemotePath(str(folder)).names()
-    if names is None:
-        raise UsageError(f"{folder}: an HTTP URL cannot be listed or written", "use s3://...")
-    return names
 
 
 def _header(path: Path) -> dict[str, Any]:
@@ -198,12 +186,11 @@ def _header(path: Path) -> dict[str, Any]:
         return read_header(path, raw)[0]
 
 
-def _upload_index(index: Path, text: str, force: bool) -> None:
-    url = RemotePath(str(index))
-    uploads = Uploads(url.parent, force=force)
-    uploads.check([url.name])
-    with staging_folder() as stage, uploads:
-        local = stage / url.name
-        local.write_text(text)
-        uploads.add(local, url.name)
-        uploads.commit()
+def _write_index(target: Destination, name: str, text: str) -> None:
+    """The index beside the shards, as any output is committed there."""
+    with target.planned() as planned:
+        index = planned.with_name(name)
+        target.check([index])
+        with target.files([index]) as files:
+            files.path(index).write_text(text)
+            files.done(index)

@@ -252,7 +252,7 @@ class _Bar:
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 @pytest.mark.parametrize("dtype", [None, "bf16"])
 def test_progress_reaches_its_total_through_verification(tmp_path, monkeypatch, suffix, dtype):
-    convert_module = importlib.import_module("ckptkit.convert")
+    convert_module = importlib.import_module("ckptkit.conversion.write")
     bars = []
     monkeypatch.setattr(
         convert_module,

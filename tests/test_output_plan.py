@@ -142,7 +142,7 @@ def test_the_progress_bar_counts_the_output_once(tmp_path, monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(convert_module, "progress_bar", Bar)
+    monkeypatch.setattr(importlib.import_module("ckptkit.conversion.write"), "progress_bar", Bar)
     for verify in (True, False):
         report = convert_module.convert(
             FIXTURE_DIR / "ddp.pt", tmp_path / f"{verify}.safetensors", verify=verify, progress=True

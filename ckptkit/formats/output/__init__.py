@@ -1,26 +1,14 @@
-"""Writing: one writer per output format, and the output format a path or ``--to`` names."""
+"""Writing: one writer per output format, and the output format a path or ``--to`` names
+(both tables made from what each writer declares, in ``writers.py``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ckptkit.errors import FormatError, UsageError
+from ckptkit.formats.output.writers import OUTPUT_FORMATS, TO_FORMATS
 
 __all__ = ["OUTPUT_FORMATS", "TO_FORMATS", "output_format"]
-
-# Output format by suffix.
-OUTPUT_FORMATS = {
-    ".safetensors": "safetensors",
-    ".pt": "torch",
-    ".pth": "torch",
-    ".bin": "torch",
-    ".ckpt": "torch",
-    ".tar": "torch",  # .pth.tar, as torchvision's references name their checkpoints
-}
-
-
-# ``--to`` names: what each output format is called on the command line.
-TO_FORMATS = {"safetensors": "safetensors", "pt": "torch", "dcp": "dcp"}
 
 
 def output_format(path: str | Path, to: str | None = None) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any, ClassVar, Protocol
 from ckptkit.errors import VerificationError
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.files.safetensors import read_header, write_safetensors
+from ckptkit.formats.folders.dcp import DISTCP, METADATA, SIDECAR
 from ckptkit.formats.output.copier import (
     Copier,
     Item,
@@ -30,13 +32,24 @@ from ckptkit.formats.output.copier import (
 from ckptkit.storage.atomic import syncing
 from ckptkit.storage.bytecopy import preallocate
 
-__all__ = ["Writer", "writer_for", "WRITERS"]
+__all__ = [
+    "Writer",
+    "writer_for",
+    "writer_class",
+    "able",
+    "WRITERS",
+    "TO_FORMATS",
+    "OUTPUT_FORMATS",
+]
 
 
 class Writer(Protocol):
-    """What ``convert`` asks of an output format."""
+    """What ``convert`` asks of an output format. What the format can do is declared on its
+    class (see :class:`_Writer`), and every choice convert makes about a format reads it there:
+    a new output format is one class, added to :data:`WRITERS`."""
 
     folder: ClassVar[bool]  # the output is a folder (committed whole), not one file per shard
+    files: ClassVar[tuple[str, ...]]  # a folder output's files, in commit order, entry last
 
     def write(self, tmp: Path, items: list[Item]) -> None:
         """Write ``items`` (one shard) into ``tmp``, made empty by the atomic commit."""
@@ -59,7 +72,29 @@ class _Writer:
     verify_while_writing: bool = True  # compare copied bytes as they are written
     special: frozenset[str] = field(default_factory=frozenset)  # kept as torch values
     reserve: bool = True  # room reserved on disk first (not for a file uploaded as written)
-    folder: ClassVar[bool] = False
+
+    # What the format can do (read by convert, the CLI's --to and its refusals).
+    format: ClassVar[str] = ""  # its name in reports ("safetensors", "torch", "dcp")
+    to: ClassVar[str | None] = None  # its --to name (None: chosen by convert, never named)
+    suffixes: ClassVar[tuple[str, ...]] = ()  # the file names that imply it, lower case
+    folder: ClassVar[bool] = False  # a folder (committed whole), not one file per shard
+    files: ClassVar[tuple[str, ...]] = ()  # a folder output's files: commit order, entry last
+    shardable: ClassVar[bool] = False  # --max-shard-size: shards beside an index
+    spreadable: ClassVar[bool] = False  # --part: processes write shares of the shards
+    model_folder: ClassVar[bool] = False  # a model folder's weights (config files beside)
+    # How tied tensors are written: None lets --keep-tied-copies choose ("once": one tensor,
+    # the others named in the metadata, or "copies"); "shared" (one storage), "chunk" (one
+    # chunk named by every key).
+    ties: ClassVar[str | None] = None
+    keeps_special: ClassVar[bool] = False  # sparse, quantized, packed values kept as they are
+    text_keys: ClassVar[bool] = True  # keys go into a JSON header: UTF-8 text only
+    widest_first: ClassVar[bool] = False  # widest dtypes first (aligned for memory mapping)
+
+    @classmethod
+    def owns(cls, name: str) -> bool:
+        """Whether ``name``, in an existing folder output, is one of this format's files
+        (``--force`` replaces those, and keeps the rest)."""
+        return name in cls.files
 
     def write(self, tmp: Path, items: list[Item]) -> None:
         raise NotImplementedError
@@ -70,6 +105,9 @@ class _Writer:
 
 class SafetensorsWriter(_Writer):
     """A safetensors file: the header, then each tensor in the items' order."""
+
+    format, to, suffixes = "safetensors", "safetensors", (".safetensors",)
+    shardable = spreadable = model_folder = widest_first = True
 
     def write(self, tmp: Path, items: list[Item]) -> None:
         write = self.copier.tensor_writer(
@@ -104,6 +142,10 @@ class SafetensorsWriter(_Writer):
 class TorchWriter(_Writer):
     """A plain ``.pt`` state dict, laid out as ``torch.save`` lays it out (see ``torchzip``);
     ties kept: an alias shares its target's storage."""
+
+    format, to = "torch", "pt"
+    suffixes = (".pt", ".pth", ".bin", ".ckpt", ".tar")  # .pth.tar: torchvision's references
+    ties, keeps_special, text_keys = "shared", True, False
 
     def write(self, tmp: Path, items: list[Item]) -> None:
         """Each storage's bytes copied from the source where they lie as they must, else made
@@ -145,6 +187,9 @@ class TorchValuesWriter(_Writer):
     itself: sparse and quantized tensors and packed parameters (the ``special`` source keys),
     as torch's safe loader read them. Such state dicts are small (quantized models, sparse
     buffers), so all of it is in memory at once."""
+
+    # No --to name or suffix of its own: writer_for picks it for a .pt output that needs it.
+    format, ties, keeps_special, text_keys = "torch", "shared", True, False
 
     def write(self, tmp: Path, items: list[Item]) -> None:
         import torch
@@ -189,15 +234,25 @@ class TorchValuesWriter(_Writer):
                 self.copier.progress(item.spec.nbytes)
 
 
+# What --force replaces in a DCP folder: a save's files (any rank's data files), never the rest.
+_DCP_NAMES = re.compile(r"\.metadata|ckptkit\.json|__\d+_\d+\.distcp")
+
+
 class DCPWriter(_Writer):
     """A DCP folder, as one writer of ``dcp.save`` lays it out: each tensor one whole chunk, a
     ``torch.save`` archive in ``__0_0.distcp``, then ``.metadata``; an alias names its target's
     chunk, so ties survive. The header goes beside them in ``ckptkit.json``."""
 
-    folder = True
+    format, to, folder, ties = "dcp", "dcp", True, "chunk"
+    files = (DISTCP, SIDECAR, METADATA)  # .metadata last: a reader finds the save by it
+
+    @classmethod
+    def owns(cls, name: str) -> bool:
+        """A save's files, any rank's data files among them: never the rest of the folder."""
+        return _DCP_NAMES.fullmatch(name) is not None
 
     def write(self, tmp: Path, items: list[Item]) -> None:
-        from ckptkit.formats.folders.dcp import DISTCP, METADATA, SIDECAR, dcp_metadata
+        from ckptkit.formats.folders.dcp import dcp_metadata
 
         where = self._write_chunks(tmp / DISTCP, items)
         layout = [
@@ -263,6 +318,23 @@ WRITERS: dict[str, type[_Writer]] = {
     "dcp": DCPWriter,
 }
 
+# What the command line and file names call each format, from the writers' own declarations.
+TO_FORMATS = {cls.to: cls.format for cls in WRITERS.values() if cls.to is not None}
+OUTPUT_FORMATS = {
+    suffix: cls.format for cls in WRITERS.values() if cls.to is not None for suffix in cls.suffixes
+}
+
+
+def writer_class(fmt: str) -> type[_Writer]:
+    """What output format ``fmt`` (``safetensors``, ``torch``, ``dcp``) can do."""
+    return WRITERS[fmt]
+
+
+def able(capability: str) -> list[type[_Writer]]:
+    """The named formats that can do ``capability`` (a class attribute: ``shardable``...),
+    for the refusals that say which can."""
+    return [cls for cls in WRITERS.values() if cls.to is not None and getattr(cls, capability)]
+
 
 def writer_for(
     fmt: str,
@@ -275,5 +347,5 @@ def writer_for(
     reserve: bool = True,
 ) -> Writer:
     """The writer of output format ``fmt`` (``safetensors``, ``torch`` or ``dcp``)."""
-    kind = "torch-values" if fmt == "torch" and special else fmt
+    kind = "torch-values" if WRITERS[fmt].keeps_special and special else fmt
     return WRITERS[kind](copier, aliases, header, verify, special, reserve)

@@ -1,0 +1,206 @@
+"""One model's conversion: its destination picked, its source opened, the plan made, written,
+reported. The output goes wherever ``dst`` names (a local path, or a URL through a staging
+folder): this module writes through one :class:`~ckptkit.storage.destination.Destination`
+and does not ask which."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from ckptkit.adapters import open_merged
+from ckptkit.conversion.options import OutputOptions, ReadOptions
+from ckptkit.conversion.plan import (
+    Plan,
+    cast_target,
+    copies_into,
+    make_plan,
+    part_of,
+    refuse_unconvertible,
+    shard_limit,
+    weights_name,
+)
+from ckptkit.conversion.report import ConvertReport, make_report, merge_report, output_header
+from ckptkit.conversion.write import outputs_of, parent_folders, write, write_agreed
+from ckptkit.formats.base.source import Source
+from ckptkit.formats.output import output_format
+from ckptkit.formats.output.plan import stale_names
+from ckptkit.formats.output.writers import TO_FORMATS, writer_class
+from ckptkit.keys import KeyRules
+from ckptkit.spread import Part
+from ckptkit.storage.destination import Destination, destination
+from ckptkit.storage.remote import as_path
+
+__all__ = ["convert_model"]
+
+
+def convert_model(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    read: ReadOptions,
+    keys: KeyRules,
+    output: OutputOptions,
+    dry_run: bool,
+    force: bool,
+    verify: bool,
+    check_outputs: bool,
+    progress: bool,
+    part: Part | None,
+) -> ConvertReport:
+    """Convert one model (not a whole pipeline: see ``ckptkit.convert``) to ``dst``, a local
+    path or a URL; ``part``: only that share of the shards (and the index, for rank 0 of a
+    launched run, once every rank has written its own)."""
+    source_path = as_path(src)
+    whole = _saved_whole(output)
+    target = destination(
+        dst, force=force, inputs=[source_path], whole=whole, parts=part is not None
+    )
+    with target.planned() as planned:
+        report = _convert(
+            source_path,
+            planned,
+            target,
+            read=read,
+            keys=keys,
+            output=output,
+            dry_run=dry_run,
+            force=force,
+            verify=verify,
+            check_outputs=check_outputs,
+            progress=progress,
+            part=part,
+        )
+    # The report names the outputs where they went.
+    report.destination = target.shown(Path(report.destination))
+    kind = writer_class(report.output_format)
+    if kind.folder:
+        report.files = target.show_folder(Path(report.files[0]), kind.files)
+    else:
+        report.files = [target.shown(Path(name)) for name in report.files]
+    return report
+
+
+def _saved_whole(output: OutputOptions) -> bool:
+    """Whether ``--to`` names a folder format (DCP), which is saved whole."""
+    fmt = TO_FORMATS.get(output.to or "")
+    return fmt is not None and writer_class(fmt).folder
+
+
+def _convert(
+    src: Path,
+    dst: Path,
+    target: Destination,
+    *,
+    read: ReadOptions,
+    keys: KeyRules,
+    output: OutputOptions,
+    dry_run: bool,
+    force: bool,
+    verify: bool,
+    check_outputs: bool,
+    progress: bool,
+    part: Part | None,
+) -> ConvertReport:
+    """The conversion at the local path ``dst`` (the output itself, or its staged copy)."""
+    into = dst if dst.is_dir() and not _saved_whole(output) else None
+    if into is not None:  # a model folder: save_pretrained's names (the source's, once open)
+        dst = into / "model.safetensors"
+    # A new name without a suffix: a model folder, when the source is one (checked once open).
+    folder = dst if not dst.suffix and output.to is None and not dst.exists() else None
+    fmt = "safetensors" if folder else output_format(dst, output.to)
+    keys = replace(keys, renames=tuple(keys.rename_rules()))  # a bad rule fails before reading
+    dtype, limit = cast_target(output.dtype), shard_limit(output, fmt)
+    with open_merged(
+        src,
+        read.adapters,
+        select=read.select,
+        trust=read.trust,
+        allow_globals=read.allow_globals,
+        ema=read.ema,
+        variant=read.variant,
+        names_from=read.names_from,
+    ) as source:
+        refuse_unconvertible(source, src, check_outputs)
+        dst, folder = _placed(source, dst, fmt, into, folder)
+        plan = make_plan(source, src, dst, fmt, keys, output, dtype, limit, folder)
+        if folder is not None and folder is into:
+            plan.into = True
+            plan.copies = copies_into(plan, force)
+        report = make_report(source, plan, dry_run)
+        whole = plan
+        if part is not None:
+            plan = part_of(plan, part)
+            index = [str(whole.outputs[-1])] if part.launched and part.index == 0 else []
+            report.files = [str(p) for p in plan.outputs] + index
+            report.part = str(part)
+        if dry_run:
+            return report
+        header = output_header(source, report, plan)
+        with parent_folders(folder or dst):  # made as train --out makes its folder
+            _write_checked(
+                source, plan, whole, report, header, target, read, verify, progress, part
+            )
+        merge_report(source, report, check_outputs)
+        if force and part is None and not writer_class(fmt).folder:
+            written = [path.name for path in plan.outputs]
+            target.remove_stale(plan.dst, lambda present: stale_names(dst.name, written, present))
+    return report
+
+
+def _placed(
+    source: Source, dst: Path, fmt: str, into: Path | None, folder: Path | None
+) -> tuple[Path, Path | None]:
+    """The weights file's path in a model folder output (named as the source library names
+    it), and the model folder, if the output is one."""
+    if folder is not None:
+        if source.folder is None:
+            output_format(dst)  # the error that names the suffixes
+        return folder / weights_name(source), folder
+    if into is not None:
+        dst = into / weights_name(source)
+        if source.folder is not None and writer_class(fmt).model_folder:
+            return dst, into  # a model folder written into one: its config files too
+    return dst, None
+
+
+def _write_checked(
+    source: Source,
+    plan: Plan,
+    whole: Plan,
+    report: ConvertReport,
+    header: dict[str, str],
+    target: Destination,
+    read: ReadOptions,
+    verify: bool,
+    progress: bool,
+    part: Part | None,
+) -> None:
+    """The outputs checked (none may exist without ``force``), then written; under torchrun,
+    every rank's shards before rank 0's index."""
+
+    def checked_write() -> None:
+        # Under torchrun rank 0 writes the index too: every rank checks it now, so that an
+        # existing one stops them all before any shard is written.
+        index = [whole.outputs[-1]] if part and part.launched else []
+        committed, folder = outputs_of(plan)
+        if writer_class(plan.fmt).folder:
+            target.check(committed, folder=folder)
+        else:
+            copies = committed[: len(committed) - len(plan.outputs)]
+            target.check(plan.outputs + index + copies, folder=folder)
+        write(
+            source,
+            plan,
+            report,
+            header,
+            target,
+            verify=verify,
+            progress=progress,
+            workers=read.workers,
+        )
+
+    if part is not None and part.launched:
+        write_agreed(checked_write, whole, part, header, target)
+    else:
+        checked_write()
