@@ -250,13 +250,14 @@ def _convert_into(
     ``model_index.json`` and the pipeline's other top-level files (not weights)."""
     for c in components:
         result = ComponentResult(c.name, c.library, c.cls)
-        if not c.folder.resolve().is_relative_to(src.resolve()):  # followed, and said so
-            result.followed = f"{c.folder} -> {c.folder.resolve()}"
+        folder = src / c.name  # c.folder, on the local disk
+        if not folder.resolve().is_relative_to(src.resolve()):  # followed, and said so
+            result.followed = f"{folder} -> {folder.resolve()}"
         if c.holds_weights():
-            variant = read.variant if read.variant in variants_in(c.folder) else None
+            variant = read.variant if read.variant in variants_in(folder) else None
             merged = c.name in changed  # the LoRAs' parts for it, read through the pipeline
             sub = convert_model(  # one model: a component is never a pipeline itself
-                src if merged else c.folder,
+                src if merged else folder,
                 out / c.name,
                 read=replace(
                     read,
@@ -280,8 +281,8 @@ def _convert_into(
             report.cast += [f"{c.name}/{key}" for key in sub.cast]
             report.files += sub.files
             report.overflowed += [f"{c.name}/{key}" for key in sub.overflowed]
-        elif c.folder.is_dir():
-            result.copied, result.left_out = _copy_tree(c.folder, out / c.name, dry_run)
+        elif folder.is_dir():
+            result.copied, result.left_out = _copy_tree(folder, out / c.name, dry_run)
         report.components.append(result)
     # model_index.json was read and checked; the other top-level files (a model card): not
     # links, which may lead anywhere
