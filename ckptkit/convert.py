@@ -33,7 +33,7 @@ from ckptkit.formats.base.tree import DroppedPart
 from ckptkit.formats.files.readings import WEIGHT_SUFFIXES
 from ckptkit.formats.folders.dcp import DISTCP, METADATA, SIDECAR
 from ckptkit.formats.folders.layouts import folder_files
-from ckptkit.formats.open import open_source
+from ckptkit.formats.open import OpenOptions, open_source
 from ckptkit.formats.output import output_format
 from ckptkit.formats.output.copier import Copier, Item
 from ckptkit.formats.output.plan import (
@@ -73,17 +73,13 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class ReadOptions:
-    """How the source is read: where its state dict is, and what its pickle may name."""
+@dataclass(frozen=True, kw_only=True)
+class ReadOptions(OpenOptions):
+    """How the source is read: how it is opened (``OpenOptions``: which weights, how safely;
+    an adapter SRC's base takes them, see ``open_merged``), what is merged into it or stripped
+    from it, and how many ranged requests a URL source gets."""
 
-    select: str | None = None
-    ema: bool = False
-    trust: bool = False
-    allow_globals: tuple[str, ...] = ()
     adapters: AdapterOptions = field(default_factory=AdapterOptions)
-    variant: str | None = None  # a model folder's weights of this variant (diffusers' fp16)
-    names_from: str | None = None  # the model a diffusers EMAModel's shadow_params belong to
     workers: int = 8  # ranged requests in flight for a source at a URL (local files: unused)
 
 
@@ -282,10 +278,10 @@ def convert(
         src,
         dst,
         read=ReadOptions(
-            select,
-            ema,
-            trust,
-            tuple(allow_globals),
+            select=select,
+            ema=ema,
+            trust=trust,
+            allow_globals=tuple(allow_globals),
             variant=variant,
             adapters=AdapterOptions(
                 drop_adapters=drop_adapters,
@@ -559,16 +555,7 @@ def _convert(
     fmt = "safetensors" if folder else output_format(dst, output.to)
     keys = replace(keys, renames=tuple(keys.rename_rules()))  # a bad rule fails before reading
     target, shard_limit = _cast_target(output.dtype), _shard_limit(output, fmt)
-    with open_merged(
-        src,
-        read.adapters,
-        select=read.select,
-        trust=read.trust,
-        allow_globals=read.allow_globals,
-        ema=read.ema,
-        variant=read.variant,
-        names_from=read.names_from,
-    ) as source:
+    with open_merged(src, read.adapters, read) as source:
         _refuse_unconvertible(source, src, check_outputs)
         if folder is not None:
             if source.folder is None:

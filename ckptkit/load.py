@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.adapters import adapter_options, open_merged
 from ckptkit.errors import KeyMatchError
-from ckptkit.formats.base.source import Source
+from ckptkit.formats.open import OpenOptions
 from ckptkit.keys import (
     KeyMatch,
     build_plan,
@@ -26,23 +26,19 @@ if TYPE_CHECKING:
 __all__ = ["load_state_dict", "load_into", "LoadReport"]
 
 
-def _open(
-    path: str | Path,
+def _read_options(
     select: str | None,
     trust: bool,
     allow_globals: Iterable[str],
-    base: str | Path | None,
-    adapters: Iterable[str | Path | tuple[str | Path, float]],
     variant: str | None,
     names_from: str | Path | None,
-) -> Source:
-    """The checkpoint to load, with adapters merged in where asked (or where it is one)."""
-    return open_merged(
-        path,
-        adapter_options(base, adapters),
+) -> OpenOptions:
+    """The loaders' keywords as the options the model is opened with (an adapter's base, when
+    ``path`` is one: see ``open_merged``)."""
+    return OpenOptions(
         select=select,
         trust=trust,
-        allow_globals=allow_globals,
+        allow_globals=tuple(allow_globals),
         variant=variant,
         names_from=names_from,
     )
@@ -80,7 +76,8 @@ def load_state_dict(
         Key -> CPU tensor; tensors of torch files are memory-mapped views (copy-on-write),
         merged tensors are new ones.
     """
-    opened = _open(path, select, trust, allow_globals, base, adapters, variant, names_from)
+    read = _read_options(select, trust, allow_globals, variant, names_from)
+    opened = open_merged(path, adapter_options(base, adapters), read)
     with opened as source:
         keys = source.keys()
         plan = build_plan(keys, strip_wrappers=strip_wrappers)
@@ -173,7 +170,8 @@ def load_into(
         KeyMatchError: with ``strict``, listing missing, unexpected and mismatched keys.
     """
     target = model.state_dict()
-    opened = _open(path, select, trust, allow_globals, base, adapters, variant, names_from)
+    read = _read_options(select, trust, allow_globals, variant, names_from)
+    opened = open_merged(path, adapter_options(base, adapters), read)
     with opened as source:
         entries = dict(source.entries())
         # Wrappers inside the checkpoint's keys (blocks compiled one by one) that the model

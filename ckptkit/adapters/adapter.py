@@ -79,15 +79,18 @@ class Adapter:
         return sum(info.nbytes for _, info in self.source.entries())
 
     def target_modules(self) -> list[str]:
-        """The names peft's ``target_modules`` would give (``query``, ``value``); a kohya file's
-        groups (``lora_unet``, ``lora_te``) with their module counts."""
-        if self.kind != "kohya LoRA":
-            return sorted({t.module.rsplit(".", 1)[-1] for t in self.targets})
-        groups: dict[str, int] = {}
-        for t in self.targets:
-            group = "_".join(t.module.split("_")[:2])
-            groups[group] = groups.get(group, 0) + 1
-        return [f"{g} ({n} module{'s' if n != 1 else ''})" for g, n in sorted(groups.items())]
+        """The names peft's ``target_modules`` would give (``query``, ``value``)."""
+        return sorted({t.module.rsplit(".", 1)[-1] for t in self.targets})
+
+    def bind(self, base_keys: list[str], component: str | None = None) -> None:
+        """Name each target by the base tensor it changes, given the base's keys (``component``:
+        the base is that diffusers pipeline component). A PEFT adapter's names are already the
+        base's module paths: nothing to do; a kind whose names are not overrides it
+        (``kohya.KohyaAdapter``).
+
+        Raises:
+            AdapterError: the adapter does not fit that base.
+        """
 
     def to_dict(self) -> dict[str, Any]:
         """What ``inspect --json`` says of it."""

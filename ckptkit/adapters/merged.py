@@ -120,12 +120,7 @@ def bind(
     """
     changes: dict[str, list[tuple[Adapter, Change]]] = {}
     for adapter in adapters:
-        if adapter.kind == "kohya LoRA":
-            from ckptkit.adapters.kohya import bind_kohya, for_component
-
-            if component is not None:
-                for_component(adapter, component)
-            bind_kohya(adapter, list(base))
+        adapter.bind(list(base), component)  # each kind names its targets as the base does
         entries = dict(adapter.source.entries())
         names = _prefix_map(adapter.base_keys(), base, adapter)
         for name, adapter_key in adapter.replaced.items():
