@@ -61,9 +61,10 @@ def load_state_dict(
     Args:
         path: a torch file (zip or legacy, any training checkpoint) or safetensors; a LoRA
             adapter (PEFT folder, kohya file) gives its base with the adapter merged in.
-        select: dotted path of the state dict inside a training checkpoint (default: found).
+        select: dotted path of the state dict inside a training checkpoint (default: found);
+            for an adapter ``path``, in its base (as ``variant`` and ``names_from``).
         strip_wrappers: remove the detected wrapper chain (``module.``, ``_orig_mod.``, ...).
-        trust: use torch's full unpickler (only for files you trust).
+        trust: use torch's full unpickler (only for files you trust); for ``path`` and ``base``.
         allow_globals: pickle globals to admit beside torch's safe set.
         base: the base model an adapter ``path`` is merged into (default: the one it names).
         adapters: LoRA adapters to merge into ``path``, in order (``PATH``, ``"PATH:WEIGHT"``
@@ -154,8 +155,9 @@ def load_into(
         model: the module to fill (wrapped or not).
         path: the checkpoint.
         strict: refuse (loading nothing) unless keys and shapes match exactly.
-        select: dotted path of the state dict inside a training checkpoint.
-        trust: use torch's full unpickler (only for files you trust).
+        select: dotted path of the state dict inside a training checkpoint; for an adapter
+            ``path``, in its base (as ``variant`` and ``names_from``).
+        trust: use torch's full unpickler (only for files you trust); for ``path`` and ``base``.
         allow_globals: pickle globals to admit beside torch's safe set.
         base: the base model an adapter ``path`` is merged into (default: the one it names).
         adapters: LoRA adapters to merge into ``path`` first, in order.
