@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.adapters import AdapterOptions, read_adapter
-from ckptkit.adapters.kohya import components as kohya_components
 from ckptkit.convert import ConvertReport, OutputOptions, ReadOptions, convert_checkpoint
 from ckptkit.errors import OutputError, SelectError, UsageError
 from ckptkit.formats.folders.diffusers import (
@@ -214,7 +213,8 @@ def _changed_components(
     changed: set[str] = set()
     for path, weight in adapters.adapters:
         adapter = read_adapter(path, weight=weight)
-        if adapter.kind != "kohya LoRA":
+        parts = adapter.components()
+        if parts is None:
             raise UsageError(
                 f"{path} is a {adapter.kind}: merged into a whole pipeline only a kohya LoRA "
                 "finds its components",
@@ -222,13 +222,13 @@ def _changed_components(
                 api_hint="merge it into one component with select=",
             )
         held = {c.name for c in components if c.holds_weights()}
-        missing = sorted(set(kohya_components(adapter)) - held)
+        missing = sorted(set(parts) - held)
         if missing:
             raise UsageError(
                 f"{path} changes {', '.join(missing)}, which the pipeline {src} lacks",
                 "merge it into the pipeline it was trained on",
             )
-        changed |= set(kohya_components(adapter))
+        changed |= set(parts)
     return changed
 
 

@@ -186,3 +186,24 @@ def test_base_given_for_a_model_still_refused(run, made):
     chooses weights beside it."""
     args = [made["root"] / "select.pt", "out.safetensors", "--base", made["base"]]
     one_error(run("convert", *args, "--select", "model"), "not an adapter", "--base does not apply")
+
+
+def test_kohya_file_into_one_component_of_a_pipeline_base(run, tmp_path):
+    """`convert LORA DST --base PIPELINE --select unet`: the LoRA's UNet part merged into the
+    pipeline's UNet, as `convert PIPELINE DST --select unet --adapter LORA` merges it."""
+    pipeline = FIXTURE_DIR / "diffusers" / "pipeline"
+    gen = torch.Generator().manual_seed(0)
+    unet_q = "down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+    lora = {
+        f"lora_unet_{unet_q}.lora_down.weight": torch.randn([2, 4], generator=gen),
+        f"lora_unet_{unet_q}.lora_up.weight": torch.randn([4, 2], generator=gen),
+        f"lora_unet_{unet_q}.alpha": torch.tensor(1.0),
+    }
+    save_file(lora, tmp_path / "sd_lora.safetensors")
+    args = ["--base", pipeline, "--select", "unet"]
+    result = run("convert", "sd_lora.safetensors", "out.safetensors", *args)
+    assert result.exit_code == 0, result.output
+    args = ["--select", "unet", "--adapter", "sd_lora.safetensors"]
+    result = run("convert", pipeline, "ref.safetensors", *args)
+    assert result.exit_code == 0, result.output
+    assert _same(load_file("out.safetensors"), load_file("ref.safetensors"))

@@ -82,6 +82,11 @@ class Adapter:
         """The names peft's ``target_modules`` would give (``query``, ``value``)."""
         return sorted({t.module.rsplit(".", 1)[-1] for t in self.targets})
 
+    def components(self) -> dict[str, int] | None:
+        """The diffusers pipeline components it changes (``unet``, ``text_encoder``) -> how many
+        modules in each; None for an adapter of one model, merged into one component at most."""
+        return None
+
     def bind(self, base_keys: list[str], component: str | None = None) -> None:
         """Name each target by the base tensor it changes, given the base's keys (``component``:
         the base is that diffusers pipeline component). A PEFT adapter's names are already the

@@ -63,6 +63,9 @@ class KohyaAdapter(Adapter):
             groups[group] = groups.get(group, 0) + 1
         return [f"{g} ({n} module{'s' if n != 1 else ''})" for g, n in sorted(groups.items())]
 
+    def components(self) -> dict[str, int]:
+        return components(self)
+
     def bind(self, base_keys: list[str], component: str | None = None) -> None:
         """Keep the part for ``component`` (a pipeline's), then name each module by the base
         weight it changes."""
