@@ -453,6 +453,7 @@ def convert(
     ckptkit convert single.pt ddp-ready.pt --add-module
     ckptkit convert big.pt out/model.safetensors --dtype bf16 --max-shard-size 5GB
     ckptkit convert my-lora/ merged/ --base base-model/
+    ckptkit convert my-lora/ merged/ --base base-model/ --variant fp16
     ckptkit convert base-model/ merged/ --adapter style.safetensors:0.8 --adapter fix/
     ckptkit convert s3://bucket/run/model.pt model.safetensors --workers 16
     ckptkit convert big/ out/model.safetensors --max-shard-size 5GB --part 3/8

@@ -207,3 +207,18 @@ def test_kohya_file_into_one_component_of_a_pipeline_base(run, tmp_path):
     result = run("convert", pipeline, "ref.safetensors", *args)
     assert result.exit_code == 0, result.output
     assert _same(load_file("out.safetensors"), load_file("ref.safetensors"))
+
+
+def test_base_for_a_peft_model_state_dict_refused(run, made):
+    """A PeftModel state dict holds its base: ``--base`` beside it is refused, not ignored."""
+    full = FIXTURE_DIR / "adapters" / "bert_peft_full.pt"
+    args = [full, "out.safetensors", "--drop-adapters", "--base", made["base"]]
+    one_error(run("convert", *args), "PeftModel state dict", "drop --base")
+
+
+def test_base_for_a_pipeline_component_is_still_not_an_adapter(run, made):
+    """A local folder is told by its files: a pipeline's component chosen with ``--select``,
+    then ``--base`` refused for it, as before."""
+    pipeline = FIXTURE_DIR / "diffusers" / "pipeline"
+    args = [pipeline, "out.safetensors", "--select", "unet", "--base", made["base"]]
+    one_error(run("convert", *args), "not an adapter", "--adapter PATH")

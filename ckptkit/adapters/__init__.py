@@ -156,6 +156,13 @@ def open_merged(
         base: Source = source
         first: list[Adapter] = []
         if is_peft_model_state(source.keys()):
+            if options.base:
+                raise UsageError(
+                    f"{src} is a PeftModel state dict: its base model is inside it, so --base "
+                    "does not apply",
+                    "drop --base",
+                    api_hint="drop base=",
+                )
             base, first = _peft_model_state(source, options)
         else:
             if options.drop_adapters or options.lora_alpha is not None or options.adapter_config:
@@ -185,18 +192,18 @@ def open_merged(
 
 def _adapter_src(src: str | Path, options: AdapterOptions) -> bool:
     """Whether ``src`` is known to be an adapter before it is opened, so the options that choose
-    weights are kept for its base: ``--base`` says so, as does a local PEFT folder (or its
-    weights file with the config beside it). Found only once opened (a kohya file without
-    ``--base``, a PEFT folder at a URL, which is not listed twice), an adapter SRC is opened
-    with them, and its reader refuses those that do not apply to it."""
-    if options.base:
-        return True
-    if is_url(str(src)):
-        return False
-    path = Path(src)
-    if path.is_dir():
-        return adapter_file_in(path) is not None
-    return path.name in WEIGHTS and (path.parent / CONFIG).is_file()
+    weights are kept for its base. A local folder is told by its files (a PEFT folder; a run or
+    Trainer folder of adapters is opened with them: ``--select`` picks its checkpoint), a local
+    file by its PEFT name with the config beside it; anything else by ``--base``, which says
+    SRC is an adapter. An adapter found only once opened (a kohya file without ``--base``) is
+    opened with them, and its reader refuses those that do not apply to a file."""
+    if not is_url(str(src)):
+        path = Path(src)
+        if path.is_dir():
+            return adapter_file_in(path) is not None
+        if path.name in WEIGHTS and (path.parent / CONFIG).is_file():
+            return True
+    return bool(options.base)
 
 
 def _base_of(adapter: Adapter, options: AdapterOptions, *, trust: bool) -> str:
