@@ -53,19 +53,21 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the re
 quiet_option = click.option(
     "-q", "--quiet", is_flag=True, help="Print nothing; the exit code tells."
 )
-variant_option = click.option(
-    "--variant",
-    metavar="NAME",
-    help="In a model folder, the weights of this variant (diffusers' "
+_VARIANT_HELP = (
+    "In a model folder, the weights of this variant (diffusers' "
     "diffusion_pytorch_model.fp16.safetensors for fp16); default: the file without a variant, "
-    "else the only one.",
+    "else the only one."
 )
+_NAMES_FROM_HELP = (
+    "A diffusers EMAModel state dict: name its shadow_params after this model's "
+    "parameters, in order (shapes checked); a folder DST gets the model's config."
+)
+variant_option = click.option("--variant", metavar="NAME", help=_VARIANT_HELP)
 names_from_option = click.option(
     "--names-from",
     metavar="MODEL_FOLDER",
     type=click.Path(exists=True, path_type=str),
-    help="A diffusers EMAModel state dict: name its shadow_params after this model's "
-    "parameters, in order (shapes checked); a folder DST gets the model's config.",
+    help=_NAMES_FROM_HELP,
 )
 allow_global_option = click.option(
     "--allow-global",
@@ -168,20 +170,12 @@ def read_options(command: Callable[..., Any]) -> Callable[..., Any]:
             help="Take the EMA copy of the weights (state_dict_ema, model_ema, ema...)."
             + _FOR_BASE,
         ),
-        click.option(
-            "--variant",
-            metavar="NAME",
-            help="In a model folder, the weights of this variant (diffusers' "
-            "diffusion_pytorch_model.fp16.safetensors for fp16); default: the file without a "
-            "variant, else the only one." + _FOR_BASE,
-        ),
+        click.option("--variant", metavar="NAME", help=_VARIANT_HELP + _FOR_BASE),
         click.option(
             "--names-from",
             metavar="MODEL_FOLDER",
             type=click.Path(exists=True, path_type=str),
-            help="A diffusers EMAModel state dict: name its shadow_params after this model's "
-            "parameters, in order (shapes checked); a folder DST gets the model's config."
-            + _FOR_BASE,
+            help=_NAMES_FROM_HELP + _FOR_BASE,
         ),
         click.option(
             "--base",
