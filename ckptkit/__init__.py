@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from ckptkit.diff import DiffReport, diff
     from ckptkit.engine import Engine, TrainConfig, TrainResult, train
     from ckptkit.errors import CkptkitError
-    from ckptkit.formats.open import open_source
+    from ckptkit.formats.open import OpenOptions, open_source
     from ckptkit.keys import detect_wrappers
     from ckptkit.load import LoadReport, load_into, load_state_dict
     from ckptkit.scan import ScanReport, scan
@@ -64,6 +64,7 @@ __all__ = [
     "load_into",
     "LoadReport",
     "open_source",
+    "OpenOptions",
     "detect_wrappers",
     "summarize",
     "Summary",
@@ -89,6 +90,7 @@ _WHERE = {
     "load_into": "ckptkit.load",
     "LoadReport": "ckptkit.load",
     "open_source": "ckptkit.formats.open",
+    "OpenOptions": "ckptkit.formats.open",
     "detect_wrappers": "ckptkit.keys",
     "summarize": "ckptkit.summary",
     "Summary": "ckptkit.summary",

@@ -24,9 +24,10 @@ from ckptkit.formats.output.writers import TO_FORMATS
 from ckptkit.meta import DISTRIBUTION
 
 if TYPE_CHECKING:
+    from ckptkit.convert import ReadOptions
     from ckptkit.keys import KeyRules
 
-__all__ = ["cli", "main", "key_rule_options"]
+__all__ = ["cli", "main", "key_rule_options", "read_options"]
 
 
 def _progress(quiet: bool) -> bool:
@@ -53,19 +54,21 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the re
 quiet_option = click.option(
     "-q", "--quiet", is_flag=True, help="Print nothing; the exit code tells."
 )
-variant_option = click.option(
-    "--variant",
-    metavar="NAME",
-    help="In a model folder, the weights of this variant (diffusers' "
+_VARIANT_HELP = (
+    "In a model folder, the weights of this variant (diffusers' "
     "diffusion_pytorch_model.fp16.safetensors for fp16); default: the file without a variant, "
-    "else the only one.",
+    "else the only one."
 )
+_NAMES_FROM_HELP = (
+    "A diffusers EMAModel state dict: name its shadow_params after this model's "
+    "parameters, in order (shapes checked); a folder DST gets the model's config."
+)
+variant_option = click.option("--variant", metavar="NAME", help=_VARIANT_HELP)
 names_from_option = click.option(
     "--names-from",
     metavar="MODEL_FOLDER",
     type=click.Path(exists=True, path_type=str),
-    help="A diffusers EMAModel state dict: name its shadow_params after this model's "
-    "parameters, in order (shapes checked); a folder DST gets the model's config.",
+    help=_NAMES_FROM_HELP,
 )
 allow_global_option = click.option(
     "--allow-global",
@@ -144,6 +147,130 @@ def key_rule_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(options):
         with_keys = option(with_keys)
     return with_keys
+
+
+# Said in each option's help that chooses weights: where SRC is an adapter, they are its base's.
+_FOR_BASE = " For an adapter SRC, in its base."
+
+
+def read_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``convert``'s reading options (which weights, how safely, what is merged, how many
+    requests), given to ``command`` as one ``read`` argument: the ``ReadOptions`` the library
+    takes. Those that choose weights (``--select``, ``--ema``, ``--variant``, ``--names-from``)
+    apply to the model, which for an adapter SRC is its base; ``--trust`` and
+    ``--allow-global`` to SRC and its base (see docs/formats/adapters.md)."""
+    options = [
+        click.option(
+            "--select",
+            metavar="DOTTED.PATH",
+            help="Where the state dict is in a training checkpoint (default: found)." + _FOR_BASE,
+        ),
+        click.option(
+            "--ema",
+            is_flag=True,
+            help="Take the EMA copy of the weights (state_dict_ema, model_ema, ema...)."
+            + _FOR_BASE,
+        ),
+        click.option("--variant", metavar="NAME", help=_VARIANT_HELP + _FOR_BASE),
+        click.option(
+            "--names-from",
+            metavar="MODEL_FOLDER",
+            type=click.Path(exists=True, path_type=str),
+            help=_NAMES_FROM_HELP + _FOR_BASE,
+        ),
+        click.option(
+            "--base",
+            metavar="PATH",
+            help="The base model a LoRA adapter SRC is merged into (default: the one its "
+            "adapter_config.json names, found locally or in the Hugging Face cache; never "
+            "downloaded). --select, --ema, --variant and --names-from choose its weights.",
+        ),
+        click.option(
+            "--adapter",
+            "adapters",
+            multiple=True,
+            metavar="PATH[:WEIGHT]",
+            help="Merge this LoRA adapter (PEFT folder or kohya file) into SRC; repeatable, in "
+            "order.",
+        ),
+        click.option(
+            "--drop-adapters",
+            is_flag=True,
+            help="A PeftModel state dict: write the base alone, without its adapter tensors.",
+        ),
+        click.option(
+            "--lora-alpha",
+            type=float,
+            metavar="N",
+            help="A PeftModel state dict: merge its adapter with this lora_alpha (rank from the "
+            "shapes).",
+        ),
+        click.option(
+            "--adapter-config",
+            type=click.Path(exists=True, dir_okay=False, path_type=str),
+            metavar="JSON",
+            help="A PeftModel state dict: merge its adapter as this adapter_config.json says.",
+        ),
+        allow_global_option,
+        click.option(
+            "--trust",
+            is_flag=True,
+            help="Load SRC (and an adapter SRC's --base) with torch's full unpickler. It can run "
+            "code: only for files you trust. Its classes are imported as `python` run here "
+            "would (the current folder first); a pickled nn.Module gives its state_dict().",
+        ),
+        click.option(
+            "--workers",
+            type=click.IntRange(1, 64),
+            default=8,
+            show_default=True,
+            help="Ranged requests in flight when SRC is a URL (s3://, https://...); memory holds "
+            "about WORKERS + 1 requests of 8 MiB. Local files ignore it.",
+        ),
+    ]
+
+    @functools.wraps(command)
+    def with_read(
+        *args: Any,
+        select: str | None,
+        ema: bool,
+        variant: str | None,
+        names_from: str | None,
+        base: str | None,
+        adapters: tuple[str, ...],
+        drop_adapters: bool,
+        lora_alpha: float | None,
+        adapter_config: str | None,
+        allow_global: tuple[str, ...],
+        trust: bool,
+        workers: int,
+        **kwargs: Any,
+    ) -> Any:
+        from ckptkit.adapters import AdapterOptions, parse_adapter_arg
+        from ckptkit.convert import ReadOptions
+
+        merge = AdapterOptions(
+            tuple(parse_adapter_arg(a) for a in adapters),
+            base,
+            drop_adapters,
+            lora_alpha,
+            adapter_config,
+        )
+        read = ReadOptions(
+            select=select,
+            ema=ema,
+            variant=variant,
+            names_from=names_from,
+            trust=trust,
+            allow_globals=allow_global,
+            adapters=merge,
+            workers=workers,
+        )
+        return command(*args, read=read, **kwargs)
+
+    for option in reversed(options):
+        with_read = option(with_read)
+    return with_read
 
 
 def _report_error(exc: BaseException) -> int:
@@ -242,16 +369,7 @@ def cli() -> None:
 @cli.command()
 @click.argument("src", required=False, type=click.Path(dir_okay=True, path_type=str))
 @click.argument("dst", required=False, type=click.Path(path_type=str))
-@click.option(
-    "--select",
-    metavar="DOTTED.PATH",
-    help="Where the state dict is in a training checkpoint (default: found).",
-)
-@click.option(
-    "--ema",
-    is_flag=True,
-    help="Take the EMA copy of the weights (state_dict_ema, model_ema, ema...).",
-)
+@read_options
 @key_rule_options
 @click.option(
     "--dtype",
@@ -278,38 +396,6 @@ def cli() -> None:
     type=click.Choice(list(TO_FORMATS)),  # what the writers declare (formats/output/writers.py)
     help="Output format (default: DST's suffix); dcp writes a torch.distributed.checkpoint folder.",
 )
-@variant_option
-@names_from_option
-@click.option(
-    "--base",
-    metavar="PATH",
-    help="The base model a LoRA adapter SRC is merged into (default: the one its "
-    "adapter_config.json names, found locally or in the Hugging Face cache; never downloaded).",
-)
-@click.option(
-    "--adapter",
-    "adapters",
-    multiple=True,
-    metavar="PATH[:WEIGHT]",
-    help="Merge this LoRA adapter (PEFT folder or kohya file) into SRC; repeatable, in order.",
-)
-@click.option(
-    "--drop-adapters",
-    is_flag=True,
-    help="A PeftModel state dict: write the base alone, without its adapter tensors.",
-)
-@click.option(
-    "--lora-alpha",
-    type=float,
-    metavar="N",
-    help="A PeftModel state dict: merge its adapter with this lora_alpha (rank from the shapes).",
-)
-@click.option(
-    "--adapter-config",
-    type=click.Path(exists=True, dir_okay=False, path_type=str),
-    metavar="JSON",
-    help="A PeftModel state dict: merge its adapter as this adapter_config.json says.",
-)
 @click.option(
     "--check-outputs",
     is_flag=True,
@@ -319,14 +405,6 @@ def cli() -> None:
 @click.option("--force", is_flag=True, help="Overwrite DST if it exists.")
 @click.option(
     "--no-verify", is_flag=True, help="Skip reading the output back for a bit-exact comparison."
-)
-@allow_global_option
-@click.option(
-    "--trust",
-    is_flag=True,
-    help="Load SRC with torch's full unpickler. It can run code: only for files you trust. "
-    "Its classes are imported as `python` run here would (the current folder first); a "
-    "pickled nn.Module gives its state_dict().",
 )
 @click.option(
     "--part",
@@ -342,38 +420,19 @@ def cli() -> None:
     type=click.Path(path_type=str),
     help="Write the index of DST's shards written by --part runs (every shard checked).",
 )
-@click.option(
-    "--workers",
-    type=click.IntRange(1, 64),
-    default=8,
-    show_default=True,
-    help="Ranged requests in flight when SRC is a URL (s3://, https://...); memory holds about "
-    "WORKERS + 1 requests of 8 MiB. Local files ignore it.",
-)
 @json_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar, no report.")
 def convert(
     src: str | None,
     dst: str | None,
+    read: ReadOptions,
     keys: KeyRules,
-    select: str | None,
-    ema: bool,
-    trust: bool,
-    allow_global: tuple[str, ...],
-    variant: str | None,
-    names_from: str | None,
-    base: str | None,
-    adapters: tuple[str, ...],
-    drop_adapters: bool,
-    lora_alpha: float | None,
-    adapter_config: str | None,
     check_outputs: bool,
     dry_run: bool,
     force: bool,
     no_verify: bool,
     part: str | None,
     finish_dst: str | None,
-    workers: int,
     as_json: bool,
     quiet: bool,
     **output: Any,
@@ -389,14 +448,14 @@ def convert(
     ckptkit convert single.pt ddp-ready.pt --add-module
     ckptkit convert big.pt out/model.safetensors --dtype bf16 --max-shard-size 5GB
     ckptkit convert my-lora/ merged/ --base base-model/
+    ckptkit convert my-lora/ merged/ --base base-model/ --variant fp16
     ckptkit convert base-model/ merged/ --adapter style.safetensors:0.8 --adapter fix/
     ckptkit convert s3://bucket/run/model.pt model.safetensors --workers 16
     ckptkit convert big/ out/model.safetensors --max-shard-size 5GB --part 3/8
     ckptkit convert --finish out/model.safetensors
     torchrun --nproc-per-node 4 -m ckptkit convert big/ out/model.safetensors --max-shard-size 5GB
     """
-    from ckptkit.adapters import AdapterOptions, parse_adapter_arg
-    from ckptkit.convert import OutputOptions, ReadOptions, convert_checkpoint
+    from ckptkit.convert import OutputOptions, convert_checkpoint
     from ckptkit.spread import finish, launched_part, parse_part
 
     if finish_dst is not None:
@@ -415,27 +474,11 @@ def convert(
     silent = launched is not None and launched.index != 0  # under torchrun, rank 0 reports
 
     output["keep_dtype"] = tuple(output["keep_dtype"])
-    merge = AdapterOptions(
-        tuple(parse_adapter_arg(a) for a in adapters),
-        base,
-        drop_adapters,
-        lora_alpha,
-        adapter_config,
-    )
     with _sigterm_as_interrupt():  # cleaned up as for Ctrl-C: no temp file, no open upload
         report = convert_checkpoint(
             src,
             dst,
-            read=ReadOptions(
-                select,
-                ema,
-                trust,
-                allow_global,
-                merge,
-                variant=variant,
-                names_from=names_from,
-                workers=workers,
-            ),
+            read=read,
             keys=keys,
             output=OutputOptions(**output),
             dry_run=dry_run,

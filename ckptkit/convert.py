@@ -140,10 +140,10 @@ def convert(
         src,
         dst,
         read=ReadOptions(
-            select,
-            ema,
-            trust,
-            tuple(allow_globals),
+            select=select,
+            ema=ema,
+            trust=trust,
+            allow_globals=tuple(allow_globals),
             variant=variant,
             adapters=AdapterOptions(
                 drop_adapters=drop_adapters,

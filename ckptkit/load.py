@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.adapters import adapter_options, open_merged
 from ckptkit.errors import KeyMatchError
-from ckptkit.formats.base.source import Source
+from ckptkit.formats.open import OpenOptions
 from ckptkit.keys import (
     KeyMatch,
     build_plan,
@@ -26,23 +26,19 @@ if TYPE_CHECKING:
 __all__ = ["load_state_dict", "load_into", "LoadReport"]
 
 
-def _open(
-    path: str | Path,
+def _read_options(
     select: str | None,
     trust: bool,
     allow_globals: Iterable[str],
-    base: str | Path | None,
-    adapters: Iterable[str | Path | tuple[str | Path, float]],
     variant: str | None,
     names_from: str | Path | None,
-) -> Source:
-    """The checkpoint to load, with adapters merged in where asked (or where it is one)."""
-    return open_merged(
-        path,
-        adapter_options(base, adapters),
+) -> OpenOptions:
+    """The loaders' keywords as the options the model is opened with (an adapter's base, when
+    ``path`` is one: see ``open_merged``)."""
+    return OpenOptions(
         select=select,
         trust=trust,
-        allow_globals=allow_globals,
+        allow_globals=tuple(allow_globals),
         variant=variant,
         names_from=names_from,
     )
@@ -65,9 +61,10 @@ def load_state_dict(
     Args:
         path: a torch file (zip or legacy, any training checkpoint) or safetensors; a LoRA
             adapter (PEFT folder, kohya file) gives its base with the adapter merged in.
-        select: dotted path of the state dict inside a training checkpoint (default: found).
+        select: dotted path of the state dict inside a training checkpoint (default: found);
+            for an adapter ``path``, in its base (as ``variant`` and ``names_from``).
         strip_wrappers: remove the detected wrapper chain (``module.``, ``_orig_mod.``, ...).
-        trust: use torch's full unpickler (only for files you trust).
+        trust: use torch's full unpickler (only for files you trust); for ``path`` and ``base``.
         allow_globals: pickle globals to admit beside torch's safe set.
         base: the base model an adapter ``path`` is merged into (default: the one it names).
         adapters: LoRA adapters to merge into ``path``, in order (``PATH``, ``"PATH:WEIGHT"``
@@ -80,7 +77,8 @@ def load_state_dict(
         Key -> CPU tensor; tensors of torch files are memory-mapped views (copy-on-write),
         merged tensors are new ones.
     """
-    opened = _open(path, select, trust, allow_globals, base, adapters, variant, names_from)
+    read = _read_options(select, trust, allow_globals, variant, names_from)
+    opened = open_merged(path, adapter_options(base, adapters), read)
     with opened as source:
         keys = source.keys()
         plan = build_plan(keys, strip_wrappers=strip_wrappers)
@@ -157,8 +155,9 @@ def load_into(
         model: the module to fill (wrapped or not).
         path: the checkpoint.
         strict: refuse (loading nothing) unless keys and shapes match exactly.
-        select: dotted path of the state dict inside a training checkpoint.
-        trust: use torch's full unpickler (only for files you trust).
+        select: dotted path of the state dict inside a training checkpoint; for an adapter
+            ``path``, in its base (as ``variant`` and ``names_from``).
+        trust: use torch's full unpickler (only for files you trust); for ``path`` and ``base``.
         allow_globals: pickle globals to admit beside torch's safe set.
         base: the base model an adapter ``path`` is merged into (default: the one it names).
         adapters: LoRA adapters to merge into ``path`` first, in order.
@@ -173,7 +172,8 @@ def load_into(
         KeyMatchError: with ``strict``, listing missing, unexpected and mismatched keys.
     """
     target = model.state_dict()
-    opened = _open(path, select, trust, allow_globals, base, adapters, variant, names_from)
+    read = _read_options(select, trust, allow_globals, variant, names_from)
+    opened = open_merged(path, adapter_options(base, adapters), read)
     with opened as source:
         entries = dict(source.entries())
         # Wrappers inside the checkpoint's keys (blocks compiled one by one) that the model

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.adapters import AdapterOptions, read_adapter
-from ckptkit.adapters.kohya import components as kohya_components
 from ckptkit.conversion.options import OutputOptions, ReadOptions
 from ckptkit.conversion.report import ConvertReport
 from ckptkit.conversion.run import convert_model
@@ -216,7 +215,8 @@ def _changed_components(
     changed: set[str] = set()
     for path, weight in adapters.adapters:
         adapter = read_adapter(path, weight=weight)
-        if adapter.kind != "kohya LoRA":
+        parts = adapter.components()
+        if parts is None:
             raise UsageError(
                 f"{path} is a {adapter.kind}: merged into a whole pipeline only a kohya LoRA "
                 "finds its components",
@@ -224,13 +224,13 @@ def _changed_components(
                 api_hint="merge it into one component with select=",
             )
         held = {c.name for c in components if c.holds_weights()}
-        missing = sorted(set(kohya_components(adapter)) - held)
+        missing = sorted(set(parts) - held)
         if missing:
             raise UsageError(
                 f"{path} changes {', '.join(missing)}, which the pipeline {src} lacks",
                 "merge it into the pipeline it was trained on",
             )
-        changed |= set(kohya_components(adapter))
+        changed |= set(parts)
     return changed
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ckptkit.adapters.adapter import Adapter, AdapterError, Target
 from ckptkit.adapters.base_model import find_base, how_found
-from ckptkit.adapters.kohya import is_kohya, read_kohya
+from ckptkit.adapters.kinds import adapter_of
 from ckptkit.adapters.peft import CONFIG, WEIGHTS, adapter_from_tensors, read_config
 from ckptkit.adapters.wrapped import (
     REFUSAL_API_HINT,
@@ -26,7 +26,9 @@ from ckptkit.adapters.wrapped import (
 )
 from ckptkit.errors import UsageError
 from ckptkit.formats.base.source import Source
-from ckptkit.formats.open import open_source
+from ckptkit.formats.folders.layouts import adapter_file_in
+from ckptkit.formats.open import OpenOptions, open_source
+from ckptkit.storage.remote import is_url
 
 __all__ = [
     "Adapter",
@@ -86,21 +88,11 @@ def adapter_options(
     return AdapterOptions(specs, None if base is None else str(base))
 
 
-def adapter_of(source: Source) -> Adapter | None:
-    """The adapter a Source holds (a kohya file by its keys, a PEFT adapter file by the config
-    beside it), or None for a model's weights."""
-    keys = source.keys()
-    if is_kohya(keys):
-        return read_kohya(source.path, source)
-    folder = source.path.parent
-    if source.path.name in WEIGHTS and (folder / CONFIG).is_file():
-        config = read_config(folder / CONFIG)
-        return adapter_from_tensors(folder, source, config, kind="PEFT LoRA")
-    return None
-
-
-def read_adapter(path: str | Path, *, weight: float = 1.0) -> Adapter:
-    """Open an adapter: a PEFT folder (or its weights file) or a kohya LoRA file.
+def read_adapter(
+    path: str | Path, *, weight: float = 1.0, options: OpenOptions | None = None
+) -> Adapter:
+    """Open an adapter: a PEFT folder (or its weights file) or a kohya LoRA file. ``options``:
+    how its file is read (its safety options; an adapter has no weights to choose among).
 
     Raises:
         AdapterError: ``path`` holds no adapter ckptkit merges.
@@ -111,7 +103,7 @@ def read_adapter(path: str | Path, *, weight: float = 1.0) -> Adapter:
             "give a finite weight (--adapter PATH:WEIGHT)",
             api_hint="give a finite weight ((PATH, WEIGHT))",
         )
-    source = open_source(path)  # a PEFT folder opens as its adapter_model file (or URL)
+    source = open_source(path, options)  # a PEFT folder opens as its adapter_model file (or URL)
     try:
         adapter = adapter_of(source)
         if adapter is None:
@@ -126,11 +118,11 @@ def read_adapter(path: str | Path, *, weight: float = 1.0) -> Adapter:
     return adapter
 
 
-def _read_all(specs: Iterable[tuple[str, float]]) -> list[Adapter]:
+def _read_all(specs: Iterable[tuple[str, float]], options: OpenOptions) -> list[Adapter]:
     adapters: list[Adapter] = []
     try:
         for path, weight in specs:
-            adapters.append(read_adapter(path, weight=weight))
+            adapters.append(read_adapter(path, weight=weight, options=options))
     except BaseException:
         for adapter in adapters:
             adapter.close()
@@ -138,8 +130,17 @@ def _read_all(specs: Iterable[tuple[str, float]]) -> list[Adapter]:
     return adapters
 
 
-def open_merged(src: str | Path, options: AdapterOptions, **read: object) -> Source:
-    """Open ``src`` for conversion with ``options`` applied (``read`` goes to ``open_source``).
+def open_merged(
+    src: str | Path, options: AdapterOptions, read: OpenOptions | None = None
+) -> Source:
+    """Open ``src`` for conversion with ``options`` applied, ``read`` saying how its model's
+    weights are opened.
+
+    ``read`` belongs to the model: ``src`` itself, or, when ``src`` is an adapter, its base
+    (``--base``, or the one it names). Its options that choose weights (``select``, ``ema``,
+    ``variant``, ``names_from``) have nothing to choose in an adapter, which holds one set; its
+    safety options (``trust``, ``allow_globals``) apply to the adapter too. Adapters merged in
+    (``options.adapters``) are read with ``allow_globals`` only: they are never trusted.
 
     Raises:
         AdapterError: an adapter does not fit its base, or a PeftModel state dict would be
@@ -148,12 +149,20 @@ def open_merged(src: str | Path, options: AdapterOptions, **read: object) -> Sou
     """
     from ckptkit.adapters.merged import MergedSource
 
-    source = open_source(src, **read)  # type: ignore[arg-type]
+    read = read or OpenOptions()
+    source = open_source(src, read.safety() if _adapter_src(src, options) else read)
     extra: list[Adapter] = []
     try:
         base: Source = source
         first: list[Adapter] = []
         if is_peft_model_state(source.keys()):
+            if options.base:
+                raise UsageError(
+                    f"{src} is a PeftModel state dict: its base model is inside it, so --base "
+                    "does not apply",
+                    "drop --base",
+                    api_hint="drop base=",
+                )
             base, first = _peft_model_state(source, options)
         else:
             if options.drop_adapters or options.lora_alpha is not None or options.adapter_config:
@@ -165,13 +174,13 @@ def open_merged(src: str | Path, options: AdapterOptions, **read: object) -> Sou
             adapter = adapter_of(source)
             if adapter is not None:
                 first = [adapter]
-                base = open_source(_base_of(adapter, options, trust=bool(read.get("trust"))))
+                base = open_source(_base_of(adapter, options, trust=read.trust), read)
             elif options.base:
                 raise UsageError(
                     f"{src} is not an adapter, so --base does not apply",
                     "merge adapters into it with --adapter PATH",
                 )
-        extra = _read_all(options.adapters)
+        extra = _read_all(options.adapters, OpenOptions(allow_globals=read.allow_globals))
         adapters = first + extra
         return MergedSource(base, adapters) if adapters else base
     except BaseException:
@@ -179,6 +188,22 @@ def open_merged(src: str | Path, options: AdapterOptions, **read: object) -> Sou
             adapter.close()
         source.close()
         raise
+
+
+def _adapter_src(src: str | Path, options: AdapterOptions) -> bool:
+    """Whether ``src`` is known to be an adapter before it is opened, so the options that choose
+    weights are kept for its base. A local folder is told by its files (a PEFT folder; a run or
+    Trainer folder of adapters is opened with them: ``--select`` picks its checkpoint), a local
+    file by its PEFT name with the config beside it; anything else by ``--base``, which says
+    SRC is an adapter. An adapter found only once opened (a kohya file without ``--base``) is
+    opened with them, and its reader refuses those that do not apply to a file."""
+    if not is_url(str(src)):
+        path = Path(src)
+        if path.is_dir():
+            return adapter_file_in(path) is not None
+        if path.name in WEIGHTS and (path.parent / CONFIG).is_file():
+            return True
+    return bool(options.base)
 
 
 def _base_of(adapter: Adapter, options: AdapterOptions, *, trust: bool) -> str:

@@ -5,11 +5,11 @@ build it from headers alone; ``merged.py`` applies it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.base.source import Source
+from ckptkit.storage.location import Location
 
 __all__ = ["Target", "Adapter", "AdapterError", "factor_rank"]
 
@@ -49,7 +49,7 @@ class Target:
 class Adapter:
     """An opened adapter: its targets, the base tensors it replaces, and its own tensors."""
 
-    path: Path
+    path: Location
     kind: str  # "PEFT LoRA", "kohya LoRA", "PeftModel state dict"
     source: Source  # the adapter's own tensors
     variant: str  # LoRA, rsLoRA, DoRA
@@ -79,15 +79,23 @@ class Adapter:
         return sum(info.nbytes for _, info in self.source.entries())
 
     def target_modules(self) -> list[str]:
-        """The names peft's ``target_modules`` would give (``query``, ``value``); a kohya file's
-        groups (``lora_unet``, ``lora_te``) with their module counts."""
-        if self.kind != "kohya LoRA":
-            return sorted({t.module.rsplit(".", 1)[-1] for t in self.targets})
-        groups: dict[str, int] = {}
-        for t in self.targets:
-            group = "_".join(t.module.split("_")[:2])
-            groups[group] = groups.get(group, 0) + 1
-        return [f"{g} ({n} module{'s' if n != 1 else ''})" for g, n in sorted(groups.items())]
+        """The names peft's ``target_modules`` would give (``query``, ``value``)."""
+        return sorted({t.module.rsplit(".", 1)[-1] for t in self.targets})
+
+    def components(self) -> dict[str, int] | None:
+        """The diffusers pipeline components it changes (``unet``, ``text_encoder``) -> how many
+        modules in each; None for an adapter of one model, merged into one component at most."""
+        return None
+
+    def bind(self, base_keys: list[str], component: str | None = None) -> None:
+        """Name each target by the base tensor it changes, given the base's keys (``component``:
+        the base is that diffusers pipeline component). A PEFT adapter's names are already the
+        base's module paths: nothing to do; a kind whose names are not overrides it
+        (``kohya.KohyaAdapter``).
+
+        Raises:
+            AdapterError: the adapter does not fit that base.
+        """
 
     def to_dict(self) -> dict[str, Any]:
         """What ``inspect --json`` says of it."""
@@ -108,7 +116,9 @@ class Adapter:
         self.source.close()
 
 
-def factor_rank(a_key: str, a: tuple[int, ...], b_key: str, b: tuple[int, ...], path: Path) -> int:
+def factor_rank(
+    a_key: str, a: tuple[int, ...], b_key: str, b: tuple[int, ...], path: Location
+) -> int:
     """The rank of a LoRA's two factors, checked to be two factors of one rank: ``A`` (or
     ``lora_down``) ``rank x inputs [x kernel]``, ``B`` (``lora_up``) ``outputs x rank [x 1]``,
     as many dimensions each, none of them zero.

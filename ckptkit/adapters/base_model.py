@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from ckptkit.errors import FormatError
+from ckptkit.storage.location import Location, is_local
 
 __all__ = ["hf_cache", "find_base", "how_found"]
 
@@ -47,7 +48,7 @@ def _cached(repo_id: str, revision: str | None) -> Path | None:
     return found[0] if len(found) == 1 else None
 
 
-def find_base(name: str | None, adapter: Path, revision: str | None = None) -> Path:
+def find_base(name: str | None, adapter: Location, revision: str | None = None) -> Location:
     """The local base model an adapter's ``base_model_name_or_path`` names: a path as given
     (relative to the current folder), then next to the adapter, then a model in the Hugging
     Face cache.
@@ -73,7 +74,7 @@ def find_base(name: str | None, adapter: Path, revision: str | None = None) -> P
     )
 
 
-def how_found(name: str, adapter: Path, found: Path) -> str:
+def how_found(name: str, adapter: Location, found: Location) -> str:
     """How a base found from an adapter's ``base_model_name_or_path`` was found, for the
     report: the name, where it led, and a word when it leads out of the adapter's folder (an
     absolute path elsewhere, or ``..`` climbing out), which a downloaded adapter could use to
@@ -90,9 +91,11 @@ def how_found(name: str, adapter: Path, found: Path) -> str:
     return shown
 
 
-def _inside(path: Path, folder: Path) -> bool:
+def _inside(path: Location, folder: Location) -> bool:
     """Whether a local ``path`` lies in ``folder`` (symlinks resolved); a URL (no local
     path) is in no local folder."""
+    if not (is_local(path) and is_local(folder)):
+        return False
     try:
         return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
     except (OSError, ValueError, TypeError):

@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 
 from ckptkit.adapters.adapter import Adapter, AdapterError, Target, factor_rank
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.storage.location import Location
 
-__all__ = ["is_kohya", "read_kohya", "bind_kohya", "COMPONENTS", "components", "for_component"]
+__all__ = [
+    "is_kohya",
+    "read_kohya",
+    "KohyaAdapter",
+    "bind_kohya",
+    "COMPONENTS",
+    "components",
+    "for_component",
+]
 
 _KEY = re.compile(
     r"(?P<name>lora_(?:unet|te\d?)_.+)\.(?P<part>lora_down\.weight|lora_up\.weight|alpha)"
@@ -42,7 +50,31 @@ def is_kohya(keys: list[str]) -> bool:
     )
 
 
-def read_kohya(path: Path, source: Source) -> Adapter:
+class KohyaAdapter(Adapter):
+    """A kohya LoRA: its modules named by underscored paths, bound to a base from the base's
+    side (:func:`bind_kohya`), one pipeline component's part at a time."""
+
+    def target_modules(self) -> list[str]:
+        """The file's groups (``lora_unet``, ``lora_te``) with their module counts: underscored
+        names cannot be split back into peft's module names."""
+        groups: dict[str, int] = {}
+        for t in self.targets:
+            group = "_".join(t.module.split("_")[:2])
+            groups[group] = groups.get(group, 0) + 1
+        return [f"{g} ({n} module{'s' if n != 1 else ''})" for g, n in sorted(groups.items())]
+
+    def components(self) -> dict[str, int]:
+        return components(self)
+
+    def bind(self, base_keys: list[str], component: str | None = None) -> None:
+        """Keep the part for ``component`` (a pipeline's), then name each module by the base
+        weight it changes."""
+        if component is not None:
+            for_component(self, component)
+        bind_kohya(self, base_keys)
+
+
+def read_kohya(path: Location, source: Source) -> KohyaAdapter:
     """A kohya LoRA file, its modules named as the file names them (``bind_kohya`` maps them
     onto a base's paths)."""
     entries = dict(source.entries())
@@ -76,7 +108,7 @@ def read_kohya(path: Path, source: Source) -> Adapter:
                 b=up,
             )
         )
-    return Adapter(
+    return KohyaAdapter(
         path=path,
         kind="kohya LoRA",
         source=source,
@@ -87,7 +119,7 @@ def read_kohya(path: Path, source: Source) -> Adapter:
     )
 
 
-def _alpha(path: Path, source: Source, key: str, entries: dict[str, TensorInfo]) -> float:
+def _alpha(path: Location, source: Source, key: str, entries: dict[str, TensorInfo]) -> float:
     """A module's ``alpha``: one finite number (sd-scripts saves a 0-d tensor; a 1-element
     one reads the same). Its shape is checked before it is read, so a huge or empty "alpha" is
     refused without loading it."""

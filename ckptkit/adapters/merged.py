@@ -26,6 +26,7 @@ from ckptkit.adapters.changes import (
 )
 from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.storage.location import Location
 
 if TYPE_CHECKING:
     import torch
@@ -120,12 +121,7 @@ def bind(
     """
     changes: dict[str, list[tuple[Adapter, Change]]] = {}
     for adapter in adapters:
-        if adapter.kind == "kohya LoRA":
-            from ckptkit.adapters.kohya import bind_kohya, for_component
-
-            if component is not None:
-                for_component(adapter, component)
-            bind_kohya(adapter, list(base))
+        adapter.bind(list(base), component)  # each kind names its targets as the base does
         entries = dict(adapter.source.entries())
         names = _prefix_map(adapter.base_keys(), base, adapter)
         for name, adapter_key in adapter.replaced.items():
@@ -230,19 +226,19 @@ class MergedSource(Source):
         self.relative[key] = math.sqrt(change_sq / base_sq) if base_sq else None
         return out
 
-    def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:
+    def byte_pieces(self, key: str) -> list[tuple[Location, int, int]] | None:
         return None if key in self.changes else self.base.byte_pieces(key)
 
     def expected_crc(self, key: str) -> int | None:
         return None if key in self.changes else self.base.expected_crc(key)
 
-    def byte_span(self, key: str) -> tuple[Path, int, int] | None:
+    def byte_span(self, key: str) -> tuple[Location, int, int] | None:
         return None if key in self.changes else self.base.byte_span(key)
 
     def aliases(self) -> dict[str, str]:
         return self.base.aliases()
 
-    def files(self) -> list[Path]:
+    def files(self) -> list[Location]:
         return self.base.files() + [f for a in self.adapters for f in a.source.files()]
 
     def close(self) -> None:

@@ -13,7 +13,6 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ckptkit.adapters.adapter import Adapter, AdapterError, Target, factor_rank
@@ -26,6 +25,7 @@ from ckptkit.adapters.patterns import (
 )
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.folders.layouts import ADAPTER_FILES
+from ckptkit.storage.location import Location
 from ckptkit.storage.small import quoted, read_json
 
 __all__ = ["CONFIG", "WEIGHTS", "read_config", "adapter_from_tensors", "PREFIX"]
@@ -54,7 +54,7 @@ _PARTS = re.compile(
 )
 
 
-def read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Location) -> dict[str, Any]:
     """An ``adapter_config.json``, checked for what a LoRA merge needs (its size and nesting
     bounded, a FIFO refused, every number and pattern checked: ``check_config``)."""
     config = read_json(path, "adapter config")
@@ -90,7 +90,7 @@ MAX_RANK = 1 << 20
 MAX_INDEX = 1 << 31
 
 
-def _bad(where: Path | str, field: str, value: Any, why: str) -> AdapterError:
+def _bad(where: Location | str, field: str, value: Any, why: str) -> AdapterError:
     return AdapterError(
         f"{where} sets {field}={_shown(value)}: {why}", f"fix {field} in the adapter's {CONFIG}"
     )
@@ -105,7 +105,7 @@ def _shown(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _rank(value: Any, where: Path | str, field: str) -> int:
+def _rank(value: Any, where: Location | str, field: str) -> int:
     """A rank from a config: a whole number from 1 to ``MAX_RANK``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(where, field, value, "a rank is a whole number")
@@ -114,7 +114,7 @@ def _rank(value: Any, where: Path | str, field: str) -> int:
     return int(value)
 
 
-def _alpha(value: Any, where: Path | str, field: str) -> float:
+def _alpha(value: Any, where: Location | str, field: str) -> float:
     """A ``lora_alpha`` from a config: a finite number (NaN or inf would merge as NaN/inf)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(where, field, value, "lora_alpha is a number")
@@ -127,7 +127,9 @@ def _alpha(value: Any, where: Path | str, field: str) -> float:
     return alpha
 
 
-def _compiled(pattern: Any, where: Path | str, field: str, make: Any = peft_key_pattern) -> Pattern:
+def _compiled(
+    pattern: Any, where: Location | str, field: str, make: Any = peft_key_pattern
+) -> Pattern:
     if not isinstance(pattern, str):
         raise _bad(where, field, pattern, "a module pattern is a string")
     try:
@@ -139,7 +141,7 @@ def _compiled(pattern: Any, where: Path | str, field: str, make: Any = peft_key_
         ) from None
 
 
-def _indices(value: Any, where: Path | str, field: str) -> tuple[int, ...]:
+def _indices(value: Any, where: Location | str, field: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_INDEX for i in value
     ):
@@ -180,7 +182,7 @@ class Rules:
         return next((i for p, i in self.token_patterns if p.matches(module)), None)
 
 
-def check_config(config: dict[str, Any], where: Path | str) -> Rules:
+def check_config(config: dict[str, Any], where: Location | str) -> Rules:
     """Every number and pattern of a config that a merge reads, checked (type, finite, range)
     and compiled; one AdapterError naming ``where``, the field and the value."""
     r = None if "r" not in config else _rank(config["r"], where, "r")
@@ -234,7 +236,7 @@ def check_config(config: dict[str, Any], where: Path | str) -> Rules:
 
 
 def adapter_from_tensors(
-    path: Path, source: Source, config: dict[str, Any], *, kind: str, prefix: str = PREFIX
+    path: Location, source: Source, config: dict[str, Any], *, kind: str, prefix: str = PREFIX
 ) -> Adapter:
     """An Adapter from its tensors (by peft's key names under ``prefix``) and its config."""
     rules = check_config(config, path)
@@ -281,7 +283,7 @@ def adapter_from_tensors(
 
 
 def _target(
-    path: Path,
+    path: Location,
     module: str,
     found: dict[str, str],
     entries: dict[str, TensorInfo],
@@ -324,7 +326,7 @@ def _target(
     )
 
 
-def _token_indices(rules: Rules, module: str, path: Path) -> tuple[int, ...]:
+def _token_indices(rules: Rules, module: str, path: Location) -> tuple[int, ...]:
     """The token indices ``trainable_token_indices`` gives a module (a list means the input
     embedding, the only one there is)."""
     indices = rules.token_indices(module)

@@ -11,13 +11,13 @@ the scale from outside.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.adapters.adapter import AdapterError
 from ckptkit.adapters.peft import PREFIX
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tree import DroppedPart
+from ckptkit.storage.location import Location
 
 if TYPE_CHECKING:
     import torch
@@ -81,13 +81,13 @@ class ViewSource(Source):
     def load(self, key: str) -> torch.Tensor:
         return self.inner.load(self.names[key])
 
-    def byte_pieces(self, key: str) -> list[tuple[Path, int, int]] | None:
+    def byte_pieces(self, key: str) -> list[tuple[Location, int, int]] | None:
         return self.inner.byte_pieces(self.names[key])
 
     def expected_crc(self, key: str) -> int | None:
         return self.inner.expected_crc(self.names[key])
 
-    def byte_span(self, key: str) -> tuple[Path, int, int] | None:
+    def byte_span(self, key: str) -> tuple[Location, int, int] | None:
         return self.inner.byte_span(self.names[key])
 
     def aliases(self) -> dict[str, str]:
@@ -96,7 +96,7 @@ class ViewSource(Source):
             back[a]: back[b] for a, b in self.inner.aliases().items() if a in back and b in back
         }
 
-    def files(self) -> list[Path]:
+    def files(self) -> list[Location]:
         return self.inner.files()
 
     def close(self) -> None:

@@ -5,21 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ckptkit.adapters import AdapterOptions
+from ckptkit.formats.open import OpenOptions
 
 __all__ = ["ReadOptions", "OutputOptions"]
 
 
-@dataclass(frozen=True)
-class ReadOptions:
-    """How the source is read: where its state dict is, and what its pickle may name."""
+@dataclass(frozen=True, kw_only=True)
+class ReadOptions(OpenOptions):
+    """How the source is read: how it is opened (``OpenOptions``: which weights, how safely;
+    an adapter SRC's base takes them, see ``open_merged``), what is merged into it or stripped
+    from it, and how many ranged requests a URL source gets."""
 
-    select: str | None = None
-    ema: bool = False
-    trust: bool = False
-    allow_globals: tuple[str, ...] = ()
     adapters: AdapterOptions = field(default_factory=AdapterOptions)
-    variant: str | None = None  # a model folder's weights of this variant (diffusers' fp16)
-    names_from: str | None = None  # the model a diffusers EMAModel's shadow_params belong to
     workers: int = 8  # ranged requests in flight for a source at a URL (local files: unused)
 
 

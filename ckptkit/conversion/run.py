@@ -111,16 +111,7 @@ def _convert(
     fmt = "safetensors" if folder else output_format(dst, output.to)
     keys = replace(keys, renames=tuple(keys.rename_rules()))  # a bad rule fails before reading
     dtype, limit = cast_target(output.dtype), shard_limit(output, fmt)
-    with open_merged(
-        src,
-        read.adapters,
-        select=read.select,
-        trust=read.trust,
-        allow_globals=read.allow_globals,
-        ema=read.ema,
-        variant=read.variant,
-        names_from=read.names_from,
-    ) as source:
+    with open_merged(src, read.adapters, read) as source:
         refuse_unconvertible(source, src, check_outputs)
         dst, folder = _placed(source, dst, fmt, into, folder)
         plan = make_plan(source, src, dst, fmt, keys, output, dtype, limit, folder)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ckptkit.errors import (
     CkptkitError,
@@ -49,7 +51,7 @@ from ckptkit.formats.folders.runs import run_checkpoint, trainer_checkpoint
 from ckptkit.storage.location import Location
 from ckptkit.storage.remote import RemotePath, as_path, is_url
 
-__all__ = ["open_source", "checkpoint_index"]
+__all__ = ["open_source", "OpenOptions", "checkpoint_index"]
 
 Opener = Callable[..., Source]  # open_source with the caller's trust and safety options bound
 
@@ -63,17 +65,49 @@ def checkpoint_index(path: Path) -> Path | None:
     return path if is_index_name(path.name) and path.is_file() else None
 
 
+@dataclass(frozen=True, kw_only=True)
+class OpenOptions:
+    """How a checkpoint is opened: which of its weights are read (``select``, ``ema``,
+    ``variant``, ``names_from``, ``unnamed``) and how safely its pickles are read (``trust``,
+    ``allow_globals``, ``check_safety``). The one object every reader of a path is given: a
+    LoRA adapter's base is opened with the source's options (its weights chosen by them), the
+    adapter itself with :meth:`safety` alone (it holds one set of weights: nothing to choose).
+    """
+
+    select: str | None = None
+    ema: bool = False
+    variant: str | None = None
+    names_from: str | Path | None = None
+    unnamed: bool = False
+    trust: bool = False
+    allow_globals: tuple[str, ...] = ()
+    check_safety: bool = True
+
+    def __post_init__(self) -> None:
+        # Any iterable of names is accepted; kept as a tuple, so the options stay hashable.
+        object.__setattr__(self, "allow_globals", tuple(self.allow_globals))
+
+    @property
+    def chooses_weights(self) -> bool:
+        """Whether an option picks among a checkpoint's weights (``--select``, ``--ema``,
+        ``--variant``, ``--names-from``)."""
+        return (
+            self.select is not None
+            or self.ema
+            or self.variant is not None
+            or self.names_from is not None
+        )
+
+    def safety(self) -> OpenOptions:
+        """The options that apply to any file read (how its pickle is read), without those that
+        choose weights inside it."""
+        return OpenOptions(
+            trust=self.trust, allow_globals=self.allow_globals, check_safety=self.check_safety
+        )
+
+
 def open_source(
-    path: str | Path | Location,
-    *,
-    select: str | None = None,
-    trust: bool = False,
-    allow_globals: Iterable[str] = (),
-    check_safety: bool = True,
-    ema: bool = False,
-    variant: str | None = None,
-    names_from: str | Path | None = None,
-    unnamed: bool = False,
+    path: str | Path | Location, options: OpenOptions | None = None, **changes: Any
 ) -> Source:
     """Open a checkpoint for reading, without executing any of its code.
 
@@ -84,22 +118,28 @@ def open_source(
             folder (with ``select``), a DeepSpeed checkpoint folder, a DCP folder (or its
             ``.metadata``), or every rank's ``torch.save`` of a sharded model (a folder holding
             them, or a glob such as ``ckpt/model_rank*.pt``).
-        select: dotted path of the state dict inside a training checkpoint (default: found);
-            in a folder, the model file (``model_1``); in a diffusers pipeline folder, the
-            component (``unet``); for DeepSpeed ``fp32`` or ``module``.
-        trust: load with torch's full unpickler, which can run code from the file.
-        allow_globals: globals (``module.Name``) admitted beside torch's safe set; they are
-            still never imported, only recorded. Names that execute or import are refused.
-        check_safety: False reads a torch file whatever its safety verdict (for ``inspect``:
-            the reading is static, nothing in the file runs).
-        ema: take a training checkpoint's EMA copy of the weights (``state_dict_ema``...).
-        variant: in a model folder, the weights of this variant
-            (``diffusion_pytorch_model.fp16.safetensors`` for ``"fp16"``); by default the file
-            without a variant, else the only one.
-        names_from: the model (folder or file) a diffusers ``EMAModel`` state dict's
-            ``shadow_params`` belong to: they take its parameter names, in order.
-        unnamed: open an ``EMAModel`` state dict without ``names_from``, its tensors keyed by
-            position (``"0"``, ``"1"``...; ``inspect``) rather than refusing it.
+        options: how it is opened (default: ``OpenOptions()``); its fields:
+
+            - ``select``: dotted path of the state dict inside a training checkpoint (default:
+              found); in a folder, the model file (``model_1``); in a diffusers pipeline folder,
+              the component (``unet``); for DeepSpeed ``fp32`` or ``module``.
+            - ``ema``: take a training checkpoint's EMA copy of the weights
+              (``state_dict_ema``...).
+            - ``variant``: in a model folder, the weights of this variant
+              (``diffusion_pytorch_model.fp16.safetensors`` for ``"fp16"``); by default the file
+              without a variant, else the only one.
+            - ``names_from``: the model (folder or file) a diffusers ``EMAModel`` state dict's
+              ``shadow_params`` belong to: they take its parameter names, in order.
+            - ``unnamed``: open an ``EMAModel`` state dict without ``names_from``, its tensors
+              keyed by position (``"0"``, ``"1"``...; ``inspect``) rather than refusing it.
+            - ``trust``: load with torch's full unpickler, which can run code from the file.
+            - ``allow_globals``: globals (``module.Name``) admitted beside torch's safe set;
+              they are still never imported, only recorded. Names that execute or import are
+              refused.
+            - ``check_safety``: False reads a torch file whatever its safety verdict (for
+              ``inspect``: the reading is static, nothing in the file runs).
+        changes: fields of ``options`` given by name instead (``open_source(p, select="model")``),
+            or changed (a folder's reader opening a file with ``variant=`` its own).
 
     Raises:
         FormatError: the file is not a readable checkpoint.
@@ -109,6 +149,11 @@ def open_source(
             ``EMAModel`` state dict without ``names_from``.
         UsageError: ``variant`` for a file, ``names_from`` for anything but an ``EMAModel``.
     """
+    given = options or OpenOptions()
+    chosen = replace(given, **changes) if changes else given
+    select, trust, allow_globals = chosen.select, chosen.trust, chosen.allow_globals
+    check_safety, ema, variant = chosen.check_safety, chosen.ema, chosen.variant
+    names_from, unnamed = chosen.names_from, chosen.unnamed
     if is_url(path):
         # One given by a reader of a folder keeps what was learnt of it (listings, probes).
         url = path if isinstance(path, RemotePath) else RemotePath(str(path))
