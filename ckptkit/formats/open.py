@@ -160,7 +160,7 @@ def open_source(
         # --variant with --names-from picks the weights of the model named there
         own_variant = variant if names_from is None else None
         source = _open_url(url, select, trust, allow_globals, check_safety, ema, own_variant)
-        return _named(url, source, names_from, variant, unnamed)  # type: ignore[arg-type]
+        return _named(url, source, names_from, variant, unnamed)
     path = Path(str(path))
     if variant is not None and names_from is None and not path.is_dir():
         raise UsageError(
@@ -205,7 +205,7 @@ def _open(
 
 
 def _open_layout(
-    path: Path,
+    path: Location,
     select: str | None,
     trust: bool,
     allow_globals: Iterable[str],
@@ -239,7 +239,11 @@ def _pointed_to(source: Source, checkpoint: Path, why: str) -> Source:
 
 
 def _named(
-    path: Path, source: Source, names_from: str | Path | None, variant: str | None, unnamed: bool
+    path: Location,
+    source: Source,
+    names_from: str | Path | None,
+    variant: str | None,
+    unnamed: bool,
 ) -> Source:
     """A diffusers EMAModel's shadow_params named after ``names_from``'s parameters; refused
     without it (unless ``unnamed``); ``names_from`` refused for anything else."""
@@ -434,7 +438,7 @@ def _open_url_file(
     if url.name == ".metadata":
         from ckptkit.formats.folders.dcp import DCPSource  # a DCP folder: .metadata, then chunks
 
-        return DCPSource(url.parent, select=select, ema=ema)  # type: ignore[arg-type]
+        return DCPSource(url.parent, select=select, ema=ema)
     if url.name.endswith(".index.json"):  # a sharded checkpoint: the index, then each shard
         from ckptkit.formats.folders.sharded import ShardedSource
 
@@ -452,11 +456,11 @@ def _open_url_file(
         if kind == "safetensors":
             from ckptkit.formats.files.safetensors import SafetensorsSource
 
-            return SafetensorsSource(url, select=select, raw=raw)  # type: ignore[arg-type]
+            return SafetensorsSource(url, select=select, raw=raw)
         from ckptkit.formats.files.torchfile import TorchFileSource
 
         return TorchFileSource(
-            url,  # type: ignore[arg-type]
+            url,
             select=select,
             allow_globals=allow_globals,
             check_safety=check_safety,
@@ -472,7 +476,7 @@ def _open_url_file(
             raise
         from ckptkit.formats.folders.rank_files import one_rank_refusal
 
-        raise one_rank_refusal(url, sharded[0]) from None  # type: ignore[arg-type]
+        raise one_rank_refusal(url, sharded[0]) from None
     except BaseException:
         raw.close()
         raise
@@ -501,7 +505,7 @@ def _open_url_folder(
         if (url / ".metadata").is_file():
             from ckptkit.formats.folders.dcp import DCPSource
 
-            return DCPSource(url, select=select, ema=ema)  # type: ignore[arg-type]
+            return DCPSource(url, select=select, ema=ema)
         if not url.is_file():
             raise FormatError(
                 f"{url} is no file, and a folder cannot be listed over HTTP",
@@ -512,7 +516,7 @@ def _open_url_folder(
     if not glob and not names:
         return None  # no folder: an object (or nothing) there
     source = _open_layout(
-        url,  # type: ignore[arg-type]
+        url,
         select,
         False,
         allow_globals,

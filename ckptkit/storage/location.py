@@ -31,6 +31,7 @@ __all__ = [
     "head",
     "url_file",
     "tree_size",
+    "local_path",
     "listing",
     "fresh_names",
 ]
@@ -142,6 +143,14 @@ def url_file(where: Location) -> RangeFile | None:
     the one its layout's check read through where there was one); None for a local file,
     which its reader opens itself (memory-mapped, or copied file to file by the kernel)."""
     return where.open_range() if isinstance(where, RemotePath) else None
+
+
+def local_path(where: Location) -> Path:
+    """A local file's path, for what only a local file allows (memory-mapping it, torch's own
+    loader); a URL here is a bug of the caller, which reads it through :func:`url_file`."""
+    if not isinstance(where, Path):
+        raise TypeError(f"{where} is not on the local disk")
+    return where
 
 
 def tree_size(folder: Location) -> int:

@@ -17,7 +17,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.base.source import Source, TensorInfo
-from ckptkit.storage.location import Location
+from ckptkit.storage.location import Location, local_path
 
 if TYPE_CHECKING:
     import torch
@@ -174,7 +174,6 @@ class GGUFSource(Source):
 
     def __init__(self, path: Path) -> None:
         version, meta, infos, data = read_gguf_header(path)
-        self._file = path  # local only: GGUF at a URL is refused when opened
         super().__init__(
             path=path,
             format="gguf",
@@ -222,7 +221,7 @@ class GGUFSource(Source):
         from ckptkit.formats.base.tensors import from_buffer
 
         start, length = self._spans[key]
-        with open(self._file, "rb") as f:
+        with open(local_path(self.path), "rb") as f:
             f.seek(start)
             data = bytearray(f.read(length))
         return from_buffer(data, 0, length, info.dtype).reshape(info.shape)

@@ -22,7 +22,7 @@ from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tensors import as_bytes, dtype_name, from_buffer
 from ckptkit.meta import NAMESPACE, CheckpointMeta
 from ckptkit.storage.bytecopy import preallocate, write_all
-from ckptkit.storage.location import Location, head, size
+from ckptkit.storage.location import Location, head, local_path, size
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +78,7 @@ def sharding_info_in(text: bytes) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def read_header(path: Path, raw: Any = None) -> tuple[dict[str, Any], int]:
+def read_header(path: Location, raw: Any = None) -> tuple[dict[str, Any], int]:
     """Read a safetensors header and check it as strictly as the safetensors library does.
 
     Returns:
@@ -92,7 +92,7 @@ def read_header(path: Path, raw: Any = None) -> tuple[dict[str, Any], int]:
     Raises:
         FormatError: not a safetensors file, or one that is truncated or inconsistent.
     """
-    with open(path, "rb") if raw is None else contextlib.nullcontext(raw) as f:
+    with open(local_path(path), "rb") if raw is None else contextlib.nullcontext(raw) as f:
         f.seek(0)
         head = f.read(8)
         size = f.seek(0, 2)
@@ -258,7 +258,7 @@ def _check_layout(path: Path, header: dict[str, Any], data_size: int) -> None:
 class SafetensorsSource(Source):
     """A single safetensors file; tensors come memory-mapped through ``safe_open``."""
 
-    def __init__(self, path: Path, *, select: str | None = None, raw: Any = None) -> None:
+    def __init__(self, path: Location, *, select: str | None = None, raw: Any = None) -> None:
         header, self._data_start = read_header(path, raw)
         self.remote_file = raw  # the file at a URL (a RangeFile); None on a local disk
         metadata = header.pop("__metadata__", None) or {}
@@ -346,7 +346,7 @@ def _info(entry: Any) -> TensorInfo:
     return TensorInfo(from_safetensors(entry["dtype"]).name, shape, byte_range=(begin, end))
 
 
-def _is_dcp_shard(path: Path, metadata: Mapping[str, str]) -> bool:
+def _is_dcp_shard(path: Location, metadata: Mapping[str, str]) -> bool:
     """DCP's Hugging Face writer saved this file as one rank's part of each tensor (its name is
     ``shard-<rank>-...`` or a chunk starts past 0), not as whole tensors (rank-0 saves)."""
     text = metadata.get(HF_SHARDING)

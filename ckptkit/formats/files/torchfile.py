@@ -39,7 +39,7 @@ from ckptkit.formats.pickles.unpickler import (
 )
 from ckptkit.formats.pickles.verdicts import check_allowed, is_dangerous
 from ckptkit.keys import module_prefixes
-from ckptkit.storage.location import Location
+from ckptkit.storage.location import Location, local_path
 from ckptkit.storage.rangefile import RangeFile
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ class _LegacyLayout(ZipLayout):
     """The legacy format: magic, protocol and system-info pickles, the main pickle, the list of
     storage keys, then each storage as an int64 element count followed by its bytes."""
 
-    def __init__(self, path: Path, raw: Any, reading: Reading) -> None:
+    def __init__(self, path: Location, raw: Any, reading: Reading) -> None:
         self.path, self.raw = path, raw
         pickles = reading.pickles
         if reading.kind != "torch-legacy" or len(pickles) < 5:
@@ -283,7 +283,7 @@ def _stub_nbytes(value: Any) -> int:
 
 
 def checked_reading(
-    path: Path, allowed: Iterable[str] = (), *, check_safety: bool = True, raw: Any = None
+    path: Location, allowed: Iterable[str] = (), *, check_safety: bool = True, raw: Any = None
 ) -> tuple[Reading, list[Reading]]:
     """The reading ``torch.load`` makes of a torch file, refused unless every reading of the
     file is safe (globals admitted by ``allowed`` aside), unambiguous and whole. Returns it and
@@ -295,7 +295,7 @@ def checked_reading(
             writes, or a polyglot.
         FormatError: a damaged file.
     """
-    found = readings(path) if raw is None else remote_readings(path, raw)
+    found = readings(local_path(path)) if raw is None else remote_readings(path, raw)
     if not found:
         raise FormatError(f"{path} is not a recognised checkpoint")
     safe = safe_globals() | DATA_GLOBALS | set(allowed)
@@ -323,7 +323,7 @@ def checked_reading(
 
 
 def scan_torch_file(
-    path: Path, allowed: Iterable[str] = (), *, check_safety: bool = True, raw: Any = None
+    path: Location, allowed: Iterable[str] = (), *, check_safety: bool = True, raw: Any = None
 ) -> tuple[PickleScan, ZipLayout, Any, list[Reading]]:
     """Check a torch file and read its pickle statically (``raw``: the file at a URL, a
     RangeFile; None: the local file ``path``).
@@ -333,7 +333,7 @@ def scan_torch_file(
     """
     reading, found = checked_reading(path, allowed, check_safety=check_safety, raw=raw)
     if raw is None:
-        raw = open(path, "rb")  # noqa: SIM115 - owned by the Source, closed in close()
+        raw = open(local_path(path), "rb")  # noqa: SIM115 - owned by the Source, closed in close()
     try:
         layout, scan = _layout_for(path, raw, reading)
     except BaseException:
@@ -355,7 +355,7 @@ def _layout_for(path: Path, raw: Any, reading: Reading) -> tuple[ZipLayout, Pick
 
 
 def _check_extents(
-    path: Path, layout: ZipLayout, stubs: Iterable[tuple[str | None, TensorStub]]
+    path: Location, layout: ZipLayout, stubs: Iterable[tuple[str | None, TensorStub]]
 ) -> None:
     """Every tensor lies inside its storage, and every storage inside the file, from headers
     alone.
@@ -429,7 +429,7 @@ class TorchFileSource(Source):
 
     def __init__(
         self,
-        path: Path,
+        path: Location,
         *,
         select: str | None = None,
         allow_globals: Iterable[str] = (),
@@ -528,7 +528,9 @@ class TorchFileSource(Source):
             with warnings.catch_warnings():  # torch's deprecation notes on quantized storages
                 warnings.simplefilter("ignore")
                 # memory-mapped: a local file (tensors of a file at a URL are fetched instead)
-                whole = torch.load(str(self.path), map_location="cpu", weights_only=True, mmap=True)
+                whole = torch.load(
+                    local_path(self.path), map_location="cpu", weights_only=True, mmap=True
+                )
             self._whole = node_at(whole, self.selected)
         return self._whole
 

@@ -113,7 +113,7 @@ class DCPSource(ChunkedSource):
     """A DCP checkpoint folder: the flattened state unflattened into a training checkpoint's
     tree, its state dict found in it as in a ``.pt`` file (``model`` by default)."""
 
-    def __init__(self, folder: Path, *, select: str | None = None, ema: bool = False) -> None:
+    def __init__(self, folder: Location, *, select: str | None = None, ema: bool = False) -> None:
         super().__init__(folder, "dcp")
         try:
             self._read(folder, select, ema)

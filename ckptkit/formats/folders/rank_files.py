@@ -325,7 +325,7 @@ def one_rank_error(file: Path) -> FormatError | None:
     return one_rank_refusal(file, kind) if kind is not None else None
 
 
-def one_rank_refusal(file: Path, kind: str = "DTensor") -> FormatError:
+def one_rank_refusal(file: Location, kind: str = "DTensor") -> FormatError:
     """The error for one rank's file of a sharded save, naming how to give the set."""
     match = _RANK.fullmatch(file.name)
     pattern = file.parent / (f"{match[1]}*{match[3]}" if match else f"*{file.suffix}")
