@@ -29,7 +29,7 @@ from ckptkit.formats.files.readings import WEIGHT_SUFFIXES
 from ckptkit.formats.output.plan import parse_size
 from ckptkit.keys import KeyRules
 from ckptkit.spread import Part, parse_part
-from ckptkit.storage.remote import as_path, is_url
+from ckptkit.storage.location import is_local, is_remote, local_path, location
 
 __all__ = [
     "convert",
@@ -267,8 +267,8 @@ def _whole_pipeline(
         and not into_file
         and merges_only
         and part is None
-        and not is_url(str(src))  # a pipeline at a URL: one component with --select
-        and is_pipeline(Path(src))
+        and is_local(where := location(src))  # a pipeline at a URL: a component with --select
+        and is_pipeline(where)
     )
 
 
@@ -276,7 +276,7 @@ def _convert_pipeline(src: str | Path, dst: str | Path, options: dict[str, Any])
     """``convert PIPELINE OUT``: every component, into a pipeline folder (pipeline_convert.py)."""
     from ckptkit.pipeline_convert import convert_pipeline
 
-    if is_url(str(dst)):
+    if is_remote(str(dst)):
         raise UsageError(
             f"{src} is a diffusers pipeline: converted whole, it is written to a local folder",
             "give a local folder, or take one component with --select NAME",
@@ -289,4 +289,4 @@ def _convert_pipeline(src: str | Path, dst: str | Path, options: dict[str, Any])
             api_hint="take one component with select=",
         )
     del options["part"], options["check_outputs"]
-    return convert_pipeline(as_path(src), Path(dst), **options)
+    return convert_pipeline(local_path(location(src)), Path(dst), **options)

@@ -18,6 +18,7 @@ Two ways to run the parts:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -28,10 +29,8 @@ from typing import Any
 from ckptkit.errors import FormatError, UsageError
 from ckptkit.formats.files.safetensors import read_header
 from ckptkit.formats.output.plan import index_document
-from ckptkit.storage.backends import open_remote
 from ckptkit.storage.destination import Destination, destination
-from ckptkit.storage.rangefile import RangeFile
-from ckptkit.storage.remote import as_path, is_url
+from ckptkit.storage.location import Location, location, url_file
 
 __all__ = ["Part", "parse_part", "launched_part", "all_succeeded", "finish", "FinishReport"]
 
@@ -128,9 +127,9 @@ def finish(dst: str | Path, *, force: bool = False) -> FinishReport:
     """
     target = destination(dst, force=force)
     present = set(target.names())
-    dst = as_path(str(dst))
-    folder = dst.parent
-    stem = dst.name.removesuffix(".safetensors")
+    where = location(dst)
+    folder = where.parent
+    stem = where.name.removesuffix(".safetensors")
     pattern = re.compile(re.escape(stem) + r"-(\d{5})-of-(\d{5})\.safetensors")
     counts = {m[2] for n in present if (m := pattern.fullmatch(n))}
     if not counts:
@@ -167,8 +166,8 @@ def finish(dst: str | Path, *, force: bool = False) -> FinishReport:
             )
         spans = ((key, entry["data_offsets"]) for key, entry in entries.items())
         sizes.append([(key, end - begin) for key, (begin, end) in spans])
-    index = dst.with_name(dst.name + ".index.json")
     text = index_document(sizes, names, header or {})
+    index = folder / (where.name + ".index.json")
     _write_index(target, index.name, text)
     return FinishReport(
         str(index),
@@ -178,11 +177,10 @@ def finish(dst: str | Path, *, force: bool = False) -> FinishReport:
     )
 
 
-def _header(path: Path) -> dict[str, Any]:
+def _header(path: Location) -> dict[str, Any]:
     """A shard's safetensors header, from a local file or through ranged reads of a URL."""
-    if not is_url(str(path)):
-        return read_header(path)[0]
-    with RangeFile(open_remote(str(path))) as raw:
+    raw = url_file(path)
+    with raw if raw is not None else contextlib.nullcontext():
         return read_header(path, raw)[0]
 
 

@@ -30,6 +30,7 @@ from ckptkit.storage.location import (
     Location,
     is_local,
     is_remote,
+    local_path,
     location,
     may_be_folder,
     size,
@@ -233,7 +234,7 @@ def _summarize(
             metadata=dict(source.metadata),
             safety=safety,
             candidates=list(source.candidates),
-            parts=_folder_parts(source.folder or path, safety)  # a pipeline's component's
+            parts=_folder_parts(local_path(source.folder or path), safety)  # a component's
             if is_local(path) and path.is_dir() and source.format != "sharded"
             else [],
             shards={

@@ -28,6 +28,7 @@ from ckptkit.errors import UsageError
 from ckptkit.formats.base.source import Source
 from ckptkit.formats.folders.layouts import adapter_file_in
 from ckptkit.formats.open import OpenOptions, open_source
+from ckptkit.storage.location import Location, is_local, location
 from ckptkit.storage.remote import is_url
 
 __all__ = [
@@ -131,7 +132,7 @@ def _read_all(specs: Iterable[tuple[str, float]], options: OpenOptions) -> list[
 
 
 def open_merged(
-    src: str | Path, options: AdapterOptions, read: OpenOptions | None = None
+    src: str | Path | Location, options: AdapterOptions, read: OpenOptions | None = None
 ) -> Source:
     """Open ``src`` for conversion with ``options`` applied, ``read`` saying how its model's
     weights are opened.
@@ -190,15 +191,15 @@ def open_merged(
         raise
 
 
-def _adapter_src(src: str | Path, options: AdapterOptions) -> bool:
+def _adapter_src(src: str | Path | Location, options: AdapterOptions) -> bool:
     """Whether ``src`` is known to be an adapter before it is opened, so the options that choose
     weights are kept for its base. A local folder is told by its files (a PEFT folder; a run or
     Trainer folder of adapters is opened with them: ``--select`` picks its checkpoint), a local
     file by its PEFT name with the config beside it; anything else by ``--base``, which says
     SRC is an adapter. An adapter found only once opened (a kohya file without ``--base``) is
     opened with them, and its reader refuses those that do not apply to a file."""
-    if not is_url(str(src)):
-        path = Path(src)
+    path = location(src)
+    if is_local(path):  # at a URL, the files are not listed to find out
         if path.is_dir():
             return adapter_file_in(path) is not None
         if path.name in WEIGHTS and (path.parent / CONFIG).is_file():

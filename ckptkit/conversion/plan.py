@@ -19,6 +19,7 @@ from ckptkit.formats.output.plan import parse_size, plan_shards, shard_paths
 from ckptkit.formats.output.writers import able, writer_class
 from ckptkit.keys import KeyMatch, KeyPlan, KeyRules, match_keys, mismatch_message, plan_ties
 from ckptkit.spread import Part
+from ckptkit.storage.location import Location, is_local
 
 __all__ = ["Plan", "make_plan", "part_of", "shard_limit", "cast_target", "refuse_unconvertible"]
 
@@ -27,7 +28,7 @@ __all__ = ["Plan", "make_plan", "part_of", "shard_limit", "cast_target", "refuse
 class Plan:
     """What a conversion will write, computed from headers alone."""
 
-    src: Path
+    src: Location
     dst: Path
     fmt: str
     keys: KeyPlan
@@ -41,13 +42,13 @@ class Plan:
     allow_overflow: bool = False
     special: frozenset[str] = field(default_factory=frozenset)  # kept as they are in .pt
     folder: Path | None = None  # a model folder output: the outputs are inside it
-    copies: list[Path] = field(default_factory=list)  # the source folder's config, tokenizer...
+    copies: list[Location] = field(default_factory=list)  # the source folder's config, tokenizer...
     into: bool = False  # the model folder exists: its files are replaced one by one
 
 
 def make_plan(
     source: Source,
-    src: Path,
+    src: Location,
     dst: Path,
     fmt: str,
     keys: KeyRules,
@@ -114,7 +115,7 @@ def make_plan(
     )
 
 
-def refuse_special(src: Path, entries: dict[str, TensorInfo], fmt: str) -> None:
+def refuse_special(src: Location, entries: dict[str, TensorInfo], fmt: str) -> None:
     """Refuse, naming the key, what the output cannot hold as it is: a placeholder or a meta
     tensor is never written as weights; sparse and quantized tensors and packed parameters go
     only to ``.pt`` output, which keeps them (safetensors stores dense tensors only)."""
@@ -168,7 +169,7 @@ def match_reference(plan: KeyPlan, entries: dict[str, TensorInfo], ref_path: Pat
     return match
 
 
-def refuse_unconvertible(source: Source, src: Path, check_outputs: bool) -> None:
+def refuse_unconvertible(source: Source, src: Location, check_outputs: bool) -> None:
     """Refuse, before planning, a source there is nothing to convert from (GGUF, no tensors)
     and ``--check-outputs`` where nothing is merged."""
     from ckptkit.adapters.merged import MergedSource
@@ -256,14 +257,14 @@ def item_dtype(info: TensorInfo, key: str, target: str | None, output: OutputOpt
     return _out_dtype(info.dtype, key, target, list(output.keep_dtype))
 
 
-def copies_into(plan: Plan, force: bool) -> list[Path]:
+def copies_into(plan: Plan, force: bool) -> list[Location]:
     """The source folder's config files to write into an existing folder: those it lacks or
     holds otherwise (which need ``--force``); one it holds as they are is left alone."""
     assert plan.folder is not None
     copies = []
     for path in plan.copies:
         there = plan.folder / path.name
-        if there.is_file() and isinstance(path, Path):  # a URL's: not compared
+        if there.is_file() and is_local(path):  # a URL's: not compared
             if (
                 there.stat().st_size == path.stat().st_size
                 and there.read_bytes() == path.read_bytes()

@@ -29,7 +29,7 @@ from ckptkit.formats.output.writers import TO_FORMATS, writer_class
 from ckptkit.keys import KeyRules
 from ckptkit.spread import Part
 from ckptkit.storage.destination import Destination, destination
-from ckptkit.storage.remote import as_path
+from ckptkit.storage.location import Location, location
 
 __all__ = ["convert_model"]
 
@@ -51,7 +51,7 @@ def convert_model(
     """Convert one model (not a whole pipeline: see ``ckptkit.convert``) to ``dst``, a local
     path or a URL; ``part``: only that share of the shards (and the index, for rank 0 of a
     launched run, once every rank has written its own)."""
-    source_path = as_path(src)
+    source_path = location(src)
     whole = _saved_whole(output)
     target = destination(
         dst, force=force, inputs=[source_path], whole=whole, parts=part is not None
@@ -88,7 +88,7 @@ def _saved_whole(output: OutputOptions) -> bool:
 
 
 def _convert(
-    src: Path,
+    src: Location,
     dst: Path,
     target: Destination,
     *,

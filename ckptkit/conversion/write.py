@@ -22,6 +22,7 @@ from ckptkit.formats.output.writers import Writer, writer_class, writer_for
 from ckptkit.progress import progress_bar
 from ckptkit.spread import Part, all_succeeded
 from ckptkit.storage.destination import Destination, Files
+from ckptkit.storage.location import Location
 
 __all__ = ["outputs_of", "write", "write_agreed", "parent_folders"]
 
@@ -132,7 +133,7 @@ def _index(plan: Plan, header: dict[str, str]) -> str:
     return index_document(sizes, [p.name for p in plan.outputs[:-1]], header)
 
 
-def _copy_file(path: Path, dst: Path) -> None:
+def _copy_file(path: Location, dst: Path) -> None:
     """A model folder's small file (config.json...) copied beside the weights, from a local
     folder or one at a URL (read whole: such files are small)."""
     dst.write_bytes(path.read_bytes())

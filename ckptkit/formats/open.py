@@ -48,7 +48,7 @@ from ckptkit.formats.folders.layouts import (
 )
 from ckptkit.formats.folders.rank_files import find_rank_files
 from ckptkit.formats.folders.runs import run_checkpoint, trainer_checkpoint
-from ckptkit.storage.location import Location
+from ckptkit.storage.location import Location, local_path
 from ckptkit.storage.remote import RemotePath, as_path, is_url
 
 __all__ = ["open_source", "OpenOptions", "checkpoint_index"]
@@ -56,7 +56,7 @@ __all__ = ["open_source", "OpenOptions", "checkpoint_index"]
 Opener = Callable[..., Source]  # open_source with the caller's trust and safety options bound
 
 
-def checkpoint_index(path: Path) -> Path | None:
+def checkpoint_index(path: Location) -> Location | None:
     """The shard index a path stands for (an ``*.index.json``, or a folder holding one)."""
     from ckptkit.formats.folders.sharded import find_index
 
@@ -174,11 +174,11 @@ def open_source(
     return _named(path, source, names_from, variant, unnamed)
 
 
-def _note_followed(source: Source, folder: Path) -> None:
+def _note_followed(source: Source, folder: Location) -> None:
     """Say which of a folder's files are read from outside it (symlinked elsewhere): what was
     followed is reported, never silent. A model folder's config and tokenizer files count:
     a converted copy of the folder carries them."""
-    inside = folder.resolve()
+    inside = local_path(folder).resolve()
     copied = folder_files(source.folder) if source.folder is not None else []
     for file in [*source.files(), *copied]:
         if isinstance(file, Path) and not file.resolve().is_relative_to(inside):
@@ -190,7 +190,7 @@ def _note_followed(source: Source, folder: Path) -> None:
 
 
 def _open(
-    path: Path,
+    path: Location,
     select: str | None,
     trust: bool,
     allow_globals: Iterable[str],
@@ -232,7 +232,7 @@ def _open_layout(
     return _open_folder(path, select, ema, variant, opener)
 
 
-def _pointed_to(source: Source, checkpoint: Path, why: str) -> Source:
+def _pointed_to(source: Source, checkpoint: Location, why: str) -> Source:
     """A checkpoint a folder points to (``latest``, the newest ``checkpoint-N``), said so."""
     source.selected_reason += f"; {checkpoint.name}, {why}"
     return source
@@ -278,7 +278,7 @@ def _named(
 
 
 def _open_diffusers(
-    path: Path, select: str | None, variant: str | None, opener: Opener
+    path: Location, select: str | None, variant: str | None, opener: Opener
 ) -> Source | None:
     """A diffusers pipeline's component, or a model folder's weights by their variant."""
     if is_pipeline(path):
@@ -301,7 +301,7 @@ def _open_diffusers(
     return _open_weights(path, weights, opener)
 
 
-def _open_weights(path: Path, weights: Weights, opener: Opener) -> Source:
+def _open_weights(path: Location, weights: Weights, opener: Opener) -> Source:
     source: Source
     if weights.sharded:
         from ckptkit.formats.folders.sharded import ShardedSource
@@ -316,7 +316,7 @@ def _open_weights(path: Path, weights: Weights, opener: Opener) -> Source:
 
 
 def _open_folder(
-    path: Path, select: str | None, ema: bool, variant: str | None, opener: Opener
+    path: Location, select: str | None, ema: bool, variant: str | None, opener: Opener
 ) -> Source | None:
     """The reader of a folder layout ``path`` stands for, or None for a single file."""
     if path.is_dir():
@@ -537,15 +537,15 @@ def _open_url_folder(
 
 
 def _open_file(
-    path: Path,
+    path: Location,
     select: str | None,
     trust: bool,
     allow_globals: Iterable[str],
     check_safety: bool,
     ema: bool,
 ) -> Source:
-    """The reader of one checkpoint file, chosen by its content."""
-    kind = detect_format(path)
+    """The reader of one local checkpoint file, chosen by its content."""
+    kind = detect_format(local_path(path))
     if kind == "gguf":
         from ckptkit.formats.files.gguf import GGUFSource
 

@@ -29,15 +29,14 @@ __all__ = [
 ]
 
 
-def check_output(dst: Path, *, force: bool, inputs: Iterable[Path] = ()) -> None:
+def check_output(dst: Path, *, force: bool, inputs: Iterable[object] = ()) -> None:
     """Refuse an output that is an input, a folder, in a missing folder, or exists without force.
 
     Raises:
         OutputError: with the fix in its hint.
     """
-    for src in inputs:
-        local = isinstance(src, Path)  # a URL (RemotePath) is never the local dst
-        if local and dst.exists() and src.exists() and os.path.samefile(dst, src):
+    for src in inputs:  # paths, or URLs (never the local dst)
+        if isinstance(src, Path) and dst.exists() and src.exists() and os.path.samefile(dst, src):
             raise OutputError(f"output {dst} is the input file", "write to a new path")
     if dst.is_dir():
         raise OutputError(f"output {dst} is a folder", "give a file name")
@@ -220,7 +219,7 @@ def _rename_noreplace(tmp: Path, dst: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_outputs(
-    dsts: list[Path], *, force: bool = False, inputs: Iterable[Path] = ()
+    dsts: list[Path], *, force: bool = False, inputs: Iterable[object] = ()
 ) -> Iterator[list[Path]]:
     """Yield a temp path next to each output; on success they all appear, in order, or none.
 
@@ -284,23 +283,26 @@ def atomic_outputs(
 
 
 @contextlib.contextmanager
-def atomic_output(dst: Path, *, force: bool = False, inputs: Iterable[Path] = ()) -> Iterator[Path]:
+def atomic_output(
+    dst: Path, *, force: bool = False, inputs: Iterable[object] = ()
+) -> Iterator[Path]:
     """Yield a temp path next to ``dst``; on success it becomes ``dst`` atomically (see
     :func:`atomic_outputs`)."""
     with atomic_outputs([dst], force=force, inputs=inputs) as (tmp,):
         yield tmp
 
 
-def check_folder_output(dst: Path, *, force: bool, inputs: Iterable[Path] = ()) -> None:
+def check_folder_output(dst: Path, *, force: bool, inputs: Iterable[object] = ()) -> None:
     """Refuse an output folder that is an input or holds one, is a file, is in a missing
     folder, or exists without force.
 
     Raises:
         OutputError: with the fix in its hint.
     """
-    for src in inputs:
+    for src in inputs:  # paths, or URLs (never the local dst)
         if (
-            dst.exists()
+            isinstance(src, Path)
+            and dst.exists()
             and src.exists()
             and (os.path.samefile(dst, src) or dst.resolve() in src.resolve().parents)
         ):
@@ -318,7 +320,7 @@ def atomic_folder(
     dst: Path,
     *,
     force: bool = False,
-    inputs: Iterable[Path] = (),
+    inputs: Iterable[object] = (),
     owns: Callable[[str], bool] | None = None,
     entry: str | None = None,
 ) -> Iterator[Path]:

@@ -112,7 +112,7 @@ def destination(
     where: str | os.PathLike[str],
     *,
     force: bool,
-    inputs: Iterable[Path] = (),
+    inputs: Iterable[object] = (),
     whole: bool = False,
     parts: bool = False,
 ) -> Destination:
@@ -145,7 +145,7 @@ class LocalDestination:
     """A local path: written to temp paths beside the outputs, which appear only once all are
     written (``atomic.py``)."""
 
-    def __init__(self, where: Path, *, force: bool, inputs: Iterable[Path] = ()) -> None:
+    def __init__(self, where: Path, *, force: bool, inputs: Iterable[object] = ()) -> None:
         self.where, self.force, self.inputs = where, force, list(inputs)
         self._whole = False  # a folder committed whole: nothing stale can be left in it
 

@@ -10,7 +10,7 @@ reader reads through) is asked of this module, which knows.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol, TypeGuard, runtime_checkable
 
@@ -21,6 +21,7 @@ from ckptkit.storage.small import open_regular
 __all__ = [
     "Location",
     "location",
+    "by_name",
     "is_remote",
     "holds_file",
     "is_local",
@@ -64,6 +65,11 @@ class Location(Protocol):
     def glob(self, pattern: str) -> Iterator[Location]: ...
 
     def read_bytes(self) -> bytes: ...
+
+
+def by_name(locations: Iterable[Location]) -> list[Location]:
+    """Locations of one folder, sorted by name (as sorted paths of one folder are)."""
+    return sorted(locations, key=lambda where: where.name)
 
 
 def location(path: str | os.PathLike[str] | Location) -> Location:

@@ -84,7 +84,7 @@ class Source(ABC):
     followed: list[str] = field(default_factory=list)
     # The model folder the weights came from (save_pretrained's), whose other files (config,
     # tokenizer) a folder output copies.
-    folder: Path | None = None
+    folder: Location | None = None
     # The weights file name a folder output takes, as the source's library names it
     # (diffusers' diffusion_pytorch_model.safetensors); None: transformers' model.safetensors.
     weights_name: str | None = None

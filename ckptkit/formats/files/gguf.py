@@ -18,6 +18,7 @@ from typing import IO, TYPE_CHECKING, Any
 from ckptkit.errors import FormatError
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.storage.location import Location, local_path
+from ckptkit.storage.location import size as size_of
 
 if TYPE_CHECKING:
     import torch
@@ -172,8 +173,8 @@ class GGUFSource(Source):
     """A GGUF file's tensors from its header: plain types (F32, F16, BF16...) load as they are;
     quantized ggml types are described (their block type and stored bytes), never decoded."""
 
-    def __init__(self, path: Path) -> None:
-        version, meta, infos, data = read_gguf_header(path)
+    def __init__(self, path: Location) -> None:
+        version, meta, infos, data = read_gguf_header(local_path(path))  # refused at a URL
         super().__init__(
             path=path,
             format="gguf",
@@ -181,7 +182,7 @@ class GGUFSource(Source):
         )
         self.version = version
         self.selected_reason = f"a GGUF v{version} file's tensors"
-        size = path.stat().st_size
+        size = size_of(path)
         self._spans: dict[str, tuple[int, int]] = {}
         self._entries: list[tuple[str, TensorInfo]] = []
         for name, dims, kind, offset in infos:

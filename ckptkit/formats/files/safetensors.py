@@ -45,7 +45,7 @@ MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers
 HF_SHARDING = "DCP_SHARDING_INFO"  # DCP's HuggingFaceStorageWriter: each chunk's offsets
 
 
-def dcp_sharding_info(path: Path) -> str | None:
+def dcp_sharding_info(path: Location) -> str | None:
     """The chunk offsets a safetensors file's header records when DCP's Hugging Face writer
     wrote it as one rank's shard (a JSON text), else None. A local file or one at a URL (its
     header read through the file's probe, which its reader then takes over); a header length
@@ -178,7 +178,7 @@ def _shape(dims: list[int]) -> tuple[int, ...]:
     return _SHAPES.setdefault(shape, shape)
 
 
-def _damaged(path: Path, what: str) -> FormatError:
+def _damaged(path: Location, what: str) -> FormatError:
     return FormatError(f"{path} has a damaged safetensors header: {what}", "copy it again")
 
 
@@ -186,7 +186,7 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-def _parse_header(path: Path, text: bytes) -> dict[str, Any]:
+def _parse_header(path: Location, text: bytes) -> dict[str, Any]:
     try:
         header = json.loads(
             text.decode("utf-8"), parse_constant=_reject_constant, object_hook=_compact
@@ -211,7 +211,7 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and 0 <= value < 2**64
 
 
-def _check_layout(path: Path, header: dict[str, Any], data_size: int) -> None:
+def _check_layout(path: Location, header: dict[str, Any], data_size: int) -> None:
     """Every tensor's offsets lie back to back from 0 to the end of the data section, each
     exactly dtype size x elements long (safetensors' own ``validate``)."""
     spans = []
@@ -443,9 +443,9 @@ def write_safetensors(
     return len(header)
 
 
-def _nonempty(path: Path) -> bool:
+def _nonempty(path: Location) -> bool:
     try:
-        return os.path.getsize(path) > 0
+        return size(path) > 0
     except OSError:
         return False
 

@@ -19,7 +19,6 @@ import weakref
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, UnsafeCheckpointError
@@ -342,7 +341,7 @@ def scan_torch_file(
     return scan, layout, raw, found
 
 
-def _layout_for(path: Path, raw: Any, reading: Reading) -> tuple[ZipLayout, PickleScan]:
+def _layout_for(path: Location, raw: Any, reading: Reading) -> tuple[ZipLayout, PickleScan]:
     """Where a torch file's storages lie, and its main pickle, from ``torch.load``'s reading."""
     if reading.kind == "torch-zip":
         layout = ZipLayout(path, raw)
@@ -376,7 +375,7 @@ def _check_extents(
                 layout.check(storage)  # raises when it does not fit
 
 
-def structure_damage(path: Path, found: list[Reading], raw: Any = None) -> str | None:
+def structure_damage(path: Location, found: list[Reading], raw: Any = None) -> str | None:
     """What is damaged in a torch file beyond its pickles (storages that do not fit the file,
     tensors past their storage), from readings already made; None when whole. ``raw``: the
     file at a URL (a RangeFile), None for the local ``path``."""
@@ -389,7 +388,7 @@ def structure_damage(path: Path, found: list[Reading], raw: Any = None) -> str |
     if whole is not None and whole() is reading:  # its Source checked every tensor on opening
         return None
     try:
-        with open(path, "rb") if raw is None else contextlib.nullcontext(raw) as raw:
+        with open(local_path(path), "rb") if raw is None else contextlib.nullcontext(raw) as raw:
             layout, main = _layout_for(path, raw, reading)
             stubs = (n for n in nodes(main.root) if isinstance(n, TensorStub))
             _check_extents(path, layout, ((None, stub) for stub in stubs))
@@ -408,7 +407,7 @@ def _found_whole(reading: Reading) -> None:
     _WHOLE[key] = weakref.ref(reading, lambda _: _WHOLE.pop(key, None))
 
 
-def _unsafe_error(path: Path, unsafe: list[str]) -> UnsafeCheckpointError:
+def _unsafe_error(path: Location, unsafe: list[str]) -> UnsafeCheckpointError:
     dangerous = [g for g in unsafe if is_dangerous(g)]
     if dangerous:
         return UnsafeCheckpointError(
@@ -679,7 +678,7 @@ class TrustedTorchSource(Source):
     ckptkit scans the pickle statically first, so the globals it imports are known and reported.
     """
 
-    def __init__(self, path: Path, *, select: str | None = None, ema: bool = False) -> None:
+    def __init__(self, path: Location, *, select: str | None = None, ema: bool = False) -> None:
         import torch
 
         scan, layout, raw, _ = scan_torch_file(path, check_safety=False)
@@ -687,7 +686,9 @@ class TrustedTorchSource(Source):
         is_zip = not isinstance(layout, _LegacyLayout)
         try:
             with _current_folder_importable():
-                root = torch.load(path, map_location="cpu", weights_only=False, mmap=is_zip)
+                root = torch.load(
+                    local_path(path), map_location="cpu", weights_only=False, mmap=is_zip
+                )
         except Exception as exc:  # arbitrary code ran: report whatever it raised
             hint = (
                 "run ckptkit from the folder that holds that module (as `python` would import "

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
@@ -60,7 +59,7 @@ class ChunkedSource(Source):
     ``_tensors`` (the selected state dict) and, for every chunk, ``_layouts`` (where its bytes
     lie) or overrides :meth:`_piece` to find that out when first asked."""
 
-    def __init__(self, path: Path, format: str) -> None:
+    def __init__(self, path: Location, format: str) -> None:
         super().__init__(path=path, format=format)
         self._reader = RangeReader()
         self._layouts: dict[Chunk, Piece] = {}

@@ -36,7 +36,7 @@ from ckptkit.formats.pickles.verdicts import scan_pickle
 from ckptkit.formats.pickles.writer import Call, New, Ref, dumps
 from ckptkit.meta import jsonable
 from ckptkit.storage.folder import FolderFiles
-from ckptkit.storage.location import Location
+from ckptkit.storage.location import Location, by_name
 from ckptkit.storage.rangefile import RangeFile
 
 __all__ = ["DCPSource", "METADATA", "DISTCP", "SIDECAR", "dcp_metadata"]
@@ -82,7 +82,7 @@ class _Slice(io.RawIOBase):
         return len(data)
 
 
-def read_metadata(path: Path, data: bytes | None = None) -> dict[str, Any]:
+def read_metadata(path: Location, data: bytes | None = None) -> dict[str, Any]:
     """``.metadata``'s fields (``data``: its bytes, when they were read already), read
     statically.
 
@@ -121,7 +121,7 @@ class DCPSource(ChunkedSource):
             self.close()
             raise
 
-    def _read(self, folder: Path, select: str | None, ema: bool) -> None:
+    def _read(self, folder: Location, select: str | None, ema: bool) -> None:
         self._files = FolderFiles(folder, self._reader, join_gap=_JOIN_GAP)
         if self._files.has(METADATA):
             meta = read_metadata(folder / METADATA, self._files.read(METADATA))
@@ -135,7 +135,7 @@ class DCPSource(ChunkedSource):
         if self._files.has(SIDECAR):
             self.metadata = _sidecar(folder / SIDECAR, self._files.read(SIDECAR))
 
-    def _tree(self, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    def _tree(self, folder: Location, meta: dict[str, Any]) -> dict[str, Any]:
         items = meta.get("state_dict_metadata")
         storage = meta.get("storage_data")
         paths = meta.get("planner_data") or {}
@@ -170,14 +170,14 @@ class DCPSource(ChunkedSource):
             node[str(path[-1])] = value
         return tree
 
-    def _hf_tree(self, folder: Path) -> dict[str, Any]:
+    def _hf_tree(self, folder: Location) -> dict[str, Any]:
         """The tensors DCP's Hugging Face writer saved: each rank's ``.safetensors`` file holds
         its chunks, and its header each chunk's offset in the full tensor. The full shape is
         where the chunks end, as torch's ``HuggingFaceStorageReader`` takes it."""
         from ckptkit.formats.files.safetensors import read_header
 
         found: dict[str, tuple[str, list[Chunk]]] = {}
-        for path in sorted(folder.glob("*.safetensors")):
+        for path in by_name(folder.glob("*.safetensors")):
             raw = self._files.url_file(path.name)
             header, data_start = read_header(path, raw=raw)
             offsets = _saved_offsets(path, header.pop("__metadata__", None) or {})
@@ -209,7 +209,7 @@ class DCPSource(ChunkedSource):
             tree[key] = tensor
         return tree
 
-    def _item(self, folder: Path, fqn: str, item: Any, where: dict[Any, Piece]) -> Any:
+    def _item(self, folder: Location, fqn: str, item: Any, where: dict[Any, Piece]) -> Any:
         record = fields(item)
         if isinstance(item, Opaque) and item.global_name.endswith("BytesStorageMetadata"):
             if (fqn, None) not in where:
@@ -311,7 +311,7 @@ class DCPSource(ChunkedSource):
         around = [self.path / n for n in (METADATA, LIGHTNING_META, SIDECAR)]
         return sorted(names, key=str) + [p for p in around if self._files.has(p.name)]
 
-    def file_size(self, path: Path) -> int:
+    def file_size(self, path: Location) -> int:
         """A file's size, from the folder's listing where it was listed (no request)."""
         return self._files.size(path.name)
 
@@ -321,7 +321,7 @@ class DCPSource(ChunkedSource):
         super().close()
 
 
-def _trainer_state(path: Path, files: FolderFiles) -> dict[str, Any]:
+def _trainer_state(path: Location, files: FolderFiles) -> dict[str, Any]:
     """The plain values of Lightning's ``meta.pt`` (epoch, global_step, loops...), read
     statically."""
     from ckptkit.formats.files.torchfile import scan_torch_file
@@ -338,7 +338,7 @@ def _trainer_state(path: Path, files: FolderFiles) -> dict[str, Any]:
     }
 
 
-def _saved_offsets(path: Path, metadata: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def _saved_offsets(path: Location, metadata: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Each key's chunk offset, from the header DCP's Hugging Face writer gives a shard."""
     import json
 
@@ -359,7 +359,7 @@ def _saved_offsets(path: Path, metadata: dict[str, Any]) -> dict[str, tuple[int,
     return offsets
 
 
-def _sidecar(path: Path, data: bytes) -> dict[str, str]:
+def _sidecar(path: Location, data: bytes) -> dict[str, str]:
     """The metadata ckptkit wrote beside a DCP folder it made (str -> str)."""
     import json
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, SelectError
@@ -85,7 +84,7 @@ class _TorchFile:
     directory and pickle read with ranged requests through ``reader``'s connection to it, which
     later reads its tensors' bytes)."""
 
-    def __init__(self, path: Path, allowed: frozenset[str], reader: RangeReader) -> None:
+    def __init__(self, path: Location, allowed: frozenset[str], reader: RangeReader) -> None:
         from ckptkit.formats.files.torchfile import scan_torch_file
 
         raw = reader.file(path)  # at a URL: through the connection that reads its data
@@ -111,7 +110,7 @@ class _TorchFile:
         self.raw.close()
 
 
-def _get(tree: Any, key: str, path: Path) -> Any:
+def _get(tree: Any, key: str, path: Location) -> Any:
     if not isinstance(tree, dict) or key not in tree:
         raise FormatError(f"{path} is not a DeepSpeed checkpoint file (no '{key}')")
     return tree[key]
@@ -145,7 +144,7 @@ class DeepSpeedSource(Source):
     """A DeepSpeed ZeRO checkpoint folder: the fp32 master weights rebuilt as ``zero_to_fp32``
     does (``select="fp32"``, the default), or the module in its training dtype (``"module"``)."""
 
-    def __init__(self, folder: Path, tag: Path, *, select: str | None = None) -> None:
+    def __init__(self, folder: Location, tag: Location, *, select: str | None = None) -> None:
         super().__init__(path=folder, format="deepspeed")
         if select not in (None, "", *SELECTS):
             raise SelectError(
@@ -163,7 +162,7 @@ class DeepSpeedSource(Source):
             self.close()
             raise
 
-    def _open(self, path: Path) -> _TorchFile:
+    def _open(self, path: Location) -> _TorchFile:
         opened = _TorchFile(path, DEEPSPEED_GLOBALS, self._reader)
         self._files.append(opened)
         return opened
@@ -395,7 +394,11 @@ def _ties_by_storage(module: dict[str, Any]) -> dict[str, str]:
 
 
 def _zero12(
-    groups: list[list[Piece]], shapes: list[dict[str, Any]], world: int, paddings: Any, tag: Path
+    groups: list[list[Piece]],
+    shapes: list[dict[str, Any]],
+    world: int,
+    paddings: Any,
+    tag: Location,
 ) -> dict[str, list[Piece]]:
     """ZeRO-1/2: each group's partitions end to end; parameters one after another."""
     out: dict[str, list[Piece]] = {}
@@ -420,7 +423,7 @@ def _zero12(
 
 
 def _zero3(
-    groups: list[list[Piece]], shapes: list[dict[str, Any]], world: int, tag: Path
+    groups: list[list[Piece]], shapes: list[dict[str, Any]], world: int, tag: Location
 ) -> dict[str, list[Piece]]:
     """ZeRO-3: each parameter's cut at the same offset on every rank, the padding dropped."""
     out: dict[str, list[Piece]] = {}

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any, overload
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.files.readings import WEIGHT_SUFFIXES
 from ckptkit.formats.files.safetensors import dcp_sharding_info
 from ckptkit.formats.folders.diffusers import WEIGHTS_STEM, is_index_name, part_kind
 from ckptkit.formats.folders.runs import CHECKPOINT_NAME, CHECKPOINT_STEM, is_run_folder
-from ckptkit.storage.location import Location, holds_file
+from ckptkit.storage.location import Location, by_name, holds_file
 from ckptkit.storage.small import quoted, read_pointer
 
 __all__ = [
@@ -34,7 +35,7 @@ __all__ = [
 MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-def model_file_in(folder: Path, select: str | None = None) -> Path | None:
+def model_file_in(folder: Location, select: str | None = None) -> Location | None:
     """The weights file of a model folder (``save_pretrained``'s ``model.safetensors`` or
     ``pytorch_model.bin``, safetensors first, as transformers reads them), or None. In an
     Accelerate ``save_state`` folder ``select`` may name another model (``model_1``)."""
@@ -55,7 +56,7 @@ def _is_file_like(path: Location) -> bool:
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
-def adapter_file_in(folder: Path) -> Path | None:
+def adapter_file_in(folder: Location) -> Location | None:
     """The weights file of a PEFT adapter folder, or None."""
     if not (folder / "adapter_config.json").is_file():
         return None
@@ -69,11 +70,15 @@ _WEIGHT_SUFFIXES = (*WEIGHT_SUFFIXES, ".h5", ".msgpack", ".gguf")
 _TRAINING_STATE = re.compile(r"trainer_state\.json|.*\.pkl|zero_to_fp32\.py|latest")
 
 
-def folder_files(folder: Path) -> list[Path]:
+@overload
+def folder_files(folder: Path) -> list[Path]: ...
+@overload
+def folder_files(folder: Location) -> list[Location]: ...
+def folder_files(folder: Location) -> list[Any]:  # each what its folder is (overloads)
     """A model folder's files other than weights and indexes (config.json, tokenizer files,
     generation_config.json, a model card): what a converted copy of the folder keeps. A training
     checkpoint's state (``trainer_state.json``, pickled RNG states) is left behind."""
-    return sorted(p for p in folder.iterdir() if p.is_file() and copied_beside_weights(p.name))
+    return by_name(p for p in folder.iterdir() if p.is_file() and copied_beside_weights(p.name))
 
 
 def copied_beside_weights(name: str) -> bool:
@@ -143,10 +148,10 @@ _RUN_PARTS = (
 )
 
 
-def _run_parts(folder: Path) -> list[tuple[str, str]]:
+def _run_parts(folder: Location) -> list[tuple[str, str]]:
     """A run folder's files, and the files of each DCP checkpoint folder in it."""
     out = []
-    for path in sorted(folder.iterdir()):
+    for path in by_name(folder.iterdir()):
         if path.is_file():
             kind = next((what for rx, what in _RUN_PARTS if rx.fullmatch(path.name)), "other file")
             out.append((path.name, kind))
@@ -155,7 +160,7 @@ def _run_parts(folder: Path) -> list[tuple[str, str]]:
     return out
 
 
-def folder_parts(folder: Path) -> list[tuple[str, str]]:
+def folder_parts(folder: Location) -> list[tuple[str, str]]:
     """The files of a checkpoint folder and what each is (Accelerate's and DeepSpeed's names,
     the latter's tag folder included as ``tag/name``; a run folder's DCP checkpoints as
     ``ckpt-epochNNNN/name``), sorted."""
@@ -171,15 +176,16 @@ def folder_parts(folder: Path) -> list[tuple[str, str]]:
         if adapter_file_in(folder)
         else _PARTS
     )
-    files = sorted(p for p in folder.iterdir() if p.is_file())
+    files = by_name(p for p in folder.iterdir() if p.is_file())
     if tag is None and any(p.name.startswith(WEIGHTS_STEM) for p in files):  # diffusers' names
         return [(p.name, part_kind(p.name) or "other file") for p in files]
     if tag is not None and tag != folder:
-        files += sorted(p for p in tag.iterdir() if p.is_file())
+        files += by_name(p for p in tag.iterdir() if p.is_file())
     out = []
     for path in files:
         kind = next((what for rx, what in known if rx.fullmatch(path.name)), "other file")
-        out.append((path.relative_to(folder).as_posix(), kind))
+        inside = path.name if path.parent == folder else f"{path.parent.name}/{path.name}"
+        out.append((inside, kind))
     return out
 
 
@@ -187,11 +193,11 @@ def folder_parts(folder: Path) -> list[tuple[str, str]]:
 _DEEPSPEED_MODEL = re.compile(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
 
 
-def _holds_model_states(folder: Path) -> bool:
+def _holds_model_states(folder: Location) -> bool:
     return folder.is_dir() and any(_DEEPSPEED_MODEL.fullmatch(p.name) for p in folder.iterdir())
 
 
-def find_deepspeed(folder: Path) -> Path | None:
+def find_deepspeed(folder: Location) -> Location | None:
     """The tag folder of a DeepSpeed checkpoint (``folder`` itself, or the one ``latest``
     names), or None when ``folder`` is not one.
 
@@ -213,7 +219,7 @@ def find_deepspeed(folder: Path) -> Path | None:
                 "copy the tag folder there, or give another tag folder itself",
             )
         return folder / tag
-    tags = [p for p in sorted(folder.iterdir()) if p.is_dir() and _holds_model_states(p)]
+    tags = [p for p in by_name(folder.iterdir()) if p.is_dir() and _holds_model_states(p)]
     if len(tags) == 1:
         return tags[0]
     if tags:
@@ -225,7 +231,7 @@ def find_deepspeed(folder: Path) -> Path | None:
     return None
 
 
-def find_dcp(path: Path) -> Path | None:
+def find_dcp(path: Location) -> Location | None:
     """The folder of a ``torch.distributed.checkpoint`` save (it, or its ``.metadata`` file),
     or of DCP's Hugging Face writer (``.safetensors`` files whose headers carry each chunk's
     offsets, and no index)."""
@@ -237,5 +243,5 @@ def find_dcp(path: Path) -> Path | None:
         return path
     if any(path.glob("*.index.json")):
         return None
-    shards = sorted(p for p in path.glob("*.safetensors") if p.is_file())  # no FIFO opened
+    shards = by_name(p for p in path.glob("*.safetensors") if p.is_file())  # no FIFO opened
     return path if any(dcp_sharding_info(p) is not None for p in shards) else None

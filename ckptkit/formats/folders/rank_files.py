@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 from typing import Any
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, check_cover
 from ckptkit.formats.pickles.machine import Opaque, build_state, fields
 from ckptkit.formats.pickles.unpickler import SHARDED_KINDS, TensorStub, UnsupportedTensor
-from ckptkit.storage.location import Location
+from ckptkit.storage.location import Location, by_name, local_path
 
 __all__ = [
     "RankFilesSource",
@@ -83,7 +82,7 @@ _RANK = re.compile(r"(.*?rank_?)(\d+)(\.(?:pt|pth|bin))")
 _WILDCARDS = "*?["
 
 
-def find_rank_files(path: Path) -> tuple[Path, list[Path]] | None:
+def find_rank_files(path: Location) -> tuple[Location, list[Location]] | None:
     """The rank files a path stands for, in rank order: a glob (``ckpt/model_rank*.pt``) or a
     folder holding one set of them (and nothing else ckptkit reads). None when it is neither.
 
@@ -91,14 +90,14 @@ def find_rank_files(path: Path) -> tuple[Path, list[Path]] | None:
         FormatError: the glob matches nothing, or the folder holds several sets.
     """
     if any(c in path.name for c in _WILDCARDS) and not path.exists():
-        files = sorted(p for p in path.parent.glob(path.name) if p.is_file())
+        files = by_name(p for p in path.parent.glob(path.name) if p.is_file())
         if not files:
             raise FormatError(f"{path} matches no file", "check the folder and the pattern")
         return path, sorted(files, key=_rank_of)
     if not path.is_dir():
         return None
-    groups: dict[str, list[Path]] = {}
-    for p in sorted(path.iterdir()):
+    groups: dict[str, list[Location]] = {}
+    for p in by_name(path.iterdir()):
         match = _RANK.fullmatch(p.name)
         if match and p.is_file():
             groups.setdefault(f"{match[1]}*{match[3]}", []).append(p)
@@ -111,7 +110,7 @@ def find_rank_files(path: Path) -> tuple[Path, list[Path]] | None:
     return (path, sorted(*groups.values(), key=_rank_of)) if groups else None
 
 
-def _rank_of(path: Path) -> tuple[int, str]:
+def _rank_of(path: Location) -> tuple[int, str]:
     match = _RANK.fullmatch(path.name)
     return (int(match[2]) if match else -1, path.name)
 
@@ -119,7 +118,7 @@ def _rank_of(path: Path) -> tuple[int, str]:
 class _Piece:
     """One file's part of a tensor: its local tensor and where that lies."""
 
-    def __init__(self, file: Path, stub: TensorStub, base: int | None, key: str) -> None:
+    def __init__(self, file: Location, stub: TensorStub, base: int | None, key: str) -> None:
         if base is None or not stub.is_contiguous:
             raise FormatError(
                 f"{file} stores its part of '{key}' compressed or strided, which ckptkit "
@@ -144,7 +143,12 @@ class RankFilesSource(ChunkedSource):
     """
 
     def __init__(
-        self, where: Path, files: list[Path], *, select: str | None = None, ema: bool = False
+        self,
+        where: Location,
+        files: list[Location],
+        *,
+        select: str | None = None,
+        ema: bool = False,
     ) -> None:
         super().__init__(where, "rank files")
         self._files = files
@@ -155,7 +159,7 @@ class RankFilesSource(ChunkedSource):
 
         self._adopt_tree(build, select=select, ema=ema)
 
-    def _read(self, files: list[Path]) -> tuple[list[Any], list[dict[tuple[str, ...], Any]]]:
+    def _read(self, files: list[Location]) -> tuple[list[Any], list[dict[tuple[str, ...], Any]]]:
         """Each file's pickle, and its tensors by path: (full shape, dtype, its pieces)."""
         from ckptkit.formats.files.torchfile import scan_torch_file
 
@@ -180,7 +184,7 @@ class RankFilesSource(ChunkedSource):
             parts.append(found)
         return roots, parts
 
-    def _pieces(self, file: Path, key: str, leaf: Any, layout: Any) -> Any:
+    def _pieces(self, file: Location, key: str, leaf: Any, layout: Any) -> Any:
         """(full shape, dtype, pieces) of one value of one rank's file."""
 
         def piece(stub: Any) -> _Piece:
@@ -233,7 +237,7 @@ class RankFilesSource(ChunkedSource):
         return leaf.shape, leaf.dtype, [p]
 
     @staticmethod
-    def _local_shards(file: Path, key: str, leaf: Any, piece: Any) -> list[_Piece]:
+    def _local_shards(file: Location, key: str, leaf: Any, piece: Any) -> list[_Piece]:
         """A ShardedTensor's local shards, each with the offsets its metadata records."""
         state = leaf.state  # (local shards, metadata, process group state, spec, rrefs)
         if not isinstance(state, tuple) or not state or not isinstance(state[0], list):
@@ -306,11 +310,11 @@ class RankFilesSource(ChunkedSource):
         return list(self._files)
 
 
-def _sharded_kind(file: Path) -> str | None:
+def _sharded_kind(file: Location) -> str | None:
     """The sharded tensor class a file's pickle names (DTensor, ShardedTensor), if any."""
     from ckptkit.formats.files.readings import readings
 
-    for reading in readings(file):
+    for reading in readings(local_path(file)):  # a local file (one at a URL: its reader)
         for findings in reading.pickles:
             for g in findings.globals:
                 kind = next((k for k in SHARDED_KINDS if g.endswith("." + k)), None)
@@ -319,7 +323,7 @@ def _sharded_kind(file: Path) -> str | None:
     return None
 
 
-def one_rank_error(file: Path) -> FormatError | None:
+def one_rank_error(file: Location) -> FormatError | None:
     """The error for one rank's file of a sharded save given alone (None: it is not one)."""
     kind = _sharded_kind(file)
     return one_rank_refusal(file, kind) if kind is not None else None

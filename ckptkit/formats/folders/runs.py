@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any, overload
 
 from ckptkit.errors import FormatError, SelectError
 from ckptkit.formats.files.readings import WEIGHT_SUFFIXES
@@ -36,10 +37,14 @@ CHECKPOINT_NAME = re.compile(CHECKPOINT_STEM + r"(?:\.(pt|safetensors))?")
 _PREFERENCE = {".pt": 0, "": 1, ".safetensors": 2}  # which one a step saved twice resumes from
 
 
-def list_checkpoints(folder: Path) -> list[Path]:
+@overload
+def list_checkpoints(folder: Path) -> list[Path]: ...
+@overload
+def list_checkpoints(folder: Location) -> list[Location]: ...
+def list_checkpoints(folder: Location) -> list[Any]:  # each what its folder is (overloads)
     """Complete checkpoints in ``folder``, oldest first, one per epoch (the ``.pt`` when both
     formats were saved). Temp files and folders are never listed."""
-    found: dict[tuple[int, int], Path] = {}
+    found: dict[tuple[int, int], Location] = {}
     for path in folder.glob("ckpt-epoch*"):
         if (m := CHECKPOINT_NAME.fullmatch(path.name)) and (m.group(3) or path.is_dir()):
             # An epoch's end sorts before the steps into the next one.
@@ -65,7 +70,7 @@ def is_run_folder(folder: Location) -> bool:
     return folder.is_dir() and _pointed(folder, LATEST) is not None
 
 
-def run_checkpoint(folder: Path, select: str | None = None) -> tuple[Path, str] | None:
+def run_checkpoint(folder: Location, select: str | None = None) -> tuple[Location, str] | None:
     """The checkpoint of a run folder to read, and why: the one ``latest`` names, or with
     ``select`` the ``best`` one or one named (``ckpt-epoch0002`` or ``ckpt-epoch0002.pt``).
     None when ``folder`` is no run folder.
@@ -113,7 +118,7 @@ _TRAINER_STATE = re.compile(
 )
 
 
-def trainer_checkpoint(folder: Path, select: str | None = None) -> tuple[Path, str] | None:
+def trainer_checkpoint(folder: Location, select: str | None = None) -> tuple[Location, str] | None:
     """The checkpoint of a Trainer's ``output_dir`` to read, and why: the one ``select`` names,
     else the newest ``checkpoint-N`` (by N). None when ``folder`` holds no ``checkpoint-N``
     folder, or, unless ``select`` names one, holds weights of its own (the final model saved

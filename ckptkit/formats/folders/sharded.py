@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.base.source import Source, TensorInfo
-from ckptkit.storage.location import Location
+from ckptkit.storage.location import Location, by_name
 from ckptkit.storage.small import read_json
 
 if TYPE_CHECKING:
@@ -25,9 +25,11 @@ if TYPE_CHECKING:
 __all__ = ["ShardedSource", "find_index", "read_index"]
 
 
-def find_index(folder: Path) -> Path | None:
+def find_index(folder: Location) -> Location | None:
     """The index file of a sharded checkpoint folder (safetensors preferred), or None."""
-    indexes = sorted(folder.glob("*.safetensors.index.json")) or sorted(folder.glob("*.index.json"))
+    indexes = by_name(folder.glob("*.safetensors.index.json")) or by_name(
+        folder.glob("*.index.json")
+    )
     if len(indexes) > 1:
         names = ", ".join(p.name for p in indexes)
         raise FormatError(f"{folder} holds several indexes ({names})", "give the one to read")
