@@ -29,7 +29,6 @@ from ckptkit.formats.base.source import Source
 from ckptkit.formats.folders.layouts import adapter_file_in
 from ckptkit.formats.open import OpenOptions, open_source
 from ckptkit.storage.location import Location, is_local, location
-from ckptkit.storage.remote import is_url
 
 __all__ = [
     "Adapter",
