@@ -22,6 +22,18 @@ LOSSES = ("cross_entropy", "mse")  # or MODULE:FN
 MODES = ("single", "dp", "ddp", "fsdp")  # distributed.Mode's values, known without torch
 
 
+# In the environment ckptkit's launcher starts its workers with: the launcher's pid.
+LAUNCHER_PID_ENV = "CKPTKIT_LAUNCHER_PID"
+# The exit code of a worker that found itself re-running the script's top level: the launcher
+# turns it into one UsageError.
+RERUN_EXIT_CODE = 86
+RERUN_MESSAGE = (
+    "train() was called again in a worker process: each worker re-runs your script's top level "
+    "before it starts (Python's spawn start method)"
+)
+RERUN_FIX = 'put the call under `if __name__ == "__main__":`'
+
+
 def under_launcher() -> bool:
     """True inside a worker started by torchrun or torch's elastic launcher."""
     return "TORCHELASTIC_RUN_ID" in os.environ or (
