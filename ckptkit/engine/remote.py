@@ -32,14 +32,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ckptkit.engine.checkpoint import RUN_LOGS, find_resume
-from ckptkit.errors import UsageError
+from ckptkit.engine.runlog import RUN_LOGS
+from ckptkit.errors import CkptkitError, UsageError
 from ckptkit.formats.folders.runs import BEST, CHECKPOINT_NAME, LATEST, list_checkpoints
 from ckptkit.storage.backends.fs import filesystem
-from ckptkit.storage.remote import RemotePath, is_url
+from ckptkit.storage.remote import RemotePath, as_path, is_url
 from ckptkit.storage.upload import Uploads
 
-__all__ = ["MIRROR_ENV", "staged_run", "push", "shown_path", "dcp_url", "dcp_complete"]
+__all__ = [
+    "MIRROR_ENV",
+    "staged_run",
+    "push",
+    "shown_path",
+    "dcp_url",
+    "dcp_complete",
+    "complete_dcp_at",
+]
 
 # Set for the workers: the URL their (local) --out is mirrored to.
 MIRROR_ENV = "CKPTKIT_OUT_URL"
@@ -133,7 +141,7 @@ def _pull(url: RemotePath, folder: Path) -> str:
     a DCP folder, read in place by every rank (its URL, once found complete)."""
     fs, path = filesystem(str(url))
     if fs.isdir(path):
-        return str(find_resume(str(url), folder))
+        return str(complete_dcp_at(str(url)))
     local = folder / url.name
     try:
         fs.get_file(path, str(local))
@@ -191,6 +199,21 @@ def dcp_complete(url: str) -> bool:
     fs, path = filesystem(url)
     fs.invalidate_cache(path)  # a listing cached before the save ended must not hide it
     return bool(fs.exists(f"{path.rstrip('/')}/.metadata"))
+
+
+def complete_dcp_at(url: str) -> Path:
+    """The DCP checkpoint at ``url`` (standing as a Path), once its ``.metadata`` shows it
+    complete.
+
+    Raises:
+        CkptkitError: it is missing or incomplete (a killed run's save, or no DCP folder).
+    """
+    if not dcp_complete(url):
+        raise CkptkitError(
+            f"cannot resume: {url} holds no complete DCP checkpoint (no .metadata)",
+            "check --resume",
+        )
+    return as_path(url)
 
 
 def _mirror_url() -> str | None:
