@@ -92,7 +92,21 @@ def _render(node: dict[str, Any], level: int, depth: int | None, lines: list[str
 @terminal_safe
 def summary_lines(summary: Any) -> list[str]:
     """The header of the default view: one fact a line."""
-    lines = _where_lines(summary)
+    lines = _where_lines(summary) + _contents_lines(summary)
+    if summary.ema_model:
+        lines += _ema_model_lines(summary.ema_model)
+    if summary.adapter:
+        return lines + adapter_lines(summary.adapter)
+    lines += _key_lines(summary)
+    lines += _training_lines(summary.training)
+    lines += _metadata_lines(summary)
+    lines.extend(_safety_lines(summary.safety))
+    return lines
+
+
+def _contents_lines(summary: Any) -> list[str]:
+    """Its shards and parts, the state dict taken (and the others there), its tensors."""
+    lines = []
     if summary.shards:
         lines.append(f"shards      {len(summary.shards)}: {', '.join(summary.shards)}")
     width = max((len(p["name"]) for p in summary.parts), default=0)
@@ -115,10 +129,13 @@ def summary_lines(summary: Any) -> list[str]:
     )
     count = f"{len(summary.tensors)}, {summary.parameters:,} elements, {human_size(summary.nbytes)}"
     lines.append(f"tensors     {count}" + (f" ({by_dtype})" if by_dtype else ""))
-    if summary.ema_model:
-        lines += _ema_model_lines(summary.ema_model)
-    if summary.adapter:
-        return lines + adapter_lines(summary.adapter)
+    return lines
+
+
+def _key_lines(summary: Any) -> list[str]:
+    """What its keys say: wrappers, a common prefix, ties, shared and strided storage, and the
+    parts that are not weights."""
+    lines = []
     if summary.wrappers:
         chain = " ".join(f"{w.prefix} ({w.added_by})" for w in summary.wrappers)
         lines.append(f"wrappers    {chain}; `ckptkit convert --strip-wrappers` removes them")
@@ -152,7 +169,12 @@ def summary_lines(summary: Any) -> list[str]:
             f"also        {part.path}: {plural(part.tensors, 'tensor')}, "
             f"{human_size(part.nbytes)} (not weights)"
         )
-    run = summary.training
+    return lines
+
+
+def _training_lines(run: dict[str, Any]) -> list[str]:
+    """The training run an engine checkpoint (or a file converted from one) records."""
+    lines = []
     if run:
         lines.append(
             f"trained     {run.get('mode')} x{run.get('world_size')} on {run.get('nodes')} node(s) "
@@ -165,6 +187,12 @@ def summary_lines(summary: Any) -> list[str]:
             lines.append(f"unwrapped   saved without its {removed} wrapper: loads in any mode")
         if run.get("weights_sha256"):  # a DCP checkpoint's shards are not hashed whole
             lines.append(f"weights     sha256 {run['weights_sha256']}")
+    return lines
+
+
+def _metadata_lines(summary: Any) -> list[str]:
+    """The non-tensor values beside the weights, the file's metadata, and ckptkit's own."""
+    lines = []
     for key, value in summary.extras.items():
         if key != TRAINING_KEY and not summary.ema_model:  # an EMAModel's: in its line
             lines.append(f"also        {key} = {short(value)}")
@@ -174,7 +202,6 @@ def summary_lines(summary: Any) -> list[str]:
     for key, value in summary.ckptkit_metadata.items():
         if key != "training":
             lines.append(f"ckptkit     {key} = {short(value)}")
-    lines.extend(_safety_lines(summary.safety))
     return lines
 
 

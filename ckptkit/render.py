@@ -92,6 +92,15 @@ def error_document(exc: BaseException, exit_code: int) -> str:
 @terminal_safe
 def convert_lines(report: Any) -> list[str]:
     """``convert``'s text report."""
+    lines = _plan_lines(report) + _merge_lines(report)
+    if report.dry_run:
+        lines.append("Dry run: nothing written")
+        return lines
+    return lines + _written_lines(report)
+
+
+def _plan_lines(report: Any) -> list[str]:
+    """What was read and what the output holds of it: keys, ties, casts, what was left out."""
     where = (
         f"state dict at '{report.selected}'" if report.selected else "state dict at the top level"
     )
@@ -142,10 +151,12 @@ def convert_lines(report: Any) -> list[str]:
             f"Omitted  {', '.join(report.extras)}: not written (a .pt output holds only the "
             "state dict; .safetensors keeps them in its metadata)"
         )
-    lines += _merge_lines(report)
-    if report.dry_run:
-        lines.append("Dry run: nothing written")
-        return lines
+    return lines
+
+
+def _written_lines(report: Any) -> list[str]:
+    """What was written, how it was checked, and what was copied as bytes."""
+    lines = []
     if not report.verified:
         checked = "not verified (--no-verify)"
     elif report.merged:
