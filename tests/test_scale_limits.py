@@ -458,7 +458,7 @@ def _collapse_reference(rows):
         for i in slots:
             combos *= len(spans[i])
         if len(members) >= 3 and combos == len(members):
-            from ckptkit.summary import _span
+            from ckptkit.keyfold import _span
 
             path = tuple(_span(spans[i]) if i in spans else p for i, p in enumerate(pattern))
             out.append((members[0][0], path, value, len(members)))

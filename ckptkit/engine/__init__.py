@@ -10,7 +10,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.engine.config import TrainConfig, under_launcher
+from ckptkit.engine.config import (
+    LAUNCHER_PID_ENV,
+    RERUN_EXIT_CODE,
+    RERUN_FIX,
+    RERUN_MESSAGE,
+    TrainConfig,
+    under_launcher,
+)
 from ckptkit.errors import UsageError
 from ckptkit.storage.remote import is_url
 
@@ -21,17 +28,6 @@ if TYPE_CHECKING:
     from ckptkit.engine.trainer import Engine, TrainResult
 
 __all__ = ["train", "Engine", "TrainConfig", "TrainResult", "Mode"]
-
-# In the environment ckptkit's launcher starts its workers with: the launcher's pid.
-_LAUNCHER_PID_ENV = "CKPTKIT_LAUNCHER_PID"
-# The exit code of a worker that found itself re-running the script's top level: the launcher
-# turns it into one UsageError.
-_RERUN_EXIT_CODE = 86
-_RERUN_MESSAGE = (
-    "train() was called again in a worker process: each worker re-runs your script's top level "
-    "before it starts (Python's spawn start method)"
-)
-_RERUN_FIX = 'put the call under `if __name__ == "__main__":`'
 
 
 def __getattr__(name: str) -> Any:
@@ -105,13 +101,13 @@ def _refuse_rerun() -> None:
 
     Raises:
         UsageError: naming the fix; in a worker of ckptkit's own launcher, a quiet exit with
-            ``_RERUN_EXIT_CODE`` instead, which the launcher reports once for all workers.
+            ``RERUN_EXIT_CODE`` instead, which the launcher reports once for all workers.
     """
     if not _rerunning_main():
         return
-    if os.environ.get(_LAUNCHER_PID_ENV) == str(os.getppid()):
-        raise SystemExit(_RERUN_EXIT_CODE)
-    raise UsageError(_RERUN_MESSAGE, _RERUN_FIX)
+    if os.environ.get(LAUNCHER_PID_ENV) == str(os.getppid()):
+        raise SystemExit(RERUN_EXIT_CODE)
+    raise UsageError(RERUN_MESSAGE, RERUN_FIX)
 
 
 def _rerunning_main() -> bool:

@@ -33,13 +33,15 @@ import torch
 from ckptkit.engine.distributed import quiet_single_process_dcp
 from ckptkit.engine.payload import DIGEST, META, MODEL, TRAIN_STATE, load_payload
 from ckptkit.engine.ptwriter import write_payload
+from ckptkit.engine.remote import complete_dcp_at, dcp_url, push
+from ckptkit.engine.runlog import RUN_LOGS
 from ckptkit.engine.saver import BackgroundSaver, Staging, dcp_stager, staged
 from ckptkit.errors import CkptkitError, FormatError, OutputError, UsageError
 from ckptkit.formats.base.tensors import as_bytes, dtype_name
 from ckptkit.formats.folders.runs import BEST, CHECKPOINT_NAME, LATEST, list_checkpoints
 from ckptkit.storage.atomic import atomic_folder, atomic_output
 from ckptkit.storage.backends.fs import filesystem
-from ckptkit.storage.remote import as_path, is_url
+from ckptkit.storage.remote import is_url
 from ckptkit.storage.small import read_pointer
 
 __all__ = [
@@ -51,9 +53,6 @@ __all__ = [
     "weights_sha256",
     "LATEST",
 ]
-
-# What an earlier run left in --out besides its checkpoints and pointers.
-RUN_LOGS = ("metrics.jsonl", "steps.jsonl", "tensorboard")
 
 
 def checkpoint_name(epoch: int, suffix: str = "pt", *, step: int | None = None) -> str:
@@ -192,8 +191,6 @@ def commit_dcp(
         group: the process group of background saves (not the one training runs on).
     """
     import torch.distributed.checkpoint as dcp
-
-    from ckptkit.engine.remote import dcp_url, push  # (remote imports this module)
 
     quiet_single_process_dcp()
     final = folder / checkpoint_name(epoch, "dcp", step=step)
@@ -361,7 +358,7 @@ def find_resume(resume: str | None, folder: Path) -> Path | None:
     if resume is None:
         return None
     if is_url(resume):  # a DCP checkpoint at a URL, read in place
-        return _complete_at_url(resume)
+        return complete_dcp_at(resume)
     if resume != "auto":
         path = Path(resume)
         if not path.is_file() and not (path / ".metadata").is_file():
@@ -386,20 +383,3 @@ def find_resume(resume: str | None, folder: Path) -> Path | None:
             "resume from a path, or start in an empty --out",
         )
     return None
-
-
-def _complete_at_url(url: str) -> Path:
-    """The DCP checkpoint at ``url`` (standing as a Path), once its ``.metadata`` shows it
-    complete.
-
-    Raises:
-        CkptkitError: it is missing or incomplete (a killed run's save, or no DCP folder).
-    """
-    from ckptkit.engine.remote import dcp_complete  # (remote imports this module)
-
-    if not dcp_complete(url):
-        raise CkptkitError(
-            f"cannot resume: {url} holds no complete DCP checkpoint (no .metadata)",
-            "check --resume",
-        )
-    return as_path(url)

@@ -22,6 +22,18 @@ LOSSES = ("cross_entropy", "mse")  # or MODULE:FN
 MODES = ("single", "dp", "ddp", "fsdp")  # distributed.Mode's values, known without torch
 
 
+# In the environment ckptkit's launcher starts its workers with: the launcher's pid.
+LAUNCHER_PID_ENV = "CKPTKIT_LAUNCHER_PID"
+# The exit code of a worker that found itself re-running the script's top level: the launcher
+# turns it into one UsageError.
+RERUN_EXIT_CODE = 86
+RERUN_MESSAGE = (
+    "train() was called again in a worker process: each worker re-runs your script's top level "
+    "before it starts (Python's spawn start method)"
+)
+RERUN_FIX = 'put the call under `if __name__ == "__main__":`'
+
+
 def under_launcher() -> bool:
     """True inside a worker started by torchrun or torch's elastic launcher."""
     return "TORCHELASTIC_RUN_ID" in os.environ or (
@@ -84,8 +96,18 @@ class TrainConfig:
         Raises:
             UsageError: naming the option.
         """
-        from ckptkit.engine.runlog import check_sinks  # no torch: a usage error is quick
+        self._check_choices()
+        self._check_numbers()
+        self._check_validation_and_logs()
+        self._check_specs()
+        self._check_batch_split()
+        if self.resume not in (None, "auto") and "://" not in str(self.resume):
+            path = Path(str(self.resume))
+            if not path.is_file() and not (path / ".metadata").is_file():
+                raise UsageError(f"cannot resume: {path} does not exist", "check --resume")
 
+    def _check_choices(self) -> None:
+        """The options that name one of a few choices (and the save format's default)."""
         if self.resume is not None and self.overwrite:
             raise UsageError("--resume and --overwrite contradict each other", "give one")
         if self.mode not in MODES:
@@ -105,6 +127,9 @@ class TrainConfig:
                 )
         if self.loss not in LOSSES and ":" not in self.loss:
             raise UsageError(f"unknown --loss '{self.loss}'", "use cross_entropy, mse or MODULE:FN")
+
+    def _check_numbers(self) -> None:
+        """Counts at least 1 (or 0), and rates finite and positive."""
         for name in (
             "epochs",
             "batch_size",
@@ -130,6 +155,11 @@ class TrainConfig:
             raise UsageError(f"--{'lr' if self.lr <= 0 else 'timeout'} must be positive")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UsageError("--clip-grad-norm must be positive")
+
+    def _check_validation_and_logs(self) -> None:
+        """The validation data, the log sinks, and what --monitor and early stopping need."""
+        from ckptkit.engine.runlog import check_sinks  # no torch: a usage error is quick
+
         if self.val_fraction is not None and not 0 < self.val_fraction < 1:
             raise UsageError("--val-fraction must lie between 0 and 1")
         if self.val_fraction is not None and self.val_data is not None:
@@ -151,6 +181,9 @@ class TrainConfig:
                 f"--monitor {self.monitor} needs validation data",
                 "give --val-data or --val-fraction",
             )
+
+    def _check_specs(self) -> None:
+        """``MODULE:FACTORY`` (``MODULE:FN`` for --loss) where an option names code."""
         for name in ("model", "data", "val_data", "loss"):
             spec = getattr(self, name)
             if isinstance(spec, str) and (name != "loss" or spec not in LOSSES):
@@ -161,6 +194,9 @@ class TrainConfig:
                         f"--{_flag(name)} '{spec}' is not {form}",
                         f"e.g. --{_flag(name)} mypkg.{name}:build",
                     )
+
+    def _check_batch_split(self) -> None:
+        """The batch splits evenly over the ranks and micro-batches."""
         # Under a launcher its world size counts the ranks, and build() checks the split.
         ranks = self.nproc_per_node if self.mode in ("ddp", "fsdp") else 1
         if not under_launcher() and self.batch_size % (ranks * self.grad_accum):
@@ -169,10 +205,6 @@ class TrainConfig:
                 f"ranks x {self.grad_accum} micro-batches",
                 f"use a multiple of {ranks * self.grad_accum}",
             )
-        if self.resume not in (None, "auto") and "://" not in str(self.resume):
-            path = Path(str(self.resume))
-            if not path.is_file() and not (path / ".metadata").is_file():
-                raise UsageError(f"cannot resume: {path} does not exist", "check --resume")
 
     @property
     def validates(self) -> bool:

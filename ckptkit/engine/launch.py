@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from ckptkit.engine import _LAUNCHER_PID_ENV, _RERUN_EXIT_CODE, _RERUN_FIX, _RERUN_MESSAGE
+from ckptkit.engine.config import LAUNCHER_PID_ENV, RERUN_EXIT_CODE, RERUN_FIX, RERUN_MESSAGE
 from ckptkit.engine.runlog import logger, show_progress
 from ckptkit.errors import CkptkitError, Preempted, UsageError
 
@@ -204,8 +204,8 @@ def _translate(config: TrainConfig, exc: BaseException) -> BaseException:
         return _preempted(config, signal.Signals(exc.sigval).name)
     if not isinstance(exc, ChildFailedError):
         return exc
-    if any(getattr(f, "exitcode", None) == _RERUN_EXIT_CODE for f in exc.failures.values()):
-        return UsageError(_RERUN_MESSAGE, _RERUN_FIX)  # each worker left at once, quietly
+    if any(getattr(f, "exitcode", None) == RERUN_EXIT_CODE for f in exc.failures.values()):
+        return UsageError(RERUN_MESSAGE, RERUN_FIX)  # each worker left at once, quietly
     rank, failure = _first_cause(exc)
     if "Preempted" in _text(failure):  # every rank saved at the same step, then stopped
         return Preempted(_reason(failure))
@@ -383,8 +383,8 @@ def _worker_env(config: TrainConfig) -> Iterator[None]:
     if os.environ.get("CKPTKIT_DEBUG") != "1":
         wanted["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     added = {k: v for k, v in wanted.items() if k not in os.environ}
-    previous = os.environ.get(_LAUNCHER_PID_ENV)
-    os.environ[_LAUNCHER_PID_ENV] = str(os.getpid())
+    previous = os.environ.get(LAUNCHER_PID_ENV)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     if "OMP_NUM_THREADS" in added:
         show_progress(True, config.quiet)  # the launcher speaks for the job
         logger.info(
@@ -399,9 +399,9 @@ def _worker_env(config: TrainConfig) -> Iterator[None]:
         for key in added:
             os.environ.pop(key, None)
         if previous is None:
-            os.environ.pop(_LAUNCHER_PID_ENV, None)
+            os.environ.pop(LAUNCHER_PID_ENV, None)
         else:
-            os.environ[_LAUNCHER_PID_ENV] = previous
+            os.environ[LAUNCHER_PID_ENV] = previous
 
 
 def _preempted(config: TrainConfig, name: str) -> Preempted:

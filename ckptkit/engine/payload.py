@@ -30,6 +30,7 @@ from ckptkit.engine.distributed import (
     quiet_single_process_dcp,
     training_state,
 )
+from ckptkit.engine.remote import shown_path
 from ckptkit.engine.runlog import logger
 from ckptkit.errors import FormatError, UsageError
 from ckptkit.formats.base.tree import map_leaves
@@ -216,7 +217,6 @@ def restore(path: Path, run: Run, progress: Progress, ctx: Context) -> None:
     if isinstance(rng, list) and len(rng) == ctx.world_size:
         _set_rng_state(rng[ctx.rank])  # same world size: each rank continues its stream
     where = f"epoch {progress.epoch}" + (f", step {progress.step}" if progress.batch else "")
-    from ckptkit.engine.remote import shown_path  # (remote imports checkpoint, which us)
 
     logger.info("resumed from %s at %s", escape(shown_path(path)), where)
 

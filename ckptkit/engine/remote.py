@@ -32,14 +32,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ckptkit.engine.checkpoint import RUN_LOGS, find_resume
-from ckptkit.errors import UsageError
+from ckptkit.engine.runlog import RUN_LOGS
+from ckptkit.errors import CkptkitError, UsageError
 from ckptkit.formats.folders.runs import BEST, CHECKPOINT_NAME, LATEST, list_checkpoints
 from ckptkit.storage.backends.fs import filesystem
-from ckptkit.storage.remote import RemotePath, is_url
+from ckptkit.storage.remote import RemotePath, as_path, is_url
 from ckptkit.storage.upload import Uploads
 
-__all__ = ["MIRROR_ENV", "staged_run", "push", "shown_path", "dcp_url", "dcp_complete"]
+__all__ = [
+    "MIRROR_ENV",
+    "staged_run",
+    "push",
+    "shown_path",
+    "dcp_url",
+    "dcp_complete",
+    "complete_dcp_at",
+]
 
 # Set for the workers: the URL their (local) --out is mirrored to.
 MIRROR_ENV = "CKPTKIT_OUT_URL"
@@ -57,15 +65,15 @@ def staged_run(config: Any) -> Iterator[Any]:
     """
     url = RemotePath(config.out)
     Uploads(url, force=True)  # an HTTP URL is refused here, before anything
-    fs, root = filesystem(str(url))
+    there = _URLFolder(str(url))
     stage = Path(os.environ.get("CKPTKIT_STAGING") or tempfile.gettempdir())
     folder = Path(tempfile.mkdtemp(prefix="ckptkit-run-", dir=stage))
     try:
-        _check_fresh(fs, root, url, config)
-        _check_writable(fs, root, url)
-        config = replace(config, resume=_resume(fs, root, url, config.resume, folder))
+        _check_fresh(there, url, config)
+        _check_writable(there, url)
+        config = replace(config, resume=_resume(there, url, config.resume, folder))
         if os.environ.get("RANK", "0") == "0":  # once: under torchrun every rank stages
-            _remove_incomplete(fs, root, url)
+            _remove_incomplete(there, url)
         previous = os.environ.get(MIRROR_ENV)
         os.environ[MIRROR_ENV] = str(url)
         try:
@@ -80,7 +88,7 @@ def staged_run(config: Any) -> Iterator[Any]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _check_fresh(fs: Any, root: str, url: RemotePath, config: Any) -> None:
+def _check_fresh(there: _URLFolder, url: RemotePath, config: Any) -> None:
     """As for a local --out: an earlier run's files there need --resume or --overwrite
     (which deletes them first)."""
     names = url.names() or []
@@ -93,36 +101,34 @@ def _check_fresh(fs: Any, root: str, url: RemotePath, config: Any) -> None:
             "resume it with --resume auto, or replace it with --overwrite",
         )
     for name in earlier:
-        fs.rm(f"{root.rstrip('/')}/{name}", recursive=True)
+        there.remove(name)
 
 
-def _check_writable(fs: Any, root: str, url: RemotePath) -> None:
+def _check_writable(there: _URLFolder, url: RemotePath) -> None:
     """Fail now, not after the first epoch: a small object written there and removed."""
-    probe = f"{root.rstrip('/')}/.ckptkit-probe-{os.getpid()}"
     try:
-        fs.pipe_file(probe, b"")
-        fs.rm(probe)
+        there.write_and_remove(f".ckptkit-probe-{os.getpid()}")
     except Exception as exc:  # the back-end's own (no bucket, no credentials): said
         raise UsageError(
             f"cannot write to --out {url}: {exc}", "check the bucket and the credentials"
         ) from None
 
 
-def _remove_incomplete(fs: Any, root: str, url: RemotePath) -> None:
+def _remove_incomplete(there: _URLFolder, url: RemotePath) -> None:
     """Remove the DCP saves at the URL that have no ``.metadata``: a killed run's, which no
     pointer names (DCP writes ``.metadata`` last, and ``latest`` moves after it)."""
     for name in url.names() or []:
         match = CHECKPOINT_NAME.fullmatch(name)
         if match and not match.group(3) and not dcp_complete(str(url / name)):
             with contextlib.suppress(FileNotFoundError):
-                fs.rm(f"{root.rstrip('/')}/{name}", recursive=True)
+                there.remove(name)
 
 
-def _resume(fs: Any, root: str, url: RemotePath, resume: str | None, folder: Path) -> str | None:
+def _resume(there: _URLFolder, url: RemotePath, resume: str | None, folder: Path) -> str | None:
     """``--resume`` for the run in ``folder``: ``auto`` with what the URL's ``latest`` names
     pulled (or its URL, for a DCP checkpoint); a checkpoint URL likewise."""
     if resume == "auto":
-        return _pull_latest(fs, root, url, folder)
+        return _pull_latest(there, url, folder)
     if resume is not None and is_url(resume):
         return _pull(RemotePath(resume), folder)
     return resume
@@ -131,47 +137,46 @@ def _resume(fs: Any, root: str, url: RemotePath, resume: str | None, folder: Pat
 def _pull(url: RemotePath, folder: Path) -> str:
     """A checkpoint at a URL to resume from: a file downloaded into ``folder`` (its path), or
     a DCP folder, read in place by every rank (its URL, once found complete)."""
-    fs, path = filesystem(str(url))
-    if fs.isdir(path):
-        return str(find_resume(str(url), folder))
+    there = _URLFolder(str(url))
+    if there.is_folder():
+        return str(complete_dcp_at(str(url)))
     local = folder / url.name
     try:
-        fs.get_file(path, str(local))
+        there.download(None, local)
     except FileNotFoundError:
         raise UsageError(f"cannot resume: {url} does not exist", "check --resume") from None
     return str(local)
 
 
-def _pull_latest(fs: Any, root: str, url: RemotePath, folder: Path) -> str:
+def _pull_latest(there: _URLFolder, url: RemotePath, folder: Path) -> str:
     """``--resume auto`` from the URL: its logs pulled, and the checkpoint its ``latest``
     names: a file downloaded with the pointer (``auto`` finds it here), or a DCP folder's URL
     (read in place by every rank)."""
-    base = root.rstrip("/")
-    name = _resumable(fs, base, url)
+    name = _resumable(there, url)
     if name is None:
         return "auto"  # nothing to resume: a fresh run, as locally
     for log in RUN_LOGS:  # the logs go on where they stopped (each rewound to the step)
         with contextlib.suppress(FileNotFoundError):
-            if fs.isdir(f"{base}/{log}"):  # TensorBoard's event folder
-                fs.get(f"{base}/{log}/", str(folder / log) + "/", recursive=True)
+            if there.is_folder(log):  # TensorBoard's event folder
+                there.download_folder(log, folder / log)
             else:
-                fs.get_file(f"{base}/{log}", str(folder / log))
+                there.download(log, folder / log)
     if "." not in name:  # a DCP checkpoint: a folder, read in place
         return str(url / name)
     for suffix in (".pt", ".safetensors"):
-        remote = f"{base}/{name.rsplit('.', 1)[0]}{suffix}"
-        if fs.exists(remote):
-            fs.get_file(remote, str(folder / Path(remote).name))
+        remote = f"{name.rsplit('.', 1)[0]}{suffix}"
+        if there.exists(remote):
+            there.download(remote, folder / remote)
     (folder / LATEST).write_text(name + "\n")
     return "auto"
 
 
-def _resumable(fs: Any, base: str, url: RemotePath) -> str | None:
+def _resumable(there: _URLFolder, url: RemotePath) -> str | None:
     """What ``--resume auto`` takes at the URL, as locally: what ``latest`` names, unless that
     is a DCP save left incomplete (one of the same name cut short), else the newest complete
     checkpoint; None when there is none."""
     try:
-        name = fs.cat_file(f"{base}/{LATEST}").decode().strip()
+        name = there.read(LATEST).decode().strip()
     except FileNotFoundError:
         return _newest_there(url)
     if "." not in name and not dcp_complete(str(url / name)):
@@ -188,9 +193,22 @@ def dcp_url(name: str) -> str | None:
 
 def dcp_complete(url: str) -> bool:
     """Whether the DCP checkpoint at ``url`` is complete: DCP writes its ``.metadata`` last."""
-    fs, path = filesystem(url)
-    fs.invalidate_cache(path)  # a listing cached before the save ended must not hide it
-    return bool(fs.exists(f"{path.rstrip('/')}/.metadata"))
+    return _URLFolder(url).exists(".metadata", fresh=True)
+
+
+def complete_dcp_at(url: str) -> Path:
+    """The DCP checkpoint at ``url`` (standing as a Path), once its ``.metadata`` shows it
+    complete.
+
+    Raises:
+        CkptkitError: it is missing or incomplete (a killed run's save, or no DCP folder).
+    """
+    if not dcp_complete(url):
+        raise CkptkitError(
+            f"cannot resume: {url} holds no complete DCP checkpoint (no .metadata)",
+            "check --resume",
+        )
+    return as_path(url)
 
 
 def _mirror_url() -> str | None:
@@ -226,7 +244,7 @@ def push(folder: Path, keep_last: int | None = None) -> None:
                 _stage_copy_and_add(uploads, folder / name)
         uploads.commit()
     if keep_last:
-        _prune_there(uploads, folder, keep_last)
+        _prune_there(uploads, _URLFolder(str(target)), keep_last)
 
 
 def _when(match: re.Match[str]) -> tuple[int, int]:
@@ -244,15 +262,15 @@ def _newest_there(url: RemotePath) -> str | None:
     return None
 
 
-def _prune_there(uploads: Uploads, folder: Path, keep_last: int) -> None:
+def _prune_there(uploads: Uploads, there: _URLFolder, keep_last: int) -> None:
     """``--keep-last`` applied to the URL's own checkpoints (a resumed run's older ones too, as
     a local run prunes its folder), never one that the URL's ``latest`` or ``best`` names."""
-    there = uploads.folder.names() or []
+    names = uploads.folder.names() or []
     kept = set()
     for pointer in (LATEST, BEST):
         with contextlib.suppress(FileNotFoundError):
-            kept.add(uploads.fs.cat_file(uploads.url(pointer)).decode().strip())
-    found = [(m, n) for n in there if (m := CHECKPOINT_NAME.fullmatch(n))]
+            kept.add(there.read(pointer).decode().strip())
+    found = [(m, n) for n in names if (m := CHECKPOINT_NAME.fullmatch(n))]
     old = set(sorted({_when(m) for m, _ in found})[:-keep_last])
     for m, name in found:
         stem = name.split(".", 1)[0]
@@ -283,3 +301,59 @@ def _stage_copy_and_add(uploads: Uploads, path: Path, name: str | None = None) -
         if not copy.exists():
             shutil.copyfile(path, copy)
         uploads.add(copy, name or path.name)
+
+
+class _URLFolder:
+    """A folder at a URL, and every operation this module performs there: the one place here
+    that calls fsspec (what a storage ``Destination`` would offer in its stead). ``name`` is a
+    name in the folder, a sub-folder's too; None is the URL itself."""
+
+    def __init__(self, url: str) -> None:
+        self.fs, self.path = filesystem(url)
+        self.root = self.path.rstrip("/")
+
+    def _at(self, name: str | None) -> str:
+        return self.path if name is None else f"{self.root}/{name}"
+
+    def exists(self, name: str, *, fresh: bool = False) -> bool:
+        """Whether ``name`` is there; ``fresh``: asked anew, not from a listing cached earlier
+        (one made before a save ended must not hide it)."""
+        if fresh:
+            self.fs.invalidate_cache(self.path)
+        return bool(self.fs.exists(self._at(name)))
+
+    def is_folder(self, name: str | None = None) -> bool:
+        return bool(self.fs.isdir(self._at(name)))
+
+    def read(self, name: str) -> bytes:
+        """A small object's bytes (a pointer).
+
+        Raises:
+            FileNotFoundError: there is none.
+        """
+        return bytes(self.fs.cat_file(self._at(name)))
+
+    def download(self, name: str | None, local: Path) -> None:
+        """A file downloaded to ``local``.
+
+        Raises:
+            FileNotFoundError: there is none.
+        """
+        self.fs.get_file(self._at(name), str(local))
+
+    def download_folder(self, name: str, local: Path) -> None:
+        """A folder's files downloaded into ``local``, sub-folders too."""
+        self.fs.get(f"{self._at(name)}/", str(local) + "/", recursive=True)
+
+    def write_and_remove(self, name: str) -> None:
+        """An empty object written as ``name``, then removed: can this folder be written?"""
+        self.fs.pipe_file(self._at(name), b"")
+        self.fs.rm(self._at(name))
+
+    def remove(self, name: str) -> None:
+        """``name`` removed, a folder with all it holds.
+
+        Raises:
+            FileNotFoundError: it is not there (some back-ends).
+        """
+        self.fs.rm(self._at(name), recursive=True)

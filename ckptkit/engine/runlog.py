@@ -38,6 +38,8 @@ __all__ = [
 METRICS_LOG = "metrics.jsonl"
 STEPS_LOG = "steps.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+# What a run leaves in --out besides its checkpoints and pointers (and mirrors to a URL).
+RUN_LOGS = (METRICS_LOG, STEPS_LOG, TENSORBOARD_DIR)
 SINKS = ("tensorboard",)  # what --log adds to the jsonl files, which are always written
 
 logger = logging.getLogger("ckptkit.train")
