@@ -5,8 +5,8 @@ variant, DCP, every rank's files, DeepSpeed, a model folder, a sharded index), t
 by its content. Nothing in the checkpoint runs; torch is imported only
 when a tensor is loaded.
 
-A folder at a URL (a prefix: ``s3://bucket/run``) is told by the same checks, which a
-:class:`~ckptkit.storage.remote.RemotePath` answers from one listing per folder; its files
+A folder at a URL (a prefix: ``s3://bucket/run``) is told by the same checks, which its
+:class:`~ckptkit.storage.location.Location` answers from one listing per folder; its files
 are then read with ranged requests. Over HTTP nothing is listed: only a DCP folder (found by its
 ``.metadata``) or a file can be named there.
 """
@@ -48,8 +48,15 @@ from ckptkit.formats.folders.layouts import (
 )
 from ckptkit.formats.folders.rank_files import find_rank_files
 from ckptkit.formats.folders.runs import run_checkpoint, trainer_checkpoint
-from ckptkit.storage.location import Location, local_path
-from ckptkit.storage.remote import RemotePath, as_path, is_url
+from ckptkit.storage.location import (
+    Location,
+    is_local,
+    listable,
+    listing,
+    local_path,
+    location,
+    url_file,
+)
 
 __all__ = ["open_source", "OpenOptions", "checkpoint_index"]
 
@@ -154,14 +161,14 @@ def open_source(
     select, trust, allow_globals = chosen.select, chosen.trust, chosen.allow_globals
     check_safety, ema, variant = chosen.check_safety, chosen.ema, chosen.variant
     names_from, unnamed = chosen.names_from, chosen.unnamed
-    if is_url(path):
-        # One given by a reader of a folder keeps what was learnt of it (listings, probes).
-        url = path if isinstance(path, RemotePath) else RemotePath(str(path))
+    # One given by a reader of a folder keeps what was learnt of it (listings, probes).
+    where = location(path)
+    if not is_local(where):  # at a URL: read by ranged requests, folders by their listings
         # --variant with --names-from picks the weights of the model named there
         own_variant = variant if names_from is None else None
-        source = _open_url(url, select, trust, allow_globals, check_safety, ema, own_variant)
-        return _named(url, source, names_from, variant, unnamed)
-    path = Path(str(path))
+        source = _open_url(where, select, trust, allow_globals, check_safety, ema, own_variant)
+        return _named(where, source, names_from, variant, unnamed)
+    path = local_path(where)
     if variant is not None and names_from is None and not path.is_dir():
         raise UsageError(
             f"--variant picks the weights of a model folder, and {path} is not a folder",
@@ -214,7 +221,7 @@ def _open_layout(
     variant: str | None,
 ) -> Source | None:
     """The reader of what a folder (or a glob of rank files) holds by its layout, a local one
-    or one at a URL (a RemotePath answers the layouts' checks from its listings); None for a
+    or one at a URL (its Location answers the layouts' checks from its listings); None for a
     single file."""
     # What a folder's files are opened with: the caller's trust and safety check (inspect
     # describes a model folder's hostile pickle as it does the file itself).
@@ -252,7 +259,7 @@ def _named(
     if source.unnamed and names_from is not None:
         try:
             return ShadowNamedSource(
-                source, as_path(names_from), opener=open_source, variant=variant
+                source, location(names_from), opener=open_source, variant=variant
             )
         except BaseException:
             source.close()
@@ -375,7 +382,7 @@ def _open_folder(
 
 
 def _open_url(
-    url: RemotePath,
+    url: Location,
     select: str | None,
     trust: bool,
     allow_globals: Iterable[str],
@@ -408,20 +415,20 @@ def _open_url(
         return folder
 
 
-def _is_glob(url: RemotePath) -> bool:
+def _is_glob(url: Location) -> bool:
     return any(c in url.name for c in "*?[")
 
 
-def _is_folder(url: RemotePath) -> bool:
+def _is_folder(url: Location) -> bool:
     """Whether a URL that is no object is a folder (a prefix holding some): one listing."""
     try:
-        return url.listable and url.is_dir()
+        return listable(url) and url.is_dir()
     except CkptkitError:  # the error that came first says it
         return False
 
 
 def _open_url_file(
-    url: RemotePath,
+    url: Location,
     select: str | None,
     allow_globals: Iterable[str],
     check_safety: bool,
@@ -445,7 +452,8 @@ def _open_url_file(
         if select not in (None, ""):
             raise FormatError(f"{url} is a sharded state dict", "drop --select")
         return ShardedSource(url, opener=open_source, allow_globals=allow_globals)
-    raw = url.open_range()  # what a layout's check fetched of it is not fetched again
+    raw = url_file(url)  # what a layout's check fetched of it is not fetched again
+    assert raw is not None  # a URL's
     try:
         kind = remote_kind(url, raw)
         if kind == "gguf":
@@ -487,7 +495,7 @@ _LISTABLE = "give its s3:// (or other listable) URL, or download it and give the
 
 
 def _open_url_folder(
-    url: RemotePath,
+    url: Location,
     select: str | None,
     allow_globals: Iterable[str],
     check_safety: bool,
@@ -499,7 +507,7 @@ def _open_url_folder(
     folder is read by (:func:`_open_layout`, its checks answered from one listing per folder);
     None when the URL is no folder (then read as a file)."""
     glob = _is_glob(url)
-    if not url.listable:  # http(s): no listing; a DCP folder is still found by its .metadata
+    if not listable(url):  # http(s): no listing; a DCP folder is still found by its .metadata
         if glob:
             raise FormatError(f"{url} is a glob, and files cannot be listed over HTTP", _LISTABLE)
         if (url / ".metadata").is_file():
@@ -512,7 +520,7 @@ def _open_url_folder(
                 "give the checkpoint file's URL; for a folder, " + _LISTABLE,
             )
         return None
-    names = (url.parent if glob else url).listed() or {}
+    names = listing(url.parent if glob else url)
     if not glob and not names:
         return None  # no folder: an object (or nothing) there
     source = _open_layout(

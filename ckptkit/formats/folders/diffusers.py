@@ -526,7 +526,7 @@ def parameter_order(
     return [(key, tuple(p.shape)) for key, p in model.named_parameters()]
 
 
-def shadow_names(ema: Source, model: Source, names_from: Path) -> list[str]:
+def shadow_names(ema: Source, model: Source, names_from: Location) -> list[str]:
     """The model's parameter names, in the order an ``EMAModel`` keeps its ``shadow_params``,
     each checked against the shadow parameter's shape.
 
@@ -599,7 +599,7 @@ class ShadowNamedSource(Source):
     def __init__(
         self,
         ema: Source,
-        names_from: Path,
+        names_from: Location,
         *,
         opener: Callable[..., Source],
         variant: str | None = None,
