@@ -9,6 +9,7 @@ trainable tokens, and a ``modules_to_save`` module's tensors under its plain nam
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -205,7 +206,7 @@ def check_config(config: dict[str, Any], where: Location | str) -> Rules:
     rank_keys, alpha_keys = (
         KeyTable(
             [k if isinstance(k, str) else "" for k in patterns[field]],
-            lambda key, field=field: _compiled(key, where, field),  # type: ignore[misc]
+            functools.partial(_compiled, where=where, field=field),
         )
         for field in ("rank_pattern", "alpha_pattern")
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.formats.base.dtypes import DTYPES
@@ -10,7 +11,22 @@ from ckptkit.formats.base.dtypes import DTYPES
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["torch_dtype", "dtype_name", "as_bytes", "bit_equal", "same_value", "from_buffer"]
+__all__ = [
+    "torch_dtype",
+    "dtype_name",
+    "as_bytes",
+    "bit_equal",
+    "same_value",
+    "from_buffer",
+    "StateDict",
+]
+
+
+class StateDict(OrderedDict[str, Any]):
+    """A state dict as ``Module.state_dict()`` leaves it: with torch's per-module version
+    records in ``_metadata`` (quantized modules read them when loaded), where there are any."""
+
+    _metadata: dict[str, Any]
 
 
 def torch_dtype(name: str) -> torch.dtype:
