@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.adapters import adapter_options, open_merged
 from ckptkit.errors import KeyMatchError
-from ckptkit.formats.base.tensors import StateDict
+from ckptkit.formats.base.tensors import with_versions
 from ckptkit.formats.open import OpenOptions
 from ckptkit.keys import (
     KeyMatch,
@@ -82,12 +83,12 @@ def load_state_dict(
     with opened as source:
         keys = source.keys()
         plan = build_plan(keys, strip_wrappers=strip_wrappers)
-        state = StateDict(
+        state = OrderedDict(
             (new, source.value(old)) for old, new in plan.mapping.items() if new is not None
         )
         versions = source.module_versions(plan.mapping)
         if versions is not None:  # quantized modules need torch's per-module version records
-            state._metadata = versions
+            with_versions(state, versions)
         return state
 
 
@@ -210,8 +211,7 @@ def load_into(
         }
         versions = source.module_versions({in_file.get(o, o): n for o, n in match.mapping.items()})
         if versions is not None:
-            versioned = StateDict(state)
-            versioned._metadata = versions
-            state = versioned
+            state = OrderedDict(state)
+            with_versions(state, versions)
         model.load_state_dict(state, strict=False)
     return LoadReport(match=match, loaded=len(state), mismatched=mismatched)

@@ -18,15 +18,15 @@ __all__ = [
     "bit_equal",
     "same_value",
     "from_buffer",
-    "StateDict",
+    "with_versions",
 ]
 
 
-class StateDict(OrderedDict[str, Any]):
-    """A state dict as ``Module.state_dict()`` leaves it: with torch's per-module version
-    records in ``_metadata`` (quantized modules read them when loaded), where there are any."""
-
-    _metadata: dict[str, Any]
+def with_versions(state: OrderedDict[str, Any], versions: dict[str, Any]) -> None:
+    """Give a state dict torch's per-module version records, as ``Module.state_dict()`` does
+    (its ``_metadata`` attribute: quantized modules read them when loaded). Still a plain
+    OrderedDict: torch's safe loader reads it back."""
+    vars(state)["_metadata"] = versions
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -12,13 +12,14 @@ import functools
 import json
 import os
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from ckptkit.errors import VerificationError
 from ckptkit.formats.base.dtypes import DTYPES
-from ckptkit.formats.base.tensors import StateDict
+from ckptkit.formats.base.tensors import with_versions
 from ckptkit.formats.files.safetensors import read_header, write_safetensors
 from ckptkit.formats.folders.dcp import DISTCP, METADATA, SIDECAR
 from ckptkit.formats.output.copier import (
@@ -195,7 +196,7 @@ class TorchValuesWriter(_Writer):
         import torch
 
         source = self.copier.source
-        values = StateDict()
+        values: OrderedDict[str, Any] = OrderedDict()
         for item in items:
             target = self.aliases.get(item.spec.key, "")
             if target in values:
@@ -208,7 +209,7 @@ class TorchValuesWriter(_Writer):
             self.copier.progress(item.spec.nbytes)
         versions = source.module_versions({i.old: i.spec.key for i in items})
         if versions is not None:  # as state_dict() leaves them: quantized modules read them
-            values._metadata = versions
+            with_versions(values, versions)
         # The temp file atomic_outputs made (not truncated: see write_safetensors), or a new
         # one in an upload's staging folder.
         with open(tmp, "r+b" if tmp.exists() else "xb") as f:
