@@ -28,6 +28,7 @@ from typing import Any
 
 from ckptkit.errors import OutputError, UsageError
 from ckptkit.storage.backends.fs import filesystem
+from ckptkit.storage.backends.schemes import backend
 from ckptkit.storage.bytecopy import punch_hole, read_into
 from ckptkit.storage.remote import RemotePath
 
@@ -52,7 +53,7 @@ class Uploads:
     discards every upload not committed."""
 
     def __init__(self, folder: RemotePath, *, force: bool) -> None:
-        if folder.scheme in ("http", "https"):
+        if not backend(folder).writable:
             raise UsageError(
                 f"{folder} is an HTTP URL, which ckptkit reads but cannot write to",
                 "write to object storage (s3://, gs://, az://...) or a local path",
@@ -61,9 +62,9 @@ class Uploads:
         self.fs, self.root = filesystem(str(folder))
         self._open: list[tuple[Any, str]] = []  # (upload, name): uploaded, not committed
         self._streams: dict[Path, Stream] = {}  # being uploaded as they are written
-        # fsspec's memory:// stores a file when it is opened (autocommit=False is ignored):
-        # there an output is written whole, then uploaded, and removed again on a failure.
-        self.deferred = folder.scheme != "memory"
+        # Where an upload is stored when opened (fsspec's memory://, autocommit=False ignored),
+        # an output is written whole, then uploaded, and removed again on a failure.
+        self.deferred = backend(folder).deferred_commit
 
     def url(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
