@@ -6,11 +6,11 @@ against the speed-up the disk itself allows two writers.
     python3 bench/remote.py --quick         # small; the test suite runs this so it keeps working
     python3 bench/remote.py --only convert --size-gb 4 --repeat 5 --dir /big/disk
 
-The server is tests/servers.py's ``RangeServer``, run in this process's threads while the ways
-run as children; each request is answered after ``--latency-ms`` and its body paced on its own
-to ``--rate-mbs`` (per request, so N requests in flight get N times the rate, as from an object
-store). Its sockets are TCP_NODELAY, as production servers set theirs (tests/servers.py does):
-left with Nagle's algorithm on (``--server-nagle``), an answer whose body
+The server is tests/support/servers.py's ``RangeServer``, run in this process's threads while
+the ways run as children; each request is answered after ``--latency-ms`` and its body paced on
+its own to ``--rate-mbs`` (per request, so N requests in flight get N times the rate, as from an
+object store). Its sockets are TCP_NODELAY, as production servers set theirs (tests/support/
+servers.py does): left with Nagle's algorithm on (``--server-nagle``), an answer whose body
 follows its headers in a second small write waits for the client's delayed ACK, about 40 ms a
 request on Linux, which would make a 20 ms server a 60 ms one. The parts (``--only``,
 repeatable; default all):
@@ -56,7 +56,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 import servers  # noqa: E402
 from run import python, run_ways, table  # noqa: E402

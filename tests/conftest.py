@@ -1,5 +1,5 @@
 """The pytest fixtures shared by the test files. Constants, functions and strategies live in
-helpers.py (``from helpers import ...``)."""
+tests/support/helpers.py (``from helpers import ...``; tests/support is on pytest's pythonpath)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,18 @@ from ckptkit.cli import cli
 # gcsfs reads this once, when it is imported (see servers.GcsServer): off before any test file
 # imports it, or each gs:// bucket costs 60 s of gRPC retries against the emulator.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (``-n``, ``--dist loadgroup``), the tests of a file that share a fixture
+    made once per module (a training run, a corpus written out) all run on one worker, so that it
+    is made once rather than once on each worker. Without xdist the mark does nothing."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d and d[-1].scope == "module" for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, free_port
 
 BAIT = "import pathlib; pathlib.Path(__file__).with_suffix('.ran').write_text('ran')\n"
 
@@ -76,7 +76,7 @@ def test_torchrun_m_ckptkit_runs_nothing_from_the_current_folder(tmp_path):
             str(ROOT / "fixtures" / "ddp.pt"),
         ],
         cwd=folder,
-        env=_env(),
+        env={**_env(), "PET_MASTER_PORT": str(free_port())},  # torchrun's --master-port
         capture_output=True,
         text=True,
         timeout=180,

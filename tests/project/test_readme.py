@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import servers
 from click.testing import CliRunner
-from helpers import FIXTURE_DIR, ROOT
+from helpers import FIXTURE_DIR, ROOT, free_port
 
 from ckptkit.cli import cli
 
@@ -154,7 +154,8 @@ def test_the_readme_s3_workflow_runs_as_printed(s3_env, tmp_path):
     commands = _console_commands(README, "s3://ckpts/run")
     assert [c.split()[0] for c in commands] == ["ckptkit", "torchrun", "ckptkit"], commands
     s3_env.bucket("ckpts")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # torchrun's --master-port (PET_MASTER_PORT) free, not 29500: the line itself runs as printed
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PET_MASTER_PORT": str(free_port())}
     for command in commands:
         done = subprocess.run(
             shlex.split(command),

@@ -1,10 +1,12 @@
 """Shared test helpers (constants, functions, hypothesis strategies): imported by the test files
-as ``from helpers import ...``. The pytest fixtures stay in conftest.py."""
+as ``from helpers import ...`` (tests/support is on pytest's ``pythonpath``). The pytest fixtures
+stay in tests/conftest.py."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from pathlib import Path
 import torch
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURE_DIR = ROOT / "fixtures"
 if str(FIXTURE_DIR) not in sys.path:  # the fixture makers: make_fixtures, make_dcp, ...
     sys.path.insert(0, str(FIXTURE_DIR))
@@ -29,6 +31,7 @@ __all__ = [
     "TORCH_DTYPES",
     "bits",
     "dcp_to_torch",
+    "free_port",
     "load_with_ties",
     "no_torch_imported",
     "reference_model",
@@ -90,6 +93,15 @@ def dcp_to_torch(folder: Path, tmp: Path) -> dict:
 
     dcp_to_torch_save(folder, tmp / "ref.pt")
     return torch.load(tmp / "ref.pt", weights_only=True)
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing holds now. torchrun without ``--standalone`` listens on
+    29500 unless told (``PET_MASTER_PORT`` is its ``--master-port``): tests running side by side
+    on pytest-xdist's workers would meet there."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def no_torch_imported(code: str) -> None:

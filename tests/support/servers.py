@@ -16,7 +16,7 @@ than an import, which ruff would call redefined by the test's argument of the sa
 
 Everything binds to 127.0.0.1 on a port the OS picks, and is stopped, its threads joined, when
 the fixture ends. What fsspec's http and s3 filesystems do on the wire, as seen through these
-servers, is written down in tests/test_servers.py.
+servers, is written down in tests/storage/test_servers.py.
 
 Pointing ``s3://bucket/key`` at the server, with s3fs 2026.9 / botocore 1.43:
 

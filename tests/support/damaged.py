@@ -14,7 +14,7 @@ import struct
 import zipfile
 from pathlib import Path
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
 
 def _zip_with(data_pkl: bytes, *, compress: int = zipfile.ZIP_STORED) -> bytes:

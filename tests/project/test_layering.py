@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ckptkit"
+PACKAGE = Path(__file__).resolve().parents[2] / "ckptkit"
 CORE = {"ckptkit.errors", "ckptkit.keys", "ckptkit.meta", "ckptkit.text"}
 
 

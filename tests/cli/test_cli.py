@@ -245,7 +245,7 @@ def test_version(run):
     installed = version("torch-ckptkit")
     assert result.stdout == f"ckptkit, version {installed}\n"
     assert ckptkit.__version__ == installed
-    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
     assert f'\nversion = "{installed}"\n' in pyproject
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, free_port
 from safetensors.torch import load_file
 
 import ckptkit
@@ -95,6 +95,7 @@ def test_a_part_of_a_file_that_is_not_sharded_is_refused(src, run):
 
 def _torchrun(*args, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env["PET_MASTER_PORT"] = str(free_port())  # torchrun's --master-port, not 29500
     env.pop("CKPTKIT_DEBUG", None)
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ckptkit",
