@@ -1,6 +1,6 @@
-"""On-disk formats, in rooms that import only downwards.
+"""Checkpoint formats, in rooms that import only downwards (where the bytes live, on disk or
+at a URL, is ``ckptkit.storage``'s, below them all).
 
-- ``io``: bytes on disk: atomic commits, byte ranges, the kernel copy.
 - ``base``: what every reader and writer shares: dtypes, ``Source`` and ``TensorInfo``, the search
   for the weights in a checkpoint's tree, and torch tensor helpers.
 - ``pickles``: the static pickle machine, torch's objects read as data, scan verdicts, the pickle

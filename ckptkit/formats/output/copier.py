@@ -96,7 +96,7 @@ class Copier:
     _flushing: _Ranges = field(default_factory=lambda: _Ranges())  # written, still cached
     _flushing_bytes: int = 0
     workers: int = 8  # ranged requests in flight for a source at a URL
-    # Set for an output uploaded as it is written (``io/upload.py``): called in the worker
+    # Set for an output uploaded as it is written (``storage/upload.py``): called in the worker
     # thread with (fd, start, end) once a range is written and checked, in the order written;
     # the bytes made through torch are checked by their CRC-32 as written, since the file
     # will no longer hold them when the writer's check comes.
