@@ -14,7 +14,7 @@ are then read with ranged requests. Over HTTP nothing is listed: only a DCP fold
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -158,27 +158,23 @@ def open_source(
     """
     given = options or OpenOptions()
     chosen = replace(given, **changes) if changes else given
-    select, trust, allow_globals = chosen.select, chosen.trust, chosen.allow_globals
-    check_safety, ema, variant = chosen.check_safety, chosen.ema, chosen.variant
-    names_from, unnamed = chosen.names_from, chosen.unnamed
     # One given by a reader of a folder keeps what was learnt of it (listings, probes).
     where = location(path)
     if not is_local(where):  # at a URL: read by ranged requests, folders by their listings
         # --variant with --names-from picks the weights of the model named there
-        own_variant = variant if names_from is None else None
-        source = _open_url(where, select, trust, allow_globals, check_safety, ema, own_variant)
-        return _named(where, source, names_from, variant, unnamed)
+        own = chosen if chosen.names_from is None else replace(chosen, variant=None)
+        return _named(where, _open_url(where, own), chosen)
     path = local_path(where)
-    if variant is not None and names_from is None and not path.is_dir():
+    if chosen.variant is not None and chosen.names_from is None and not path.is_dir():
         raise UsageError(
             f"--variant picks the weights of a model folder, and {path} is not a folder",
             "drop --variant",
             api_hint="drop variant=",
         )
-    source = _open(path, select, trust, allow_globals, check_safety, ema, variant)
+    source = _open(path, chosen)
     if path.is_dir():
         _note_followed(source, path)
-    return _named(path, source, names_from, variant, unnamed)
+    return _named(path, source, chosen)
 
 
 def _note_followed(source: Source, folder: Location) -> None:
@@ -196,47 +192,32 @@ def _note_followed(source: Source, folder: Location) -> None:
         source.selected_reason += f"; read from outside {folder}: {', '.join(source.followed)}"
 
 
-def _open(
-    path: Location,
-    select: str | None,
-    trust: bool,
-    allow_globals: Iterable[str],
-    check_safety: bool,
-    ema: bool,
-    variant: str | None,
-) -> Source:
-    layout = _open_layout(path, select, trust, allow_globals, check_safety, ema, variant)
+def _open(path: Location, options: OpenOptions) -> Source:
+    layout = _open_layout(path, options)
     if layout is not None:
         return layout
-    return _open_file(path, select, trust, allow_globals, check_safety, ema)
+    return _open_file(path, options)
 
 
-def _open_layout(
-    path: Location,
-    select: str | None,
-    trust: bool,
-    allow_globals: Iterable[str],
-    check_safety: bool,
-    ema: bool,
-    variant: str | None,
-) -> Source | None:
+def _open_layout(path: Location, options: OpenOptions) -> Source | None:
     """The reader of what a folder (or a glob of rank files) holds by its layout, a local one
     or one at a URL (its Location answers the layouts' checks from its listings); None for a
     single file."""
     # What a folder's files are opened with: the caller's trust and safety check (inspect
     # describes a model folder's hostile pickle as it does the file itself).
-    opener = functools.partial(
-        open_source, trust=trust, allow_globals=allow_globals, check_safety=check_safety
-    )
+    opener = functools.partial(open_source, options=options.safety())
+    select, ema = options.select, options.ema
     run = run_checkpoint(path, select)
     if run is not None:  # ckptkit train's --out folder: the checkpoint `latest` names
         return _pointed_to(opener(run[0], ema=ema, unnamed=True), *run)
     trainer = trainer_checkpoint(path, select)
     if trainer is not None:  # a Trainer's output_dir: its newest checkpoint-N
         chosen = trainer[1] == "chosen with --select"
-        source = opener(trainer[0], select=None if chosen else select, ema=ema, variant=variant)
+        source = opener(
+            trainer[0], select=None if chosen else select, ema=ema, variant=options.variant
+        )
         return _pointed_to(source, *trainer)
-    return _open_folder(path, select, ema, variant, opener)
+    return _open_folder(path, options, opener)
 
 
 def _pointed_to(source: Source, checkpoint: Location, why: str) -> Source:
@@ -245,16 +226,12 @@ def _pointed_to(source: Source, checkpoint: Location, why: str) -> Source:
     return source
 
 
-def _named(
-    path: Location,
-    source: Source,
-    names_from: str | Path | None,
-    variant: str | None,
-    unnamed: bool,
-) -> Source:
+def _named(path: Location, source: Source, options: OpenOptions) -> Source:
     """A diffusers EMAModel's shadow_params named after ``names_from``'s parameters; refused
     without it (unless ``unnamed``); ``names_from`` refused for anything else."""
     from ckptkit.formats.folders.diffusers import ShadowNamedSource
+
+    names_from, variant, unnamed = options.names_from, options.variant, options.unnamed
 
     if source.unnamed and names_from is not None:
         try:
@@ -284,10 +261,9 @@ def _named(
     return source
 
 
-def _open_diffusers(
-    path: Location, select: str | None, variant: str | None, opener: Opener
-) -> Source | None:
+def _open_diffusers(path: Location, options: OpenOptions, opener: Opener) -> Source | None:
     """A diffusers pipeline's component, or a model folder's weights by their variant."""
+    select, variant = options.select, options.variant
     if is_pipeline(path):
         component = pipeline_component(path, select)
         source = opener(component.folder, variant=variant)
@@ -322,12 +298,11 @@ def _open_weights(path: Location, weights: Weights, opener: Opener) -> Source:
     return source
 
 
-def _open_folder(
-    path: Location, select: str | None, ema: bool, variant: str | None, opener: Opener
-) -> Source | None:
+def _open_folder(path: Location, options: OpenOptions, opener: Opener) -> Source | None:
     """The reader of a folder layout ``path`` stands for, or None for a single file."""
+    select, ema = options.select, options.ema
     if path.is_dir():
-        diffusers = _open_diffusers(path, select, variant, opener)
+        diffusers = _open_diffusers(path, options, opener)
         if diffusers is not None:
             return diffusers
     dcp = find_dcp(path)
@@ -381,35 +356,27 @@ def _open_folder(
     return None
 
 
-def _open_url(
-    url: Location,
-    select: str | None,
-    trust: bool,
-    allow_globals: Iterable[str],
-    check_safety: bool,
-    ema: bool,
-    variant: str | None,
-) -> Source:
+def _open_url(url: Location, options: OpenOptions) -> Source:
     """The reader of a checkpoint at a URL: one file, its headers read with ranged requests and
     its tensors fetched when they are loaded; or a folder (a prefix) or a glob of rank files,
     listed and read by its layout as a local folder is."""
-    if trust:
+    if options.trust:
         raise UsageError(
             f"--trust runs torch's full unpickler, which reads {url} from a local disk",
             "download it first, or drop --trust",
         )
     if _is_glob(url) or (not url.suffix and url.name != ".metadata"):
-        folder = _open_url_folder(url, select, allow_globals, check_safety, ema, variant)
+        folder = _open_url_folder(url, options)
         if folder is not None:
             return folder
-        return _open_url_file(url, select, allow_globals, check_safety, ema, variant)
+        return _open_url_file(url, options)
     try:
-        return _open_url_file(url, select, allow_globals, check_safety, ema, variant)
+        return _open_url_file(url, options)
     except (MissingFileError, UsageError):
         # No object: a folder named like a file (Lightning's DeepSpeed epoch=0-step=3.ckpt/)?
         folder = None
         if _is_folder(url):
-            folder = _open_url_folder(url, select, allow_globals, check_safety, ema, variant)
+            folder = _open_url_folder(url, options)
         if folder is None:
             raise
         return folder
@@ -427,15 +394,9 @@ def _is_folder(url: Location) -> bool:
         return False
 
 
-def _open_url_file(
-    url: Location,
-    select: str | None,
-    allow_globals: Iterable[str],
-    check_safety: bool,
-    ema: bool,
-    variant: str | None,
-) -> Source:
+def _open_url_file(url: Location, options: OpenOptions) -> Source:
     """The reader of one file at a URL (DCP's ``.metadata`` and a shard index included)."""
+    select, ema, variant = options.select, options.ema, options.variant
     if variant is not None:
         raise UsageError(
             f"--variant picks the weights of a model folder, and {url} is a file",
@@ -451,7 +412,7 @@ def _open_url_file(
 
         if select not in (None, ""):
             raise FormatError(f"{url} is a sharded state dict", "drop --select")
-        return ShardedSource(url, opener=open_source, allow_globals=allow_globals)
+        return ShardedSource(url, opener=open_source, allow_globals=options.allow_globals)
     raw = url_file(url)  # what a layout's check fetched of it is not fetched again
     assert raw is not None  # a URL's
     try:
@@ -470,8 +431,8 @@ def _open_url_file(
         return TorchFileSource(
             url,
             select=select,
-            allow_globals=allow_globals,
-            check_safety=check_safety,
+            allow_globals=options.allow_globals,
+            check_safety=options.check_safety,
             ema=ema,
             raw=raw,
         )
@@ -494,14 +455,7 @@ def _open_url_file(
 _LISTABLE = "give its s3:// (or other listable) URL, or download it and give the local copy"
 
 
-def _open_url_folder(
-    url: Location,
-    select: str | None,
-    allow_globals: Iterable[str],
-    check_safety: bool,
-    ema: bool,
-    variant: str | None,
-) -> Source | None:
+def _open_url_folder(url: Location, options: OpenOptions) -> Source | None:
     """The reader of a folder at a URL (a model repository, a DCP save, DeepSpeed's, every
     rank's files, a diffusers pipeline...) or of a glob of rank files, by the layout a local
     folder is read by (:func:`_open_layout`, its checks answered from one listing per folder);
@@ -513,7 +467,7 @@ def _open_url_folder(
         if (url / ".metadata").is_file():
             from ckptkit.formats.folders.dcp import DCPSource
 
-            return DCPSource(url, select=select, ema=ema)
+            return DCPSource(url, select=options.select, ema=options.ema)
         if not url.is_file():
             raise FormatError(
                 f"{url} is no file, and a folder cannot be listed over HTTP",
@@ -523,15 +477,7 @@ def _open_url_folder(
     names = listing(url.parent if glob else url)
     if not glob and not names:
         return None  # no folder: an object (or nothing) there
-    source = _open_layout(
-        url,
-        select,
-        False,
-        allow_globals,
-        check_safety,
-        ema,
-        variant,
-    )
+    source = _open_layout(url, options)
     if source is None:
         shown = ", ".join(sorted(n for n in names if not n.startswith("."))[:8])
         raise FormatError(
@@ -544,15 +490,9 @@ def _open_url_folder(
     return source
 
 
-def _open_file(
-    path: Location,
-    select: str | None,
-    trust: bool,
-    allow_globals: Iterable[str],
-    check_safety: bool,
-    ema: bool,
-) -> Source:
+def _open_file(path: Location, options: OpenOptions) -> Source:
     """The reader of one local checkpoint file, chosen by its content."""
+    select, ema = options.select, options.ema
     kind = detect_format(local_path(path))
     if kind == "gguf":
         from ckptkit.formats.files.gguf import GGUFSource
@@ -564,11 +504,15 @@ def _open_file(
         return SafetensorsSource(path, select=select)
     from ckptkit.formats.files.torchfile import TorchFileSource, TrustedTorchSource
 
-    if trust:
+    if options.trust:
         return TrustedTorchSource(path, select=select, ema=ema)
     try:
         return TorchFileSource(
-            path, select=select, allow_globals=allow_globals, check_safety=check_safety, ema=ema
+            path,
+            select=select,
+            allow_globals=options.allow_globals,
+            check_safety=options.check_safety,
+            ema=ema,
         )
     except UnsafeCheckpointError:
         from ckptkit.formats.folders.rank_files import one_rank_error
