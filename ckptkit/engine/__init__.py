@@ -42,7 +42,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
+def train(config: TrainConfig | None = None, **options: Any) -> TrainResult:
     """Train with the built-in (or your) model and data, in any mode.
 
     Args:
@@ -58,13 +58,11 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
         KeyboardInterrupt: Ctrl-C, once every worker has stopped.
     """
     _refuse_rerun()  # first: a worker re-running the script leaves before importing torch
-    config = config or TrainConfig(**options)  # type: ignore[arg-type]
+    config = config or TrainConfig(**options)
     config.check()  # before torch is imported: a usage error answers at once
     from ckptkit.engine.distributed import Mode
 
-    if is_remote(
-        config.out
-    ):  # staged here, mirrored there as it commits (DCP shards: written there)
+    if is_remote(config.out):  # staged here, mirrored there as it commits (DCP: written there)
         from ckptkit.engine.remote import staged_run
 
         with staged_run(config) as local:
