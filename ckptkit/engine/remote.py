@@ -18,6 +18,14 @@ object storage, so the save is written under its final name, ``meta.pt`` first a
 ``.metadata`` last; ``latest`` moves only once ``.metadata`` is there. A save without
 ``.metadata`` is incomplete (a killed run's): no pointer names it, a resume refuses it, and the
 next run at the URL removes it before it trains.
+
+Every request made at the URL goes through storage (nothing here calls fsspec): the folder's
+operations are a :class:`~ckptkit.storage.remote_folder.RemoteFolder`'s, the mirrored files go
+up through its :class:`~ckptkit.storage.upload.Uploads` (the staged uploads, committed in
+order, of a URL ``Destination``), and whether a place is at a URL is asked of
+:mod:`ckptkit.storage.location`: here, and elsewhere in the engine only where ``train`` stages
+a URL ``--out``, where ``find_resume`` takes a DCP checkpoint's URL, and where the payload's
+reader reads a DCP checkpoint's ``meta.pt`` at one.
 """
 
 from __future__ import annotations
