@@ -282,29 +282,23 @@ def _start_in_place(
     return write(url)
 
 
-class _RecordingFile:
+class _RecordingFile(io.BufferedWriter):
     """A file whose write errors are kept: torch.save turns them into a bare RuntimeError."""
 
-    def __init__(self, file: Any) -> None:
-        self.file = file
-        self.error: OSError | None = None
+    error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
-            return self.file.write(data)
+            return super().write(data)
         except OSError as exc:
             self.error = exc
             raise
 
-    def flush(self) -> None:
-        self.file.flush()
-
 
 def _torch_save(payload: Any, path: Path) -> None:
-    with open(path, "wb") as raw:
-        target = _RecordingFile(raw)
+    with _RecordingFile(io.FileIO(path, "wb")) as target:
         try:
-            torch.save(payload, target)  # type: ignore[arg-type]  # any object with .write
+            torch.save(payload, target)
         except RuntimeError:
             if target.error is not None:
                 raise target.error from None  # ENOSPC, EFBIG...: atomic_output names the file
