@@ -19,7 +19,7 @@ from ckptkit.engine.config import (
     under_launcher,
 )
 from ckptkit.errors import UsageError
-from ckptkit.storage.remote import is_url
+from ckptkit.storage.location import is_remote
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -42,7 +42,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
+def train(config: TrainConfig | None = None, **options: Any) -> TrainResult:
     """Train with the built-in (or your) model and data, in any mode.
 
     Args:
@@ -58,16 +58,16 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
         KeyboardInterrupt: Ctrl-C, once every worker has stopped.
     """
     _refuse_rerun()  # first: a worker re-running the script leaves before importing torch
-    config = config or TrainConfig(**options)  # type: ignore[arg-type]
+    config = config or TrainConfig(**options)
     config.check()  # before torch is imported: a usage error answers at once
     from ckptkit.engine.distributed import Mode
 
-    if is_url(config.out):  # staged here, mirrored there as it commits (DCP shards: written there)
+    if is_remote(config.out):  # staged here, mirrored there as it commits (DCP: written there)
         from ckptkit.engine.remote import staged_run
 
         with staged_run(config) as local:
             result = train(local)
-        return _at_url(result, local.out, config.out)
+        return _mirrored(result, local.out, config.out)
     if Mode(config.mode).distributed and not under_launcher():
         # Only what launching needs is imported here: the workers wait for this process.
         from ckptkit.engine.checkpoint import check_fresh
@@ -84,7 +84,7 @@ def train(config: TrainConfig | None = None, **options: object) -> TrainResult:
     return Engine(config).run()
 
 
-def _at_url(result: TrainResult, local: str, url: str) -> TrainResult:
+def _mirrored(result: TrainResult, local: str, url: str) -> TrainResult:
     """A result's paths in the staging folder named at the URL they were mirrored to."""
     result.out = url
     for name in ("checkpoint", "resumed_from"):

@@ -74,7 +74,7 @@ class Run:
 class _Skip(Sampler[int]):
     """A sampler's indices from the ``start``-th on."""
 
-    def __init__(self, sampler: Sampler[int], start: int) -> None:
+    def __init__(self, sampler: DistributedSampler[Any], start: int) -> None:
         self.sampler, self.start = sampler, start
 
     def __iter__(self) -> Iterator[int]:
@@ -84,7 +84,7 @@ class _Skip(Sampler[int]):
         return indices
 
     def __len__(self) -> int:
-        return max(0, len(self.sampler) - self.start)  # type: ignore[arg-type]
+        return max(0, len(self.sampler) - self.start)
 
 
 def factory(spec: str | Callable[[], Any] | None, default: Callable[[], Any], what: str) -> Any:

@@ -33,15 +33,15 @@ import torch
 from ckptkit.engine.distributed import quiet_single_process_dcp
 from ckptkit.engine.payload import DIGEST, META, MODEL, TRAIN_STATE, load_payload
 from ckptkit.engine.ptwriter import write_payload
-from ckptkit.engine.remote import complete_dcp_at, dcp_url, push
+from ckptkit.engine.remote import complete_dcp_at, dcp_storage, dcp_url, push
 from ckptkit.engine.runlog import RUN_LOGS
 from ckptkit.engine.saver import BackgroundSaver, Staging, dcp_stager, staged
 from ckptkit.errors import CkptkitError, FormatError, OutputError, UsageError
 from ckptkit.formats.base.tensors import as_bytes, dtype_name
 from ckptkit.formats.folders.runs import BEST, CHECKPOINT_NAME, LATEST, list_checkpoints
 from ckptkit.storage.atomic import atomic_folder, atomic_output
-from ckptkit.storage.backends.fs import filesystem
-from ckptkit.storage.remote import is_url
+from ckptkit.storage.location import Location, is_remote
+from ckptkit.storage.remote_folder import RemoteFolder
 from ckptkit.storage.small import read_pointer
 
 __all__ = [
@@ -200,7 +200,7 @@ def commit_dcp(
 
     def write(target: str) -> Callable[[], Any]:
         """Start this rank's part; returns what waits for it."""
-        where = _dcp_target(target)
+        where = dcp_storage(target, writing=True)
         if saver is None:  # collective; rank 0 writes .metadata last
             dcp.save(shards, **where)
             return lambda: None
@@ -216,7 +216,7 @@ def commit_dcp(
             saver.submit(written)
         return final
     if url is not None:
-        complete = _start_at_url(url, train_state, share, write)
+        complete = _start_in_place(url, train_state, share, write)
     else:  # written later, from copies, in the background
         state = train_state if saver is None else staged(train_state)
         complete = _start_in_folder(final, state, share, write)
@@ -231,18 +231,6 @@ def commit_dcp(
     else:
         saver.submit(finish)
     return final
-
-
-def _dcp_target(target: str) -> dict[str, Any]:
-    """``dcp.save``'s arguments for a folder here, or for a URL: torch's ``FsspecWriter``
-    (which writes ``.metadata`` last, as a temp name renamed, once every rank's shards are
-    written). No fsync at a URL: an object is whole once uploaded, and DCP would sync the
-    whole machine's disks for each (an fsspec file has no descriptor)."""
-    if not is_url(target):
-        return {"checkpoint_id": Path(target)}
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return {"storage_writer": FsspecWriter(target, sync_files=False)}
 
 
 def _start_in_folder(
@@ -271,7 +259,7 @@ def _start_in_folder(
     return complete
 
 
-def _start_at_url(
+def _start_in_place(
     url: str,
     train_state: dict[str, Any],
     share: Callable[[str | None], str],
@@ -280,13 +268,12 @@ def _start_at_url(
     """Rank 0's part of a DCP save at a URL, under its final name (no folder is renamed on
     object storage): what an earlier run left under that name removed, then ``meta.pt``
     written, then the shards, ``.metadata`` last. Returns what completes it."""
-    fs, path = filesystem(url)
+    there = RemoteFolder(url)
     buffer = io.BytesIO()
     torch.save(train_state, buffer)
     try:
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm(path, recursive=True)
-        fs.pipe_file(f"{path}/{TRAIN_STATE}", buffer.getvalue())
+        there.clear()
+        there.write(TRAIN_STATE, buffer.getvalue())
     except OSError as exc:  # the back-end's own (denied, unreachable): said in one line
         raise OutputError(
             f"cannot write {url}: {exc}", "check the bucket and the credentials"
@@ -295,29 +282,23 @@ def _start_at_url(
     return write(url)
 
 
-class _RecordingFile:
+class _RecordingFile(io.BufferedWriter):
     """A file whose write errors are kept: torch.save turns them into a bare RuntimeError."""
 
-    def __init__(self, file: Any) -> None:
-        self.file = file
-        self.error: OSError | None = None
+    error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
-            return self.file.write(data)
+            return super().write(data)
         except OSError as exc:
             self.error = exc
             raise
 
-    def flush(self) -> None:
-        self.file.flush()
-
 
 def _torch_save(payload: Any, path: Path) -> None:
-    with open(path, "wb") as raw:
-        target = _RecordingFile(raw)
+    with _RecordingFile(io.FileIO(path, "wb")) as target:
         try:
-            torch.save(payload, target)  # type: ignore[arg-type]  # any object with .write
+            torch.save(payload, target)
         except RuntimeError:
             if target.error is not None:
                 raise target.error from None  # ENOSPC, EFBIG...: atomic_output names the file
@@ -351,13 +332,13 @@ def _prune(folder: Path, keep_last: int, *, keep: Path) -> None:
                 shutil.rmtree(stem, ignore_errors=True)
 
 
-def find_resume(resume: str | None, folder: Path) -> Path | None:
-    """The checkpoint to resume from: an explicit path (a DCP checkpoint's URL, read in place,
-    standing as a Path), or with ``auto`` the one ``latest`` names if it loads, else the newest
-    complete checkpoint in ``folder``, else None."""
+def find_resume(resume: str | None, folder: Path) -> Location | None:
+    """The checkpoint to resume from: an explicit path (a DCP checkpoint's URL, read in place),
+    or with ``auto`` the one ``latest`` names if it loads, else the newest complete checkpoint
+    in ``folder``, else None."""
     if resume is None:
         return None
-    if is_url(resume):  # a DCP checkpoint at a URL, read in place
+    if is_remote(resume):  # a DCP checkpoint at a URL, read in place
         return complete_dcp_at(resume)
     if resume != "auto":
         path = Path(resume)

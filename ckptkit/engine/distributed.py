@@ -226,8 +226,8 @@ def wrap(model: nn.Module, ctx: Context) -> nn.Module:
         for child in model.children():  # shards as units: one gathered at a time
             if any(p.requires_grad for p in child.parameters()):
                 fully_shard(child, mesh=mesh)
-        sharded: nn.Module = fully_shard(model, mesh=mesh)  # type: ignore[assignment]
-        return sharded  # the same module, its parameters now DTensors
+        fully_shard(model, mesh=mesh)
+        return model  # the same module, its parameters now DTensors
     return model
 
 
@@ -242,11 +242,15 @@ def gradient_sync(model: nn.Module, ctx: Context, *, enabled: bool) -> Iterator[
         with model.no_sync():
             yield
     else:  # FSDP2: the module itself
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(model, FSDPModule):
+            raise TypeError(f"{type(model).__name__} is not sharded by FSDP2")
+        model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+            model.set_requires_gradient_sync(True)
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, list[str]]:

@@ -20,7 +20,6 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,13 +29,13 @@ from ckptkit.engine.distributed import (
     quiet_single_process_dcp,
     training_state,
 )
-from ckptkit.engine.remote import shown_path
+from ckptkit.engine.remote import dcp_storage, shown_path
 from ckptkit.engine.runlog import logger
 from ckptkit.errors import FormatError, UsageError
 from ckptkit.formats.base.tree import map_leaves
 from ckptkit.keys import match_keys, mismatch_message
 from ckptkit.meta import TRAINING_KEY, version
-from ckptkit.storage.remote import is_url
+from ckptkit.storage.location import Location, is_local
 from ckptkit.text import escape
 
 if TYPE_CHECKING:
@@ -185,7 +184,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 # Restoring: the payload read back, and put back into a run.
 
 
-def restore(path: Path, run: Run, progress: Progress, ctx: Context) -> None:
+def restore(path: Location, run: Run, progress: Progress, ctx: Context) -> None:
     """Resume from the checkpoint at ``path``: the weights and optimizer into ``run`` (a DCP
     checkpoint resharded to this run's world), where it stood into ``progress``, and this
     rank's RNG when the world size is the same.
@@ -221,7 +220,7 @@ def restore(path: Path, run: Run, progress: Progress, ctx: Context) -> None:
     logger.info("resumed from %s at %s", escape(shown_path(path)), where)
 
 
-def _restore_shards(path: Path, parts: set[str], run: Run, ctx: Context) -> bool:
+def _restore_shards(path: Location, parts: set[str], run: Run, ctx: Context) -> bool:
     """A DCP checkpoint's shards, resharded to this run's world. Returns whether it held the
     optimizer's state."""
     inner, optimizer = run.inner, run.optimizer
@@ -236,7 +235,7 @@ def _restore_shards(path: Path, parts: set[str], run: Run, ctx: Context) -> bool
     return kept is not None
 
 
-def _restore_whole(path: Path, payload: dict[str, Any], run: Run, ctx: Context) -> bool:
+def _restore_whole(path: Location, payload: dict[str, Any], run: Run, ctx: Context) -> bool:
     """A file's weights (under any wrapper chain) and optimizer state. Returns whether it held
     the optimizer's state."""
     match = match_keys(payload[MODEL], run.inner.state_dict())  # any chain (legacy `module.`)
@@ -251,13 +250,13 @@ def _restore_whole(path: Path, payload: dict[str, Any], run: Run, ctx: Context) 
     return kept is not None
 
 
-def load_payload(path: Path, *, mmap: bool = False) -> dict[str, Any]:
+def load_payload(path: Location, *, mmap: bool = False) -> dict[str, Any]:
     """A checkpoint's contents, read safely (weights_only) onto the CPU. A safetensors file
     gives its weights and the epoch counters its header recorded. ``mmap`` maps a zip file's
     tensors instead of reading them."""
     if path.suffix == ".safetensors":
         return _load_weights(path)
-    if is_url(path) or path.is_dir():  # a DCP checkpoint (the only kind resumed at a URL)
+    if not is_local(path) or path.is_dir():  # a DCP checkpoint (the only kind read at a URL)
         return _dcp_train_state(path)
     payload = _safe_load(path, mmap=mmap)
     if (
@@ -271,9 +270,9 @@ def load_payload(path: Path, *, mmap: bool = False) -> dict[str, Any]:
     return dict(payload)
 
 
-def _safe_load(path: Path, *, mmap: bool = False) -> Any:
+def _safe_load(path: Location, *, mmap: bool = False) -> Any:
     try:
-        if is_url(path):  # a DCP checkpoint's meta.pt: small, read whole
+        if not is_local(path):  # a DCP checkpoint's meta.pt at a URL: small, read whole
             return torch.load(io.BytesIO(path.read_bytes()), map_location="cpu", weights_only=True)
         mapped = mmap and zipfile.is_zipfile(path)
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
@@ -284,7 +283,7 @@ def _safe_load(path: Path, *, mmap: bool = False) -> Any:
         ) from exc
 
 
-def _load_weights(path: Path) -> dict[str, Any]:
+def _load_weights(path: Location) -> dict[str, Any]:
     from safetensors import safe_open
 
     from ckptkit.meta import CheckpointMeta
@@ -304,7 +303,7 @@ def _load_weights(path: Path) -> dict[str, Any]:
     return {MODEL: state, **counters}
 
 
-def _dcp_train_state(path: Path) -> dict[str, Any]:
+def _dcp_train_state(path: Location) -> dict[str, Any]:
     """A DCP checkpoint's ``meta.pt``, its ``.metadata`` checked (read statically), here or at
     a URL: the shards themselves are read by :func:`load_dcp`."""
     from ckptkit.formats.folders.dcp import METADATA, read_metadata
@@ -319,7 +318,7 @@ def _dcp_train_state(path: Path) -> dict[str, Any]:
     return {**payload, SHARDS: {MODEL, OPTIM_DCP} & parts or {"state dict"}}
 
 
-def load_dcp(path: Path, shards: dict[str, Any]) -> None:
+def load_dcp(path: Location, shards: dict[str, Any]) -> None:
     """Fill ``shards`` (``model``, ``optim``: each rank's own, as saved) from a DCP
     checkpoint, here or at a URL (torch's ``FsspecReader``: nothing downloaded first); DCP
     reshards to this run's world. Plain values stored in it are read with torch's safe loader
@@ -329,21 +328,12 @@ def load_dcp(path: Path, shards: dict[str, Any]) -> None:
 
     quiet_single_process_dcp()
     try:
-        dcp.load(shards, **_dcp_source(path), planner=_safe_load_planner())
+        dcp.load(shards, **dcp_storage(path), planner=_safe_load_planner())
     except (Exception, CheckpointException) as exc:
         raise FormatError(
             f"cannot resume from {path}: {_dcp_failure(exc)}",
             "check it with `ckptkit inspect`; resume with the same --model",
         ) from exc
-
-
-def _dcp_source(path: Path) -> dict[str, Any]:
-    """``dcp.load``'s arguments for a folder here, or for one at a URL."""
-    if not is_url(path):
-        return {"checkpoint_id": path}
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return {"storage_reader": FsspecReader(str(path))}
 
 
 def _dcp_failure(exc: BaseException) -> str:

@@ -18,6 +18,14 @@ object storage, so the save is written under its final name, ``meta.pt`` first a
 ``.metadata`` last; ``latest`` moves only once ``.metadata`` is there. A save without
 ``.metadata`` is incomplete (a killed run's): no pointer names it, a resume refuses it, and the
 next run at the URL removes it before it trains.
+
+Every request made at the URL goes through storage (nothing here calls fsspec): the folder's
+operations are a :class:`~ckptkit.storage.remote_folder.RemoteFolder`'s, the mirrored files go
+up through its :class:`~ckptkit.storage.upload.Uploads` (the staged uploads, committed in
+order, of a URL ``Destination``), and whether a place is at a URL is asked of
+:mod:`ckptkit.storage.location`: here, and elsewhere in the engine only where ``train`` stages
+a URL ``--out``, where ``find_resume`` takes a DCP checkpoint's URL, and where the payload's
+reader reads a DCP checkpoint's ``meta.pt`` at one.
 """
 
 from __future__ import annotations
@@ -35,8 +43,8 @@ from typing import Any
 from ckptkit.engine.runlog import RUN_LOGS
 from ckptkit.errors import CkptkitError, UsageError
 from ckptkit.formats.folders.runs import BEST, CHECKPOINT_NAME, LATEST, list_checkpoints
-from ckptkit.storage.backends.fs import filesystem
-from ckptkit.storage.remote import RemotePath, as_path, is_url
+from ckptkit.storage.location import Location, is_local, is_remote, location
+from ckptkit.storage.remote_folder import RemoteFolder
 from ckptkit.storage.upload import Uploads
 
 __all__ = [
@@ -47,6 +55,7 @@ __all__ = [
     "dcp_url",
     "dcp_complete",
     "complete_dcp_at",
+    "dcp_storage",
 ]
 
 # Set for the workers: the URL their (local) --out is mirrored to.
@@ -63,19 +72,18 @@ def staged_run(config: Any) -> Iterator[Any]:
         UsageError: an HTTP URL, or a URL run that is not fresh without --resume or
             --overwrite.
     """
-    url = RemotePath(config.out)
-    Uploads(url, force=True)  # an HTTP URL is refused here, before anything
-    there = _URLFolder(str(url))
+    there = RemoteFolder(config.out)
+    there.uploads()  # an HTTP URL is refused here, before anything
     stage = Path(os.environ.get("CKPTKIT_STAGING") or tempfile.gettempdir())
     folder = Path(tempfile.mkdtemp(prefix="ckptkit-run-", dir=stage))
     try:
-        _check_fresh(there, url, config)
-        _check_writable(there, url)
-        config = replace(config, resume=_resume(there, url, config.resume, folder))
+        _check_fresh(there, config)
+        _check_writable(there)
+        config = replace(config, resume=_resume(there, config.resume, folder))
         if os.environ.get("RANK", "0") == "0":  # once: under torchrun every rank stages
-            _remove_incomplete(there, url)
+            _remove_incomplete(there)
         previous = os.environ.get(MIRROR_ENV)
-        os.environ[MIRROR_ENV] = str(url)
+        os.environ[MIRROR_ENV] = there.url
         try:
             yield replace(config, out=str(folder), overwrite=False)
         finally:
@@ -88,71 +96,70 @@ def staged_run(config: Any) -> Iterator[Any]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _check_fresh(there: _URLFolder, url: RemotePath, config: Any) -> None:
+def _check_fresh(there: RemoteFolder, config: Any) -> None:
     """As for a local --out: an earlier run's files there need --resume or --overwrite
     (which deletes them first)."""
-    names = url.names() or []
+    names = there.names()
     earlier = [n for n in names if n in (LATEST, BEST, *RUN_LOGS) or n.startswith("ckpt-")]
     if not earlier or config.resume is not None:
         return
     if not config.overwrite:
         raise UsageError(
-            f"{url} holds an earlier run ({', '.join(sorted(earlier)[:3])})",
+            f"{there} holds an earlier run ({', '.join(sorted(earlier)[:3])})",
             "resume it with --resume auto, or replace it with --overwrite",
         )
     for name in earlier:
         there.remove(name)
 
 
-def _check_writable(there: _URLFolder, url: RemotePath) -> None:
+def _check_writable(there: RemoteFolder) -> None:
     """Fail now, not after the first epoch: a small object written there and removed."""
     try:
         there.write_and_remove(f".ckptkit-probe-{os.getpid()}")
     except Exception as exc:  # the back-end's own (no bucket, no credentials): said
         raise UsageError(
-            f"cannot write to --out {url}: {exc}", "check the bucket and the credentials"
+            f"cannot write to --out {there}: {exc}", "check the bucket and the credentials"
         ) from None
 
 
-def _remove_incomplete(there: _URLFolder, url: RemotePath) -> None:
+def _remove_incomplete(there: RemoteFolder) -> None:
     """Remove the DCP saves at the URL that have no ``.metadata``: a killed run's, which no
     pointer names (DCP writes ``.metadata`` last, and ``latest`` moves after it)."""
-    for name in url.names() or []:
+    for name in there.names():
         match = CHECKPOINT_NAME.fullmatch(name)
-        if match and not match.group(3) and not dcp_complete(str(url / name)):
+        if match and not match.group(3) and not dcp_complete(there.child(name)):
             with contextlib.suppress(FileNotFoundError):
                 there.remove(name)
 
 
-def _resume(there: _URLFolder, url: RemotePath, resume: str | None, folder: Path) -> str | None:
+def _resume(there: RemoteFolder, resume: str | None, folder: Path) -> str | None:
     """``--resume`` for the run in ``folder``: ``auto`` with what the URL's ``latest`` names
     pulled (or its URL, for a DCP checkpoint); a checkpoint URL likewise."""
     if resume == "auto":
-        return _pull_latest(there, url, folder)
-    if resume is not None and is_url(resume):
-        return _pull(RemotePath(resume), folder)
+        return _pull_latest(there, folder)
+    if resume is not None and is_remote(resume):
+        return _pull(RemoteFolder(resume), folder)
     return resume
 
 
-def _pull(url: RemotePath, folder: Path) -> str:
+def _pull(there: RemoteFolder, folder: Path) -> str:
     """A checkpoint at a URL to resume from: a file downloaded into ``folder`` (its path), or
     a DCP folder, read in place by every rank (its URL, once found complete)."""
-    there = _URLFolder(str(url))
     if there.is_folder():
-        return str(complete_dcp_at(str(url)))
-    local = folder / url.name
+        return str(complete_dcp_at(there.url))
+    local = folder / there.location().name
     try:
         there.download(None, local)
     except FileNotFoundError:
-        raise UsageError(f"cannot resume: {url} does not exist", "check --resume") from None
+        raise UsageError(f"cannot resume: {there} does not exist", "check --resume") from None
     return str(local)
 
 
-def _pull_latest(there: _URLFolder, url: RemotePath, folder: Path) -> str:
+def _pull_latest(there: RemoteFolder, folder: Path) -> str:
     """``--resume auto`` from the URL: its logs pulled, and the checkpoint its ``latest``
     names: a file downloaded with the pointer (``auto`` finds it here), or a DCP folder's URL
     (read in place by every rank)."""
-    name = _resumable(there, url)
+    name = _resumable(there)
     if name is None:
         return "auto"  # nothing to resume: a fresh run, as locally
     for log in RUN_LOGS:  # the logs go on where they stopped (each rewound to the step)
@@ -162,7 +169,7 @@ def _pull_latest(there: _URLFolder, url: RemotePath, folder: Path) -> str:
             else:
                 there.download(log, folder / log)
     if "." not in name:  # a DCP checkpoint: a folder, read in place
-        return str(url / name)
+        return there.child(name)
     for suffix in (".pt", ".safetensors"):
         remote = f"{name.rsplit('.', 1)[0]}{suffix}"
         if there.exists(remote):
@@ -171,16 +178,16 @@ def _pull_latest(there: _URLFolder, url: RemotePath, folder: Path) -> str:
     return "auto"
 
 
-def _resumable(there: _URLFolder, url: RemotePath) -> str | None:
+def _resumable(there: RemoteFolder) -> str | None:
     """What ``--resume auto`` takes at the URL, as locally: what ``latest`` names, unless that
     is a DCP save left incomplete (one of the same name cut short), else the newest complete
     checkpoint; None when there is none."""
     try:
         name = there.read(LATEST).decode().strip()
     except FileNotFoundError:
-        return _newest_there(url)
-    if "." not in name and not dcp_complete(str(url / name)):
-        return _newest_there(url) or name  # none complete: the resume says this one is not
+        return _newest_there(there)
+    if "." not in name and not dcp_complete(there.child(name)):
+        return _newest_there(there) or name  # none complete: the resume says this one is not
     return name
 
 
@@ -193,12 +200,11 @@ def dcp_url(name: str) -> str | None:
 
 def dcp_complete(url: str) -> bool:
     """Whether the DCP checkpoint at ``url`` is complete: DCP writes its ``.metadata`` last."""
-    return _URLFolder(url).exists(".metadata", fresh=True)
+    return RemoteFolder(url).exists(".metadata", fresh=True)
 
 
-def complete_dcp_at(url: str) -> Path:
-    """The DCP checkpoint at ``url`` (standing as a Path), once its ``.metadata`` shows it
-    complete.
+def complete_dcp_at(url: str) -> Location:
+    """The DCP checkpoint at ``url``, once its ``.metadata`` shows it complete.
 
     Raises:
         CkptkitError: it is missing or incomplete (a killed run's save, or no DCP folder).
@@ -208,13 +214,30 @@ def complete_dcp_at(url: str) -> Path:
             f"cannot resume: {url} holds no complete DCP checkpoint (no .metadata)",
             "check --resume",
         )
-    return as_path(url)
+    return location(url)
+
+
+def dcp_storage(where: Location | str, *, writing: bool = False) -> dict[str, Any]:
+    """``dcp.save``'s (``writing``) or ``dcp.load``'s arguments for a DCP checkpoint in a folder
+    here, or at a URL: torch's ``FsspecWriter`` (which writes ``.metadata`` last, as a temp name
+    renamed, once every rank's shards are written) or ``FsspecReader`` (nothing downloaded
+    first). No fsync at a URL: an object is whole once uploaded, and DCP would sync the whole
+    machine's disks for each (an fsspec file has no descriptor)."""
+    if not is_remote(where):
+        return {"checkpoint_id": Path(str(where))}
+    if writing:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return {"storage_writer": FsspecWriter(str(where), sync_files=False)}
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return {"storage_reader": FsspecReader(str(where))}
 
 
 def _mirror_url() -> str | None:
     """The URL this run is mirrored to (``$CKPTKIT_OUT_URL``), if any."""
     url = os.environ.get(MIRROR_ENV)
-    return url if url and is_url(url) else None
+    return url if url and is_remote(url) else None
 
 
 def push(folder: Path, keep_last: int | None = None) -> None:
@@ -225,9 +248,9 @@ def push(folder: Path, keep_last: int | None = None) -> None:
     url = _mirror_url()
     if not url or os.environ.get("RANK", "0") != "0":
         return  # no URL; or not rank 0 (under torchrun each rank stages: rank 0's is the run)
-    target = RemotePath(url)
-    uploads = Uploads(target, force=True)
-    there = set(target.names() or [])
+    target = RemoteFolder(url)
+    uploads = target.uploads()
+    there = set(target.names())
     checkpoints = list_checkpoints(folder)
     with uploads:
         for checkpoint in checkpoints:  # checkpoints are written once: only new ones go up
@@ -244,7 +267,7 @@ def push(folder: Path, keep_last: int | None = None) -> None:
                 _stage_copy_and_add(uploads, folder / name)
         uploads.commit()
     if keep_last:
-        _prune_there(uploads, _URLFolder(str(target)), keep_last)
+        _prune_there(uploads, target, keep_last)
 
 
 def _when(match: re.Match[str]) -> tuple[int, int]:
@@ -252,20 +275,20 @@ def _when(match: re.Match[str]) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2)) if match.group(2) else -1
 
 
-def _newest_there(url: RemotePath) -> str | None:
+def _newest_there(there: RemoteFolder) -> str | None:
     """The newest complete checkpoint at the URL (a file, or a DCP folder with its
     ``.metadata``), for a run whose ``latest`` is missing; None when there is none."""
-    found = [(m, n) for n in url.names() or [] if (m := CHECKPOINT_NAME.fullmatch(n))]
+    found = [(m, n) for n in there.names() if (m := CHECKPOINT_NAME.fullmatch(n))]
     for _, name in sorted(found, key=lambda mn: _when(mn[0]), reverse=True):
-        if "." in name or dcp_complete(str(url / name)):
+        if "." in name or dcp_complete(there.child(name)):
             return name
     return None
 
 
-def _prune_there(uploads: Uploads, there: _URLFolder, keep_last: int) -> None:
+def _prune_there(uploads: Uploads, there: RemoteFolder, keep_last: int) -> None:
     """``--keep-last`` applied to the URL's own checkpoints (a resumed run's older ones too, as
     a local run prunes its folder), never one that the URL's ``latest`` or ``best`` names."""
-    names = uploads.folder.names() or []
+    names = there.names()
     kept = set()
     for pointer in (LATEST, BEST):
         with contextlib.suppress(FileNotFoundError):
@@ -278,11 +301,11 @@ def _prune_there(uploads: Uploads, there: _URLFolder, keep_last: int) -> None:
             uploads.remove([name])
 
 
-def shown_path(path: Path) -> str:
+def shown_path(path: Location) -> str:
     """A path of the run folder as the user named it: at the URL, for a mirrored run (a
     checkpoint read at a URL, as it is)."""
     url = _mirror_url()
-    return f"{url.rstrip('/')}/{path.name}" if url and not is_url(path) else str(path)
+    return f"{url.rstrip('/')}/{path.name}" if url and is_local(path) else str(path)
 
 
 def _files_of(checkpoint: Path) -> list[Path]:
@@ -301,59 +324,3 @@ def _stage_copy_and_add(uploads: Uploads, path: Path, name: str | None = None) -
         if not copy.exists():
             shutil.copyfile(path, copy)
         uploads.add(copy, name or path.name)
-
-
-class _URLFolder:
-    """A folder at a URL, and every operation this module performs there: the one place here
-    that calls fsspec (what a storage ``Destination`` would offer in its stead). ``name`` is a
-    name in the folder, a sub-folder's too; None is the URL itself."""
-
-    def __init__(self, url: str) -> None:
-        self.fs, self.path = filesystem(url)
-        self.root = self.path.rstrip("/")
-
-    def _at(self, name: str | None) -> str:
-        return self.path if name is None else f"{self.root}/{name}"
-
-    def exists(self, name: str, *, fresh: bool = False) -> bool:
-        """Whether ``name`` is there; ``fresh``: asked anew, not from a listing cached earlier
-        (one made before a save ended must not hide it)."""
-        if fresh:
-            self.fs.invalidate_cache(self.path)
-        return bool(self.fs.exists(self._at(name)))
-
-    def is_folder(self, name: str | None = None) -> bool:
-        return bool(self.fs.isdir(self._at(name)))
-
-    def read(self, name: str) -> bytes:
-        """A small object's bytes (a pointer).
-
-        Raises:
-            FileNotFoundError: there is none.
-        """
-        return bytes(self.fs.cat_file(self._at(name)))
-
-    def download(self, name: str | None, local: Path) -> None:
-        """A file downloaded to ``local``.
-
-        Raises:
-            FileNotFoundError: there is none.
-        """
-        self.fs.get_file(self._at(name), str(local))
-
-    def download_folder(self, name: str, local: Path) -> None:
-        """A folder's files downloaded into ``local``, sub-folders too."""
-        self.fs.get(f"{self._at(name)}/", str(local) + "/", recursive=True)
-
-    def write_and_remove(self, name: str) -> None:
-        """An empty object written as ``name``, then removed: can this folder be written?"""
-        self.fs.pipe_file(self._at(name), b"")
-        self.fs.rm(self._at(name))
-
-    def remove(self, name: str) -> None:
-        """``name`` removed, a folder with all it holds.
-
-        Raises:
-            FileNotFoundError: it is not there (some back-ends).
-        """
-        self.fs.rm(self._at(name), recursive=True)

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from ckptkit.formats.base.tree import map_leaves
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["BackgroundSaver", "Staging", "dcp_stager", "staged"]
 
@@ -44,8 +47,8 @@ class Staging:
             nonlocal count
             if id(tensor) in memo:
                 return memo[id(tensor)]
-            dtensor = _is_dtensor(tensor)
-            local = tensor.to_local() if dtensor else tensor  # type: ignore[attr-defined]
+            dtensor = tensor if _is_dtensor(tensor) else None
+            local = tensor if dtensor is None else dtensor.to_local()
             if count == len(self._buffers):
                 self._buffers.append(torch.empty(0))
             buffer = self._buffers[count]
@@ -53,14 +56,13 @@ class Staging:
                 buffer = self._buffers[count] = torch.empty(local.shape, dtype=local.dtype)
             count += 1
             buffer.copy_(local.detach())
-            if dtensor:
+            if dtensor is not None:
                 from torch.distributed.tensor import DTensor
 
-                mesh, placements = tensor.device_mesh, tensor.placements  # type: ignore[attr-defined]
                 buffer = DTensor.from_local(
                     buffer,
-                    mesh,
-                    placements,
+                    dtensor.device_mesh,
+                    dtensor.placements,
                     run_check=False,
                     shape=tensor.shape,
                     stride=tensor.stride(),
@@ -73,7 +75,8 @@ class Staging:
         return staged
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def _is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
+    """Whether ``tensor`` is a DTensor, told without importing torch.distributed."""
     return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
 
 

@@ -44,6 +44,7 @@ from ckptkit.engine.remote import push
 from ckptkit.engine.runlog import RunLog, logger, show_progress
 from ckptkit.engine.saver import BackgroundSaver, Staging
 from ckptkit.errors import Preempted, UsageError
+from ckptkit.storage.location import Location
 
 __all__ = ["TrainConfig", "TrainResult", "Engine", "check_epochs"]
 
@@ -490,7 +491,7 @@ def _leave(grace: float) -> None:
 
 
 def check_epochs(
-    path: Path, done: int, epochs: int, step: int = 0, max_steps: int | None = None
+    path: Location, done: int, epochs: int, step: int = 0, max_steps: int | None = None
 ) -> None:
     """Refuse a resume that leaves nothing to train.
 
