@@ -7,12 +7,11 @@ object. ``is_url`` tells a URL (``s3://``, ``gs://``, ``az://``, ``hf://``, ``ht
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
 import threading
 from collections.abc import Iterator
-from pathlib import Path, PurePosixPath
-from typing import Any, cast
+from pathlib import PurePosixPath
+from typing import Any
 
 from ckptkit.errors import MissingFileError
 from ckptkit.storage.backends import open_remote
@@ -21,7 +20,7 @@ from ckptkit.storage.backends.fs import _failure, filesystem
 from ckptkit.storage.backends.schemes import backend
 from ckptkit.storage.rangefile import RangeFile
 
-__all__ = ["RemotePath", "as_path", "is_url"]
+__all__ = ["RemotePath", "is_url"]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -30,12 +29,6 @@ def is_url(path: object) -> bool:
     """Whether ``path`` is a URL (``scheme://...``) rather than a local path; ``file://`` is
     a URL too (fsspec reads it)."""
     return isinstance(path, str | RemotePath) and bool(_URL.match(str(path)))
-
-
-def as_path(path: str | os.PathLike[str]) -> Path:
-    """A local path as a :class:`~pathlib.Path`; a URL as a :class:`RemotePath` standing where
-    a Path would (typed as one: code that must tell them apart asks :func:`is_url`)."""
-    return cast(Path, RemotePath(str(path))) if is_url(str(path)) else Path(path)
 
 
 class _Tree:

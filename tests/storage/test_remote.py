@@ -21,8 +21,9 @@ import ckptkit
 import ckptkit.storage.backends.base as remote_module
 from ckptkit.errors import CkptkitError, UsageError
 from ckptkit.storage.backends import open_remote
+from ckptkit.storage.location import location
 from ckptkit.storage.rangefile import RangeFile
-from ckptkit.storage.remote import RemotePath, as_path, is_url
+from ckptkit.storage.remote import RemotePath, is_url
 
 range_server = servers.range_server
 s3_server = servers.s3_server
@@ -78,7 +79,8 @@ def test_a_url_stands_where_a_path_would():
         "s3://bucket/run/x.json"
     )
     assert is_url("https://h/x.pt") and is_url("memory://a") and not is_url("a/b.pt")
-    assert not is_url("C:/x.pt") and str(as_path("s3://b/k")) == "s3://b/k"
+    assert not is_url("C:/x.pt") and str(location("s3://b/k")) == "s3://b/k"
+    assert isinstance(location("s3://b/k"), RemotePath) and location("C:/x.pt") == Path("C:/x.pt")
     assert not hasattr(url, "__fspath__")  # never opened as a local file by mistake
 
 
