@@ -153,81 +153,82 @@ def key_rule_options(command: Callable[..., Any]) -> Callable[..., Any]:
 _FOR_BASE = " For an adapter SRC, in its base."
 
 
+# convert's reading options, in --help's order: ``read_options`` gives them as one ReadOptions.
+_READ_OPTIONS = [
+    click.option(
+        "--select",
+        metavar="DOTTED.PATH",
+        help="Where the state dict is in a training checkpoint (default: found)." + _FOR_BASE,
+    ),
+    click.option(
+        "--ema",
+        is_flag=True,
+        help="Take the EMA copy of the weights (state_dict_ema, model_ema, ema...)." + _FOR_BASE,
+    ),
+    click.option("--variant", metavar="NAME", help=_VARIANT_HELP + _FOR_BASE),
+    click.option(
+        "--names-from",
+        metavar="MODEL_FOLDER",
+        type=click.Path(exists=True, path_type=str),
+        help=_NAMES_FROM_HELP + _FOR_BASE,
+    ),
+    click.option(
+        "--base",
+        metavar="PATH",
+        help="The base model a LoRA adapter SRC is merged into (default: the one its "
+        "adapter_config.json names, found locally or in the Hugging Face cache; never "
+        "downloaded). --select, --ema, --variant and --names-from choose its weights.",
+    ),
+    click.option(
+        "--adapter",
+        "adapters",
+        multiple=True,
+        metavar="PATH[:WEIGHT]",
+        help="Merge this LoRA adapter (PEFT folder or kohya file) into SRC; repeatable, in order.",
+    ),
+    click.option(
+        "--drop-adapters",
+        is_flag=True,
+        help="A PeftModel state dict: write the base alone, without its adapter tensors.",
+    ),
+    click.option(
+        "--lora-alpha",
+        type=float,
+        metavar="N",
+        help="A PeftModel state dict: merge its adapter with this lora_alpha (rank from the "
+        "shapes).",
+    ),
+    click.option(
+        "--adapter-config",
+        type=click.Path(exists=True, dir_okay=False, path_type=str),
+        metavar="JSON",
+        help="A PeftModel state dict: merge its adapter as this adapter_config.json says.",
+    ),
+    allow_global_option,
+    click.option(
+        "--trust",
+        is_flag=True,
+        help="Load SRC (and an adapter SRC's --base) with torch's full unpickler. It can run "
+        "code: only for files you trust. Its classes are imported as `python` run here "
+        "would (the current folder first); a pickled nn.Module gives its state_dict().",
+    ),
+    click.option(
+        "--workers",
+        type=click.IntRange(1, 64),
+        default=8,
+        show_default=True,
+        help="Ranged requests in flight when SRC is a URL (s3://, https://...); memory holds "
+        "about WORKERS + 1 requests of 8 MiB. Local files ignore it.",
+    ),
+]
+
+
 def read_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """``convert``'s reading options (which weights, how safely, what is merged, how many
     requests), given to ``command`` as one ``read`` argument: the ``ReadOptions`` the library
     takes. Those that choose weights (``--select``, ``--ema``, ``--variant``, ``--names-from``)
     apply to the model, which for an adapter SRC is its base; ``--trust`` and
     ``--allow-global`` to SRC and its base (see docs/formats/adapters.md)."""
-    options = [
-        click.option(
-            "--select",
-            metavar="DOTTED.PATH",
-            help="Where the state dict is in a training checkpoint (default: found)." + _FOR_BASE,
-        ),
-        click.option(
-            "--ema",
-            is_flag=True,
-            help="Take the EMA copy of the weights (state_dict_ema, model_ema, ema...)."
-            + _FOR_BASE,
-        ),
-        click.option("--variant", metavar="NAME", help=_VARIANT_HELP + _FOR_BASE),
-        click.option(
-            "--names-from",
-            metavar="MODEL_FOLDER",
-            type=click.Path(exists=True, path_type=str),
-            help=_NAMES_FROM_HELP + _FOR_BASE,
-        ),
-        click.option(
-            "--base",
-            metavar="PATH",
-            help="The base model a LoRA adapter SRC is merged into (default: the one its "
-            "adapter_config.json names, found locally or in the Hugging Face cache; never "
-            "downloaded). --select, --ema, --variant and --names-from choose its weights.",
-        ),
-        click.option(
-            "--adapter",
-            "adapters",
-            multiple=True,
-            metavar="PATH[:WEIGHT]",
-            help="Merge this LoRA adapter (PEFT folder or kohya file) into SRC; repeatable, in "
-            "order.",
-        ),
-        click.option(
-            "--drop-adapters",
-            is_flag=True,
-            help="A PeftModel state dict: write the base alone, without its adapter tensors.",
-        ),
-        click.option(
-            "--lora-alpha",
-            type=float,
-            metavar="N",
-            help="A PeftModel state dict: merge its adapter with this lora_alpha (rank from the "
-            "shapes).",
-        ),
-        click.option(
-            "--adapter-config",
-            type=click.Path(exists=True, dir_okay=False, path_type=str),
-            metavar="JSON",
-            help="A PeftModel state dict: merge its adapter as this adapter_config.json says.",
-        ),
-        allow_global_option,
-        click.option(
-            "--trust",
-            is_flag=True,
-            help="Load SRC (and an adapter SRC's --base) with torch's full unpickler. It can run "
-            "code: only for files you trust. Its classes are imported as `python` run here "
-            "would (the current folder first); a pickled nn.Module gives its state_dict().",
-        ),
-        click.option(
-            "--workers",
-            type=click.IntRange(1, 64),
-            default=8,
-            show_default=True,
-            help="Ranged requests in flight when SRC is a URL (s3://, https://...); memory holds "
-            "about WORKERS + 1 requests of 8 MiB. Local files ignore it.",
-        ),
-    ]
 
     @functools.wraps(command)
     def with_read(
@@ -268,7 +269,7 @@ def read_options(command: Callable[..., Any]) -> Callable[..., Any]:
         )
         return command(*args, read=read, **kwargs)
 
-    for option in reversed(options):
+    for option in reversed(_READ_OPTIONS):
         with_read = option(with_read)
     return with_read
 

@@ -176,14 +176,7 @@ def load_into(
     read = _read_options(select, trust, allow_globals, variant, names_from)
     opened = open_merged(path, adapter_options(base, adapters), read)
     with opened as source:
-        entries = dict(source.entries())
-        # Wrappers inside the checkpoint's keys (blocks compiled one by one) that the model
-        # does not have: matched without them, read under their own names.
-        in_file: dict[str, str] = {}
-        if inner_wrappers(entries) and not inner_wrappers(target):
-            inner, _ = strip_inner_wrappers(entries)
-            in_file = {new: old for old, new in inner.items() if new is not None}
-            entries = {new: entries[old] for new, old in in_file.items()}
+        entries, in_file = _without_inner_wrappers(dict(source.entries()), target)
         match = match_keys(entries, target)
         # A tied name the file left out (save_pretrained drops one) is filled by loading its
         # twin: the model holds one tensor under both names.
@@ -215,3 +208,15 @@ def load_into(
             with_versions(state, versions)
         model.load_state_dict(state, strict=False)
     return LoadReport(match=match, loaded=len(state), mismatched=mismatched)
+
+
+def _without_inner_wrappers(
+    entries: dict[str, Any], target: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Wrappers inside the checkpoint's keys (blocks compiled one by one) that the model does
+    not have: the entries without them, and each new name's name in the file (read under it)."""
+    if not inner_wrappers(entries) or inner_wrappers(target):
+        return entries, {}
+    inner, _ = strip_inner_wrappers(entries)
+    in_file = {new: old for old, new in inner.items() if new is not None}
+    return {new: entries[old] for new, old in in_file.items()}, in_file
