@@ -250,7 +250,7 @@ def _safety(source: Source) -> ScanReport | None:
     inner = getattr(source, "inner", None)  # an EMAModel's shadow_params under their names
     if not readings and inner is not None:
         readings = getattr(inner, "readings", None)
-    raw = getattr(source, "remote_file", None)  # a file at a URL: read through it
+    raw = source.remote_file  # a file at a URL: read through it
     if readings:
         return report_of(source.path, readings, raw=raw)
     if source.format == "safetensors":  # the file itself (path may be its model folder)

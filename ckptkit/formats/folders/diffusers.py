@@ -624,7 +624,7 @@ class ShadowNamedSource(Source):
             weights_name=model.weights_name,
         )
         self.inner = ema
-        self.remote_file = getattr(ema, "remote_file", None)  # at a URL: the file read through
+        self.remote_file = ema.remote_file  # at a URL: the file read through
         self._key = dict(zip(names, ema.keys(), strict=True))
         self._name = {key: name for name, key in self._key.items()}
 

@@ -461,10 +461,10 @@ def metadata_differ(
     )
 
 
-def _remotes_of(source: Any) -> dict[str, Remote]:
+def _remotes_of(source: Source) -> dict[str, Remote]:
     """The Remotes a source (and the shards or the base it reads) already holds, by URL."""
     found: dict[str, Remote] = {}
-    raw = getattr(source, "remote_file", None)
+    raw = source.remote_file
     if raw is not None:
         found[str(source.path)] = raw.remote
     for inner in (getattr(source, "base", None), getattr(source, "inner", None)):
