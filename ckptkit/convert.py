@@ -18,10 +18,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from ckptkit.adapters import AdapterOptions, adapter_options
-from ckptkit.conversion.options import OutputOptions, ReadOptions
+from ckptkit.conversion.options import Job, OutputOptions, ReadOptions
 from ckptkit.conversion.report import ConvertReport
 from ckptkit.conversion.run import convert_model
 from ckptkit.errors import UsageError
@@ -234,21 +233,20 @@ def convert_checkpoint(
     (``ckptkit.conversion``), or a whole diffusers pipeline (``pipeline_convert.py``). A
     ``dst`` URL is written through a local staging folder (see ``storage/destination.py``);
     ``part`` writes one share of a sharded output's shards (see ``ckptkit.spread``)."""
-    read, keys, output = read or ReadOptions(), keys or KeyRules(), output or OutputOptions()
-    options: dict[str, Any] = {
-        "part": parse_part(part) if isinstance(part, str) else part,
-        "read": read,
-        "keys": keys,
-        "output": output,
-        "dry_run": dry_run,
-        "force": force,
-        "verify": verify,
-        "check_outputs": check_outputs,
-        "progress": progress,
-    }
-    if _whole_pipeline(src, dst, read, part):
-        return _convert_pipeline(src, dst, options)
-    return convert_model(src, dst, **options)
+    job = Job(
+        read=read or ReadOptions(),
+        keys=keys or KeyRules(),
+        output=output or OutputOptions(),
+        dry_run=dry_run,
+        force=force,
+        verify=verify,
+        check_outputs=check_outputs,
+        progress=progress,
+        part=parse_part(part) if isinstance(part, str) else part,
+    )
+    if _whole_pipeline(src, dst, job.read, part):
+        return _convert_pipeline(src, dst, job)
+    return convert_model(src, dst, job)
 
 
 def _whole_pipeline(
@@ -272,7 +270,7 @@ def _whole_pipeline(
     )
 
 
-def _convert_pipeline(src: str | Path, dst: str | Path, options: dict[str, Any]) -> ConvertReport:
+def _convert_pipeline(src: str | Path, dst: str | Path, job: Job) -> ConvertReport:
     """``convert PIPELINE OUT``: every component, into a pipeline folder (pipeline_convert.py)."""
     from ckptkit.pipeline_convert import convert_pipeline
 
@@ -282,11 +280,10 @@ def _convert_pipeline(src: str | Path, dst: str | Path, options: dict[str, Any])
             "give a local folder, or take one component with --select NAME",
             api_hint="give a local folder, or take one component with select=",
         )
-    if options["check_outputs"]:
+    if job.check_outputs:
         raise UsageError(
             "--check-outputs checks the merge of one model",
             "take one component with --select NAME",
             api_hint="take one component with select=",
         )
-    del options["part"], options["check_outputs"]
-    return convert_pipeline(local_path(location(src)), Path(dst), **options)
+    return convert_pipeline(local_path(location(src)), Path(dst), job)

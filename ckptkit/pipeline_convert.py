@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptkit.adapters import AdapterOptions, read_adapter
-from ckptkit.conversion.options import OutputOptions, ReadOptions
+from ckptkit.conversion.options import Job
 from ckptkit.conversion.report import ConvertReport
 from ckptkit.conversion.run import convert_model
 from ckptkit.errors import OutputError, SelectError, UsageError
@@ -106,18 +106,7 @@ def is_default_keys(keys: KeyRules) -> bool:
     return keys == KeyRules()
 
 
-def convert_pipeline(
-    src: Path,
-    dst: Path,
-    *,
-    read: ReadOptions,
-    keys: KeyRules,
-    output: OutputOptions,
-    dry_run: bool,
-    force: bool,
-    verify: bool,
-    progress: bool,
-) -> PipelineReport:
+def convert_pipeline(src: Path, dst: Path, job: Job) -> PipelineReport:
     """A diffusers pipeline folder converted into the pipeline folder ``dst``.
 
     Raises:
@@ -126,7 +115,8 @@ def convert_pipeline(
         SelectError: ``read.variant`` held by no component.
         OutputError: ``dst`` is a file, holds other files without ``force``, or is the source.
     """
-    if not is_default_keys(keys) or output.to not in (None, "safetensors"):
+    read, output, dry_run = job.read, job.output, job.dry_run
+    if not is_default_keys(job.keys) or output.to not in (None, "safetensors"):
         raise UsageError(
             f"{src} is a diffusers pipeline: converting it whole writes a pipeline folder "
             "(safetensors, diffusers' key names)",
@@ -141,7 +131,7 @@ def convert_pipeline(
     if dst.resolve().is_relative_to(src.resolve()):  # into a component: the source rewritten
         raise OutputError(f"output {dst} is inside the pipeline {src}", "write to a new path")
     existing = dst.is_dir() and any(dst.iterdir())
-    if existing and not force:
+    if existing and not job.force:
         raise OutputError(
             f"{dst} exists and holds files",
             "pass --force to replace the pipeline's files in it (its other files are kept)",
@@ -161,16 +151,12 @@ def convert_pipeline(
         dry_run=dry_run,
     )
     if dry_run:
-        _convert_into(
-            src, dst, components, changed, report, read, output, dry_run, verify, progress
-        )
+        _convert_into(src, dst, components, changed, report, job)
         return report
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.pipeline-") as tmp:
         stage = Path(tmp) / dst.name
         stage.mkdir()
-        _convert_into(
-            src, stage, components, changed, report, read, output, dry_run, verify, progress
-        )
+        _convert_into(src, stage, components, changed, report, job)
         _put_in_place(stage, dst, report)
     _named_in(report, stage, dst)
     return report
@@ -240,14 +226,11 @@ def _convert_into(
     components: list[Component],
     changed: set[str],
     report: PipelineReport,
-    read: ReadOptions,
-    output: OutputOptions,
-    dry_run: bool,
-    verify: bool,
-    progress: bool,
+    job: Job,
 ) -> None:
     """Every component into ``out``: the weights converted, the other folders copied; then
     ``model_index.json`` and the pipeline's other top-level files (not weights)."""
+    read, dry_run = job.read, job.dry_run
     for c in components:
         result = ComponentResult(c.name, c.library, c.cls)
         folder = src / c.name  # c.folder, on the local disk
@@ -256,23 +239,17 @@ def _convert_into(
         if c.holds_weights():
             variant = read.variant if read.variant in variants_in(folder) else None
             merged = c.name in changed  # the LoRAs' parts for it, read through the pipeline
-            sub = convert_model(  # one model: a component is never a pipeline itself
+            own = replace(
+                read,
+                variant=variant,
+                select=c.name if merged else None,
+                adapters=read.adapters if merged else AdapterOptions(),
+            )
+            # one model (a component is never a pipeline itself), its keys as they are
+            sub = convert_model(
                 src if merged else folder,
                 out / c.name,
-                read=replace(
-                    read,
-                    variant=variant,
-                    select=c.name if merged else None,
-                    adapters=read.adapters if merged else AdapterOptions(),
-                ),
-                keys=KeyRules(),
-                output=output,
-                dry_run=dry_run,
-                force=False,
-                verify=verify,
-                check_outputs=False,
-                progress=progress,
-                part=None,
+                replace(job, read=own, keys=KeyRules(), force=False, check_outputs=False),
             )
             result.report = sub
             report.tensors += sub.tensors
@@ -293,7 +270,7 @@ def _convert_into(
             shutil.copyfile(path, out / path.name)
         report.copied_files.append(path.name)
     converted = [c.report for c in report.components if c.report is not None]
-    report.verified = not dry_run and verify and all(r.verified for r in converted)
+    report.verified = not dry_run and job.verify and all(r.verified for r in converted)
 
 
 def _copy_tree(folder: Path, out: Path, dry_run: bool) -> tuple[list[str], list[str]]:

@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 from ckptkit.adapters import AdapterOptions
 from ckptkit.formats.open import OpenOptions
+from ckptkit.keys import KeyRules
+from ckptkit.spread import Part
 
-__all__ = ["ReadOptions", "OutputOptions"]
+__all__ = ["ReadOptions", "OutputOptions", "Job"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,3 +32,20 @@ class OutputOptions:
     allow_overflow: bool = False
     max_shard_size: int | str | None = None
     keep_tied_copies: bool = False
+
+
+@dataclass(frozen=True)
+class Job:
+    """One conversion's options, besides its source and its output: how the source is read,
+    how keys are renamed, what the output is, and how the run goes (``part``: one share of a
+    sharded output's shards, see ``ckptkit.spread``)."""
+
+    read: ReadOptions = field(default_factory=ReadOptions)
+    keys: KeyRules = field(default_factory=KeyRules)
+    output: OutputOptions = field(default_factory=OutputOptions)
+    dry_run: bool = False
+    force: bool = False
+    verify: bool = True
+    check_outputs: bool = False
+    progress: bool = False
+    part: Part | None = None

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ckptkit.adapters import open_merged
-from ckptkit.conversion.options import OutputOptions, ReadOptions
+from ckptkit.conversion.options import Job, OutputOptions, ReadOptions
 from ckptkit.conversion.plan import (
     Plan,
     cast_target,
@@ -26,7 +26,6 @@ from ckptkit.formats.base.source import Source
 from ckptkit.formats.output import output_format
 from ckptkit.formats.output.plan import stale_names
 from ckptkit.formats.output.writers import TO_FORMATS, writer_class
-from ckptkit.keys import KeyRules
 from ckptkit.spread import Part
 from ckptkit.storage.destination import Destination, destination
 from ckptkit.storage.location import Location, location
@@ -34,43 +33,17 @@ from ckptkit.storage.location import Location, location
 __all__ = ["convert_model"]
 
 
-def convert_model(
-    src: str | Path,
-    dst: str | Path,
-    *,
-    read: ReadOptions,
-    keys: KeyRules,
-    output: OutputOptions,
-    dry_run: bool,
-    force: bool,
-    verify: bool,
-    check_outputs: bool,
-    progress: bool,
-    part: Part | None,
-) -> ConvertReport:
+def convert_model(src: str | Path, dst: str | Path, job: Job) -> ConvertReport:
     """Convert one model (not a whole pipeline: see ``ckptkit.convert``) to ``dst``, a local
     path or a URL; ``part``: only that share of the shards (and the index, for rank 0 of a
     launched run, once every rank has written its own)."""
     source_path = location(src)
-    whole = _saved_whole(output)
+    whole = _saved_whole(job.output)
     target = destination(
-        dst, force=force, inputs=[source_path], whole=whole, parts=part is not None
+        dst, force=job.force, inputs=[source_path], whole=whole, parts=job.part is not None
     )
     with target.planned() as planned:
-        report = _convert(
-            source_path,
-            planned,
-            target,
-            read=read,
-            keys=keys,
-            output=output,
-            dry_run=dry_run,
-            force=force,
-            verify=verify,
-            check_outputs=check_outputs,
-            progress=progress,
-            part=part,
-        )
+        report = _convert(source_path, planned, target, job)
     # The report names the outputs where they went.
     report.destination = target.shown(Path(report.destination))
     kind = writer_class(report.output_format)
@@ -87,53 +60,40 @@ def _saved_whole(output: OutputOptions) -> bool:
     return fmt is not None and writer_class(fmt).folder
 
 
-def _convert(
-    src: Location,
-    dst: Path,
-    target: Destination,
-    *,
-    read: ReadOptions,
-    keys: KeyRules,
-    output: OutputOptions,
-    dry_run: bool,
-    force: bool,
-    verify: bool,
-    check_outputs: bool,
-    progress: bool,
-    part: Part | None,
-) -> ConvertReport:
+def _convert(src: Location, dst: Path, target: Destination, job: Job) -> ConvertReport:
     """The conversion at the local path ``dst`` (the output itself, or its staged copy)."""
+    read, output, part = job.read, job.output, job.part
     into = dst if dst.is_dir() and not _saved_whole(output) else None
     if into is not None:  # a model folder: save_pretrained's names (the source's, once open)
         dst = into / "model.safetensors"
     # A new name without a suffix: a model folder, when the source is one (checked once open).
     folder = dst if not dst.suffix and output.to is None and not dst.exists() else None
     fmt = "safetensors" if folder else output_format(dst, output.to)
-    keys = replace(keys, renames=tuple(keys.rename_rules()))  # a bad rule fails before reading
+    keys = replace(job.keys, renames=tuple(job.keys.rename_rules()))  # a bad rule fails first
     dtype, limit = cast_target(output.dtype), shard_limit(output, fmt)
     with open_merged(src, read.adapters, read) as source:
-        refuse_unconvertible(source, src, check_outputs)
+        refuse_unconvertible(source, src, job.check_outputs)
         dst, folder = _placed(source, dst, fmt, into, folder)
         plan = make_plan(source, src, dst, fmt, keys, output, dtype, limit, folder)
         if folder is not None and folder is into:
             plan.into = True
-            plan.copies = copies_into(plan, force)
-        report = make_report(source, plan, dry_run)
+            plan.copies = copies_into(plan, job.force)
+        report = make_report(source, plan, job.dry_run)
         whole = plan
         if part is not None:
             plan = part_of(plan, part)
             index = [str(whole.outputs[-1])] if part.launched and part.index == 0 else []
             report.files = [str(p) for p in plan.outputs] + index
             report.part = str(part)
-        if dry_run:
+        if job.dry_run:
             return report
         header = output_header(source, report, plan)
         with parent_folders(folder or dst):  # made as train --out makes its folder
             _write_checked(
-                source, plan, whole, report, header, target, read, verify, progress, part
+                source, plan, whole, report, header, target, read, job.verify, job.progress, part
             )
-        merge_report(source, report, check_outputs)
-        if force and part is None and not writer_class(fmt).folder:
+        merge_report(source, report, job.check_outputs)
+        if job.force and part is None and not writer_class(fmt).folder:
             written = [path.name for path in plan.outputs]
             target.remove_stale(plan.dst, lambda present: stale_names(dst.name, written, present))
     return report
