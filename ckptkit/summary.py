@@ -190,8 +190,8 @@ def summarize(
         CkptkitError: the file cannot be read as a checkpoint.
     """
     with counting() as traffic:  # what reading it cost, at a URL: listings, headers, verdict
-        summary = _summarize(location(path), select, variant, names_from)
-    if is_remote(location(path)):
+        summary = _summarize(where := location(path), select, variant, names_from)
+    if is_remote(where):
         summary.fetched = {"requests": traffic.requests, "bytes": traffic.bytes}
     return summary
 

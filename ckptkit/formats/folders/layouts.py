@@ -45,11 +45,7 @@ def model_file_in(folder: Location, select: str | None = None) -> Location | Non
         names = list(MODEL_FILES)
     # Any file by that name, not only a regular one: a FIFO there is refused by its reader,
     # by name, where a "no model.safetensors" would mislead.
-    return next((folder / n for n in names if _is_file_like(folder / n)), None)
-
-
-def _is_file_like(path: Location) -> bool:
-    return holds_file(path)
+    return next((folder / n for n in names if holds_file(folder / n)), None)
 
 
 # A PEFT adapter folder (peft's save_pretrained): its weights beside adapter_config.json.
@@ -60,7 +56,7 @@ def adapter_file_in(folder: Location) -> Location | None:
     """The weights file of a PEFT adapter folder, or None."""
     if not (folder / "adapter_config.json").is_file():
         return None
-    return next((folder / n for n in ADAPTER_FILES if _is_file_like(folder / n)), None)
+    return next((folder / n for n in ADAPTER_FILES if holds_file(folder / n)), None)
 
 
 # Weights (of any format) and indexes: never copied beside converted weights, which replace them.
