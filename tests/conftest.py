@@ -17,6 +17,17 @@ from ckptkit.cli import cli
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker is one of as many processes as there are cores: torch's
+    intra-op pool of one thread per core in every worker oversubscribes them (its OpenMP threads
+    spin while they wait), which made in-process training ten times slower than alone. One
+    thread per worker, as torchrun gives each rank."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (``-n``, ``--dist loadgroup``), the tests of a file that share a fixture

@@ -21,7 +21,7 @@ from pathlib import Path
 import make_adapters  # in fixtures/: helpers (imported by conftest first) puts it on sys.path
 import pytest
 import torch
-from helpers import FIXTURE_DIR, ROOT, bits
+from helpers import FIXTURE_DIR, ROOT, as_in_a_fresh_process, bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -769,7 +769,8 @@ def test_real_process_merges_and_refuses(tmp_path):
     report = json.loads(done.stdout)
     assert [a["kind"] for a in report["adapters"]] == ["kohya LoRA"] and report["verified"]
     assert len(report["merged"]) == 5
-    want = make_adapters.kohya_merge_reference(load_file(KOHYA_BASE), load_file(KOHYA_LORA))
+    with as_in_a_fresh_process():  # as the subprocess computed it
+        want = make_adapters.kohya_merge_reference(load_file(KOHYA_BASE), load_file(KOHYA_LORA))
     assert_same(load_file(tmp_path / "out.safetensors"), want)
     refused = ckptkit_run(PEFT_FULL, "refused.safetensors")
     assert refused.returncode == 1 and refused.stdout == ""

@@ -349,52 +349,44 @@ def _signal_after_first_epoch(proc: subprocess.Popen, sig: int) -> str:
 def test_sigterm_saves_at_the_next_step_and_the_run_resumes_exactly(tmp_path, mode):
     (tmp_path / "helpers_slow.py").write_text(SLOW)
     common = ["--mode", mode, "--epochs", "3", "--timeout", "30"]
-    straight = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ckptkit",
-            "train",
-            "--model",
-            "helpers_slow:slow",
-            *common,
-            "--out",
-            "straight",
-            "-q",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert straight.returncode == 0, straight.stderr
-    proc = _start(tmp_path, *common, "--out", "cut")
-    stderr = _signal_after_first_epoch(proc, signal.SIGTERM)
-    assert proc.returncode == 143, stderr
-    last = stderr.strip().splitlines()[-1]
-    assert last.startswith("Error: stopped by SIGTERM") and "ckpt-epoch0001-step" in last, stderr
-    assert last.endswith("resume with --resume auto") and "Traceback" not in stderr
-    resumed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ckptkit",
-            "train",
-            "--model",
-            "helpers_slow:slow",
-            *common,
-            "--out",
-            "cut",
-            "--resume",
-            "auto",
-            "-q",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    # The uninterrupted run, side by side with the one stopped (both mostly wait in sleep).
+    straight = _start(tmp_path, *common, "--out", "straight", "-q")
+    try:
+        proc = _start(tmp_path, *common, "--out", "cut")
+        stderr = _signal_after_first_epoch(proc, signal.SIGTERM)
+        assert proc.returncode == 143, stderr
+        last = stderr.strip().splitlines()[-1]
+        assert last.startswith("Error: stopped by SIGTERM") and "ckpt-epoch0001-step" in last, (
+            stderr
+        )
+        assert last.endswith("resume with --resume auto") and "Traceback" not in stderr
+        resumed = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ckptkit",
+                "train",
+                "--model",
+                "helpers_slow:slow",
+                *common,
+                "--out",
+                "cut",
+                "--resume",
+                "auto",
+                "-q",
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert resumed.returncode == 0, resumed.stderr
+    except BaseException:  # a failure above leaves no run behind
+        os.killpg(straight.pid, signal.SIGKILL)
+        straight.communicate()
+        raise
+    _, straight_err = straight.communicate(timeout=300)
+    assert straight.returncode == 0, straight_err
     a = torch.load(tmp_path / "straight" / "ckpt-epoch0003.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "cut" / "ckpt-epoch0003.pt", weights_only=True)["model"]
     assert bit_equal(a, b)

@@ -23,12 +23,17 @@ if str(FIXTURE_DIR) not in sys.path:  # the fixture makers: make_fixtures, make_
 
 from make_fixtures import FIXTURES, reference_model, sample_input  # noqa: E402
 
+# torch's intra-op thread count in a fresh process, read before conftest gives each pytest-xdist
+# worker one thread: what a ckptkit the tests start as a subprocess runs with.
+FRESH_PROCESS_THREADS = torch.get_num_threads()
+
 __all__ = [
     "FIXTURES",
     "FIXTURE_DIR",
     "NOT_IN_LEGACY",
     "ROOT",
     "TORCH_DTYPES",
+    "as_in_a_fresh_process",
     "bits",
     "dcp_to_torch",
     "free_port",
@@ -93,6 +98,18 @@ def dcp_to_torch(folder: Path, tmp: Path) -> dict:
 
     dcp_to_torch_save(folder, tmp / "ref.pt")
     return torch.load(tmp / "ref.pt", weights_only=True)
+
+
+@contextlib.contextmanager
+def as_in_a_fresh_process():
+    """Compute with as many threads as a fresh process: a result compared bit for bit with one a
+    subprocess made (a matmul's sums are split, so rounded, by the thread count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(FRESH_PROCESS_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def free_port() -> int:
