@@ -213,6 +213,24 @@ _READ_OPTIONS = [
         "would (the current folder first); a pickled nn.Module gives its state_dict().",
     ),
     click.option(
+        "--map",
+        "mapping",
+        metavar="NAME|FILE",
+        help="Map names and shapes to another model family's with a mapping file or a pack "
+        "(llama-meta: Meta's consolidated.NN.pth to Hugging Face); every source byte is "
+        "accounted for before anything is written. See docs/mapping.md.",
+    ),
+    click.option(
+        "--reverse", is_flag=True, help="With --map: map the other way (Hugging Face to Meta)."
+    ),
+    click.option(
+        "--set",
+        "sets",
+        multiple=True,
+        metavar="NAME=VALUE",
+        help="With --map: set a mapping variable (--set tp=2); repeatable.",
+    ),
+    click.option(
         "--workers",
         type=click.IntRange(1, 64),
         default=8,
@@ -244,11 +262,18 @@ def read_options(command: Callable[..., Any]) -> Callable[..., Any]:
         adapter_config: str | None,
         allow_global: tuple[str, ...],
         trust: bool,
+        mapping: str | None,
+        reverse: bool,
+        sets: tuple[str, ...],
         workers: int,
         **kwargs: Any,
     ) -> Any:
         from ckptkit.adapters import AdapterOptions, parse_adapter_arg
         from ckptkit.convert import ReadOptions
+        from ckptkit.mapping.source import MapOptions, parse_sets
+
+        if mapping is None and (reverse or sets):
+            raise click.UsageError("--reverse and --set go with --map NAME|FILE")
 
         merge = AdapterOptions(
             tuple(parse_adapter_arg(a) for a in adapters),
@@ -265,6 +290,9 @@ def read_options(command: Callable[..., Any]) -> Callable[..., Any]:
             trust=trust,
             allow_globals=allow_global,
             adapters=merge,
+            mapping=None
+            if mapping is None
+            else MapOptions(mapping=mapping, reverse=reverse, sets=parse_sets(sets)),
             workers=workers,
         )
         return command(*args, read=read, **kwargs)

@@ -15,7 +15,7 @@ run), one job a module.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from ckptkit.errors import UsageError
 from ckptkit.formats.files.readings import WEIGHT_SUFFIXES
 from ckptkit.formats.output.plan import parse_size
 from ckptkit.keys import KeyRules
+from ckptkit.mapping.source import MapOptions
 from ckptkit.spread import Part, parse_part
 from ckptkit.storage.location import is_local, is_remote, local_path, location
 
@@ -74,6 +75,9 @@ def convert(
     drop_adapters: bool = False,
     lora_alpha: float | None = None,
     adapter_config: str | Path | None = None,
+    mapping: str | Path | None = None,
+    reverse: bool = False,
+    sets: Mapping[str, int | float | str] | None = None,
 ) -> ConvertReport:
     """Convert a checkpoint's state dict to safetensors, a plain ``.pt`` state dict or a DCP
     folder. This is the keyword front of :func:`convert_checkpoint` (the one function allowed
@@ -126,6 +130,10 @@ def convert(
             ``lora_alpha`` (the rank from the factors' shapes).
         adapter_config: ``src`` is a PeftModel state dict: merge its adapter as this
             ``adapter_config.json`` says.
+        mapping: map names and shapes with this mapping file or pack (``"llama-meta"``):
+            see docs/mapping.md.
+        reverse: with ``mapping``, map the other way.
+        sets: with ``mapping``, its variables (``{"tp": 2}``).
 
     Returns:
         The report: where the state dict was, the key plan, what was dropped, cast and written.
@@ -150,6 +158,9 @@ def convert(
                 adapter_config=None if adapter_config is None else str(adapter_config),
             ),
             names_from=None if names_from is None else str(names_from),
+            mapping=None
+            if mapping is None
+            else MapOptions(mapping=mapping, reverse=reverse, sets=dict(sets or {})),
             workers=workers,
         ),
         keys=KeyRules(

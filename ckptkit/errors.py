@@ -16,6 +16,7 @@ __all__ = [
     "SelectError",
     "KeyTransformError",
     "KeyMatchError",
+    "MappingError",
     "OutputError",
     "CastError",
     "VerificationError",
@@ -127,6 +128,11 @@ class KeyTransformError(CkptkitError):
 
 class KeyMatchError(CkptkitError):
     """Checkpoint keys that do not fit a model or a reference checkpoint."""
+
+
+class MappingError(CkptkitError):
+    """A mapping file that cannot be read, or a checkpoint it does not fit (naming the rule
+    and the key)."""
 
 
 class OutputError(CkptkitError):

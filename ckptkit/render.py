@@ -92,11 +92,37 @@ def error_document(exc: BaseException, exit_code: int) -> str:
 @terminal_safe
 def convert_lines(report: Any) -> list[str]:
     """``convert``'s text report."""
-    lines = _plan_lines(report) + _merge_lines(report)
+    lines = _plan_lines(report) + _mapping_lines(report) + _merge_lines(report)
     if report.dry_run:
         lines.append("Dry run: nothing written")
         return lines
     return lines + _written_lines(report)
+
+
+def _mapping_lines(report: Any) -> list[str]:
+    """What ``--map`` did: the rules that ran and what each took, the bytes it let go and why,
+    and the variables taken from the mapping's defaults."""
+    mapping = report.mapping
+    if mapping is None:
+        return []
+    ran = [r for r in mapping["rules"] if r["groups"]]
+    lines = [
+        f"Mapped   by {mapping['from']} ({mapping['direction']}): {len(ran)} of "
+        f"{plural(len(mapping['rules']), 'rule')} ran; every source byte accounted for "
+        f"({human_size(mapping['accounted_bytes'])})"
+    ]
+    for rule in ran:
+        ops = ", ".join(rule["ops"]) or "rename"
+        lines.append(
+            f"  rule {rule['rule']}: {plural(rule['keys_in'], 'key')} -> {rule['keys_out']} ({ops})"
+        )
+    for drop in mapping["dropped"]:
+        lines.append(f"Dropped  {human_size(drop['bytes'])} by rule {drop['rule']}: {drop['why']}")
+    variables = mapping["variables"]
+    for name in mapping["defaults_taken"]:
+        value = variables[name]
+        lines.append(f"Assumed  {name} = {value} (the mapping's default; --set {name}=...)")
+    return lines
 
 
 def _plan_lines(report: Any) -> list[str]:
@@ -190,6 +216,8 @@ def _written_lines(report: Any) -> list[str]:
         )
     if report.copied_files:
         lines.append(f"Copied   {', '.join(report.copied_files)} from the model folder")
+    if report.made_files:
+        lines.append(f"Made     {', '.join(report.made_files)} from the mapping")
     check = report.output_check
     if check and check["worst"]:
         worst = check["worst"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ckptkit.adapters import AdapterOptions
 from ckptkit.formats.open import OpenOptions
 from ckptkit.keys import KeyRules
+from ckptkit.mapping.source import MapOptions
 from ckptkit.spread import Part
 
 __all__ = ["ReadOptions", "OutputOptions", "Job"]
@@ -19,6 +20,7 @@ class ReadOptions(OpenOptions):
     from it, and how many ranged requests a URL source gets."""
 
     adapters: AdapterOptions = field(default_factory=AdapterOptions)
+    mapping: MapOptions | None = None  # names and shapes mapped to another family's (--map)
     workers: int = 8  # ranged requests in flight for a source at a URL (local files: unused)
 
 

@@ -44,6 +44,7 @@ class Plan:
     folder: Path | None = None  # a model folder output: the outputs are inside it
     copies: list[Location] = field(default_factory=list)  # the source folder's config, tokenizer...
     into: bool = False  # the model folder exists: its files are replaced one by one
+    documents: dict[str, str] = field(default_factory=dict)  # made for a model folder output
 
 
 def make_plan(
@@ -112,6 +113,7 @@ def make_plan(
         special=frozenset(old for old, info in entries.items() if info.kind != "dense"),
         folder=folder,
         copies=folder_files(source.folder) if folder is not None and source.folder else [],
+        documents=dict(source.documents) if folder is not None else {},
     )
 
 

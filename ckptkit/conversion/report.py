@@ -61,6 +61,8 @@ class ConvertReport:
     merged: dict[str, float | None] = field(default_factory=dict)
     output_check: dict[str, Any] | None = None  # --check-outputs: merged vs unmerged layers
     copied_files: list[str] = field(default_factory=list)  # a folder output's config, tokenizer
+    made_files: list[str] = field(default_factory=list)  # ...and the config a mapping made
+    mapping: dict[str, Any] | None = None  # --map: the rules that ran, what they took
     part: str | None = None  # "I/N": this process wrote that share of the shards
 
     def to_dict(self) -> dict[str, Any]:
@@ -98,6 +100,8 @@ class ConvertReport:
             "merged": self.merged,
             "output_check": self.output_check,
             "copied_files": self.copied_files,
+            "made_files": self.made_files,
+            "mapping": self.mapping,
             "part": self.part,
         }
 
@@ -105,6 +109,7 @@ class ConvertReport:
 def make_report(source: Source, plan: Plan, dry_run: bool) -> ConvertReport:
     """The report of a plan, before anything is written."""
     from ckptkit.adapters.merged import MergedSource
+    from ckptkit.mapping.source import MappedSource
 
     items, entries = plan.items, plan.entries
     rewritten = plan.keys.added or plan.keys.removed or plan.match is not None
@@ -149,6 +154,8 @@ def make_report(source: Source, plan: Plan, dry_run: bool) -> ConvertReport:
             }
             for a in source.adapters
         ]
+    if isinstance(source, MappedSource):
+        report.mapping = source.plan.describe()
     return report
 
 

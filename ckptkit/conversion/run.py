@@ -5,10 +5,11 @@ and does not ask which."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
 
-from ckptkit.adapters import open_merged
+from ckptkit.adapters import AdapterOptions, open_merged
 from ckptkit.conversion.options import Job, OutputOptions, ReadOptions
 from ckptkit.conversion.plan import (
     Plan,
@@ -22,10 +23,12 @@ from ckptkit.conversion.plan import (
 )
 from ckptkit.conversion.report import ConvertReport, make_report, merge_report, output_header
 from ckptkit.conversion.write import outputs_of, parent_folders, write, write_agreed
+from ckptkit.errors import UsageError
 from ckptkit.formats.base.source import Source
 from ckptkit.formats.output import output_format
 from ckptkit.formats.output.plan import stale_names
 from ckptkit.formats.output.writers import TO_FORMATS, writer_class
+from ckptkit.mapping.source import open_mapped
 from ckptkit.spread import Part
 from ckptkit.storage.destination import Destination, destination
 from ckptkit.storage.location import Location, location
@@ -71,7 +74,7 @@ def _convert(src: Location, dst: Path, target: Destination, job: Job) -> Convert
     fmt = "safetensors" if folder else output_format(dst, output.to)
     keys = replace(job.keys, renames=tuple(job.keys.rename_rules()))  # a bad rule fails first
     dtype, limit = cast_target(output.dtype), shard_limit(output, fmt)
-    with open_merged(src, read.adapters, read) as source:
+    with _opened(src, read) as source:
         refuse_unconvertible(source, src, job.check_outputs)
         dst, folder = _placed(source, dst, fmt, into, folder)
         plan = make_plan(source, src, dst, fmt, keys, output, dtype, limit, folder)
@@ -99,13 +102,25 @@ def _convert(src: Location, dst: Path, target: Destination, job: Job) -> Convert
     return report
 
 
+def _opened(src: Location, read: ReadOptions) -> AbstractContextManager[Source]:
+    """The source, read through a mapping (``--map``) or with adapters merged into it."""
+    if read.mapping is None:
+        return open_merged(src, read.adapters, read)
+    if read.adapters != AdapterOptions():
+        raise UsageError(
+            "--map and adapters (--base, --adapter, --drop-adapters) do not go together",
+            "merge the adapter first, then map the merged checkpoint",
+        )
+    return open_mapped(src, read.mapping, read)
+
+
 def _placed(
     source: Source, dst: Path, fmt: str, into: Path | None, folder: Path | None
 ) -> tuple[Path, Path | None]:
     """The weights file's path in a model folder output (named as the source library names
     it), and the model folder, if the output is one."""
     if folder is not None:
-        if source.folder is None:
+        if source.folder is None and not source.documents:
             output_format(dst)  # the error that names the suffixes
         return folder / weights_name(source), folder
     if into is not None:

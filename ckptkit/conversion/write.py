@@ -34,8 +34,9 @@ def outputs_of(plan: Plan) -> tuple[list[Path], Path | None]:
     if kind.folder:
         return [plan.outputs[0] / name for name in kind.files], plan.outputs[0]
     copies = [plan.folder / path.name for path in plan.copies] if plan.folder else []
+    made = [plan.folder / name for name in plan.documents] if plan.folder else []
     whole = plan.folder if plan.folder is not None and not plan.into else None
-    return copies + plan.outputs, whole
+    return copies + made + plan.outputs, whole
 
 
 def write(
@@ -81,7 +82,11 @@ def write(
                 _copy_file(path, files.path(out))
                 files.done(out)
             if plan.folder is not None:
+                for name, text in plan.documents.items():  # a config a mapping made
+                    files.path(plan.folder / name).write_text(text, encoding="utf-8")
+                    files.done(plan.folder / name)
                 report.copied_files = [path.name for path in plan.copies]
+                report.made_files = list(plan.documents)
             _write_files(writer, copier, plan, header, files, verify)
         report.verified = verify
         report.copied, report.through_torch = copier.copied, copier.through_torch

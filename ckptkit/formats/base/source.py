@@ -91,6 +91,9 @@ class Source(ABC):
     # The tensors are a diffusers EMAModel's shadow_params, a list keyed here by position
     # ("0", "1", ...): names come from the model (open_source's names_from).
     unnamed: bool = False
+    # Files a model folder output writes beside the weights, made rather than copied: name ->
+    # text (the config.json a mapping writes from the source's params.json).
+    documents: dict[str, str] = field(default_factory=dict)
     # A file at a URL: the byte file its reader reads through (its first read gave the size);
     # None on a local disk, where readers map or kernel-copy the file itself.
     remote_file: RangeFile | None = field(default=None, init=False, repr=False)

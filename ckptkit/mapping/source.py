@@ -1,0 +1,290 @@
+"""A checkpoint read through a mapping: :func:`open_mapped` opens the source (one file, a model
+folder, or one file per rank), plans the mapping on its headers, and gives a
+:class:`MappedSource` whose keys are the target's, which the conversion writes like any source.
+
+A tensor a rule only renames keeps its source's byte range, so the copy engine copies it file
+to file; any other is made with its group (one layer's q, k and v, one weight's rank slices)
+when first asked, and the group's other outputs are kept until they are asked for too: memory
+holds one group, never the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Iterator
+from collections.abc import Mapping as MappingType
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import FormatError, MappingError
+from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.formats.open import OpenOptions, open_source
+from ckptkit.mapping.expr import Value, parse_expr
+from ckptkit.mapping.plan import MapPlan, SourceKeys, config_getter, plan_mapping, variables
+from ckptkit.mapping.spec import Mapping, Side, load_mapping
+from ckptkit.storage.location import Location, holds_file, listing, location
+from ckptkit.storage.small import read_json
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MapOptions", "MappedSource", "open_mapped", "render_document", "parse_sets"]
+
+_MOST_RANKS = 4096  # rank files in one folder: more is a folder of something else
+
+
+@dataclass(frozen=True, kw_only=True)
+class MapOptions:
+    """What ``--map``, ``--reverse`` and ``--set`` ask."""
+
+    mapping: str | Path
+    reverse: bool = False
+    sets: MappingType[str, Value] = field(default_factory=dict)
+
+    def load(self) -> Mapping:
+        mapping = load_mapping(self.mapping)
+        return mapping.reversed() if self.reverse else mapping
+
+
+def parse_sets(items: list[str] | tuple[str, ...]) -> dict[str, Value]:
+    """``--set NAME=VALUE`` as variables: VALUE is an expression of numbers (``tp=2``).
+
+    Raises:
+        UsageError: not NAME=VALUE.
+    """
+    from ckptkit.errors import UsageError
+
+    sets: dict[str, Value] = {}
+    for item in items:
+        name, eq, text = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name.strip()):
+            raise UsageError(f"--set '{item}' is not NAME=VALUE", "write it like --set tp=2")
+        try:
+            value = parse_expr(text, f"--set {name}").evaluate(sets)
+        except MappingError as exc:
+            raise UsageError(exc.message, "write it like --set tp=2") from None
+        sets[name.strip()] = value
+    return sets
+
+
+class MappedSource(Source):
+    """The target's tensors, each made from its group of source tensors."""
+
+    def __init__(
+        self, plan: MapPlan, sources: list[Source], path: Location, rank: int | None = None
+    ) -> None:
+        super().__init__(path=path, format=sources[0].format)
+        self.plan = plan
+        self._sources = sources
+        self._rank = rank
+        self._targets = {t.key: t for t in plan.targets if t.rank == rank}
+        self._made: tuple[int, dict[tuple[int | None, str], torch.Tensor]] | None = None
+
+    def entries(self) -> list[tuple[str, TensorInfo]]:
+        return [(key, target.info) for key, target in self._targets.items()]
+
+    def _input(self, rank: int | None, key: str) -> Source:
+        return self._sources[rank or 0]
+
+    def byte_span(self, key: str) -> tuple[Location, int, int] | None:
+        group = self.plan.groups[self._targets[key].group]
+        if not _copies_bytes(group, self.plan):
+            return None
+        rank, old = group.inputs[0][0]
+        return self._input(rank, old).byte_span(old)
+
+    def load(self, key: str) -> torch.Tensor:
+        target = self._targets[key]
+        if self._made is None or self._made[0] != target.group:
+            self._made = (target.group, self._run(target.group))
+        return self._made[1][(target.rank, key)]
+
+    def _run(self, index: int) -> dict[tuple[int | None, str], torch.Tensor]:
+        """One group's outputs (the previous group's are let go: memory holds one)."""
+        self._made = None
+        group = self.plan.groups[index]
+        values: list[Any] = []
+        for slot in group.inputs:
+            tensors = [self._input(rank, key).load(key) for rank, key in slot]
+            values.append(tensors if slot[0][0] is not None else tensors[0])
+        for step in group.steps:
+            values = step.run(values)
+        flat: list[torch.Tensor] = []
+        for value in values:
+            flat += value if isinstance(value, list) else [value]
+        return {ref: t.contiguous() for ref, t in zip(group.outputs, flat, strict=True)}
+
+    def files(self) -> list[Location]:
+        return [f for source in self._sources for f in source.files()]
+
+    def close(self) -> None:
+        self._made = None
+        for source in self._sources:
+            source.close()
+
+
+def _copies_bytes(group: Any, plan: MapPlan) -> bool:
+    """A group whose one tensor goes out as it came in: renamed, or joined from one rank."""
+    if len(group.inputs) != 1 or len(group.inputs[0]) != 1 or len(group.outputs) != 1:
+        return False
+    one_rank = ("gather", "same", "scatter", "replicate")
+    return all(
+        s.call.name in ("rename", "require")
+        or (s.call.name in one_rank and (plan.target_ranks or 1) == 1)
+        for s in group.steps
+    )
+
+
+@contextlib.contextmanager
+def open_mapped(
+    src: str | Path | Location, options: MapOptions, read: OpenOptions | None = None
+) -> Iterator[MappedSource]:
+    """The checkpoint at ``src`` read through the mapping; closed on exit.
+
+    Raises:
+        MappingError: a mapping that does not fit the checkpoint (naming the rule and key).
+        FormatError: a source that cannot be read as the mapping's source side says.
+    """
+    mapping = options.load()
+    where = location(src)
+    read = read or OpenOptions()
+    side = mapping.source
+    sources = _open_side(where, side, read)
+    try:
+        config = _config(where, side)
+        ranked = side.files is not None
+        keys = SourceKeys([dict(s.entries()) for s in sources], ranked)
+
+        def shape(key: str, dim: int) -> int:
+            info = keys.ranks[0].get(key)
+            if info is None or not -len(info.shape) <= dim < len(info.shape):
+                raise MappingError(f"the mapping reads the shape of '{key}', which {where} lacks")
+            return info.shape[dim]
+
+        names, followed = variables(
+            mapping, options.sets, config, shape, len(sources) if ranked else None
+        )
+        target_ranks = None
+        if mapping.target.ranks is not None:
+            target_ranks = _rank_count(names, mapping.target)
+        plan = plan_mapping(mapping, keys, names, target_ranks)
+        plan.followed = followed
+        mapped = MappedSource(plan, sources, where)
+        if mapping.target.write is not None:
+            targets = {t.key: t.info for t in plan.targets}
+            document = render_document(mapping.target.write, names, config, side, targets)
+            mapped.documents[str(mapping.target.write["file"])] = document
+        yield mapped
+    finally:
+        for source in sources:
+            source.close()
+
+
+def _rank_count(names: MappingType[str, Value], side: Side) -> int:
+    assert side.ranks is not None
+    value = names.get(side.ranks)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MOST_RANKS:
+        raise MappingError(
+            f"the target is saved in {side.ranks} files per rank; {side.ranks} is {value!r}",
+            f"give it with --set {side.ranks}=N (N from 1 to {_MOST_RANKS})",
+        )
+    return value
+
+
+def _open_side(where: Location, side: Side, read: OpenOptions) -> list[Source]:
+    """One source, or one per rank file (``side.files``), in rank order."""
+    if side.files is None:
+        return [open_source(where, read)]
+    if holds_file(where):
+        raise FormatError(
+            f"{where} is one file, but {side.name} checkpoints are a folder of "
+            f"{side.files.source} files (one per rank)",
+            "name the folder that holds them all",
+        )
+    regex = side.files.regex()
+    ranks: dict[int, str] = {}
+    for name in listing(where):
+        found = regex.fullmatch(name)
+        if found is not None:
+            ranks[int(found.group("rank"))] = name
+        if len(ranks) > _MOST_RANKS:
+            raise FormatError(f"{where} holds more than {_MOST_RANKS} rank files")
+    if not ranks:
+        raise FormatError(
+            f"{where} holds no {side.files.source} file",
+            f"is this a {side.name} checkpoint folder?",
+        )
+    missing = [r for r in range(max(ranks) + 1) if r not in ranks]
+    if missing:
+        raise FormatError(
+            f"{where} lacks rank {missing[0]}'s file "
+            f"({side.files.format({'rank': missing[0]}, {})})",
+            "copy every rank's file",
+        )
+    sources: list[Source] = []
+    try:
+        for rank in range(len(ranks)):
+            sources.append(open_source(where / ranks[rank], read))
+    except BaseException:
+        for source in sources:
+            source.close()
+        raise
+    return sources
+
+
+def _config(where: Location, side: Side) -> dict[str, Any] | None:
+    """The side's config document beside the weights (or in the folder), if there is one."""
+    if side.config is None:
+        return None
+    folder = where.parent if holds_file(where) else where
+    path = folder / side.config
+    if not holds_file(path):
+        return None
+    document = read_json(path, f"{side.name} config")
+    if not isinstance(document, dict):
+        raise FormatError(f"{path} is not a JSON object")
+    return document
+
+
+def render_document(
+    template: MappingType[str, Any],
+    names: MappingType[str, Value],
+    config: MappingType[str, Any] | None,
+    source: Side,
+    targets: MappingType[str, TensorInfo],
+) -> str:
+    """The config document a side writes when it is the target (``[sides.X.write]``): text
+    starting with ``=`` is an expression (``"=dim"``); a table with ``when`` is written only
+    when it holds; anything else is written as it is."""
+
+    def shape(key: str, dim: int) -> int:
+        info = targets.get(key)
+        if info is None or not -len(info.shape) <= dim < len(info.shape):
+            raise MappingError(f"the config written reads the shape of '{key}', not made")
+        return info.shape[dim]
+
+    functions = {"get": config_getter(config, source.config), "shape": shape}
+
+    def render(value: Any, where: str) -> Any:
+        if isinstance(value, str) and value.startswith("="):
+            return parse_expr(value[1:], where).evaluate(names, functions)
+        if isinstance(value, list):
+            return [render(v, where) for v in value]
+        if isinstance(value, dict):
+            return {
+                k: render(v, f"{where}.{k}")
+                for k, v in value.items()
+                if k != "when" and _holds(v, f"{where}.{k}")
+            }
+        return value
+
+    def _holds(value: Any, where: str) -> bool:
+        if not isinstance(value, dict) or "when" not in value:
+            return True
+        return bool(render(value["when"], f"{where}.when"))
+
+    body = {k: v for k, v in template.items() if k != "file"}
+    return json.dumps(render(body, "write"), indent=2) + "\n"
