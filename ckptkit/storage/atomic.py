@@ -11,7 +11,9 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -218,6 +220,22 @@ def _rename_noreplace(tmp: Path, dst: Path) -> None:
 
 
 @contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait while a temp file is made and recorded: their handlers raise,
+    and raised between the two they would leave a temp file whose name no cleanup knows."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not (
+        threading.main_thread()
+    ):
+        yield  # only the main thread runs Python's signal handlers
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a signal that came is handled now
+
+
+@contextlib.contextmanager
 def atomic_outputs(
     dsts: list[Path], *, force: bool = False, inputs: Iterable[object] = ()
 ) -> Iterator[list[Path]]:
@@ -242,14 +260,15 @@ def atomic_outputs(
     placed: list[Path] = []
     try:
         for dst in dsts:
-            try:
-                fd, name = tempfile.mkstemp(
-                    dir=dst.parent, prefix=f".{dst.name}{_TEMP_MARK}", suffix=".tmp"
-                )
-            except OSError as exc:
-                raise _os_error(dst, exc) from None
-            fds.append(fd)
-            temps.append(Path(name))
+            with _signals_held():
+                try:
+                    fd, name = tempfile.mkstemp(
+                        dir=dst.parent, prefix=f".{dst.name}{_TEMP_MARK}", suffix=".tmp"
+                    )
+                except OSError as exc:
+                    raise _os_error(dst, exc) from None
+                fds.append(fd)
+                temps.append(Path(name))
             _lock(fd)
         try:
             yield temps
@@ -340,15 +359,20 @@ def atomic_folder(
     dst = Path(dst)
     check_folder_output(dst, force=force, inputs=inputs)
     remove_stale_temps(dst.parent)
-    try:
-        tmp = Path(
-            tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}{_TEMP_MARK}", suffix=".tmp")
-        )
-        fd = os.open(tmp / _FOLDER_LOCK, os.O_WRONLY | os.O_CREAT, 0o600)
-    except OSError as exc:
-        raise _os_error(dst, exc) from None
+    tmp: Path | None = None
+    fd = -1
     aside: Path | None = None
     try:
+        try:
+            with _signals_held():  # the folder is made and recorded, or neither
+                tmp = Path(
+                    tempfile.mkdtemp(
+                        dir=dst.parent, prefix=f".{dst.name}{_TEMP_MARK}", suffix=".tmp"
+                    )
+                )
+            fd = os.open(tmp / _FOLDER_LOCK, os.O_WRONLY | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise _os_error(dst, exc) from None
         _lock(fd)
         try:
             yield tmp
@@ -378,7 +402,9 @@ def atomic_folder(
         except OSError as exc:
             raise _os_error(dst, exc) from None
     finally:
-        os.close(fd)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if fd >= 0:
+            os.close(fd)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)

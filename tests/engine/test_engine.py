@@ -305,42 +305,40 @@ def test_a_worker_that_exits_without_a_word_is_named_with_its_exit_code(helpers)
     ), proc.stderr
 
 
-@pytest.fixture(scope="module")
-def hung_runs(tmp_path_factory):
-    """Both hung-rank runs, started together when the first test asks: each spends most of its
-    time waiting out the timeout and the grace, which they can do side by side."""
-    procs = {}
-    for hang in ("1", "0"):
-        folder = tmp_path_factory.mktemp(f"hang{hang}")
-        (folder / "engine_helpers.py").write_text(HELPERS)
-        argv = ["--model", "engine_helpers:hanging", "--out", "hang", "--timeout", "6", "-q"]
-        procs[hang] = subprocess.Popen(
-            [sys.executable, "-m", "ckptkit", "train", "--mode", "ddp", *argv],
-            cwd=folder,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "HANG_RANK": hang},
-        )
-    yield time.monotonic(), procs
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("hang", ["1", "0"])
-def test_a_hung_rank_is_named_within_the_timeout(hung_runs, hang):
-    started, procs = hung_runs
-    _, stderr = procs[hang].communicate(timeout=120)
+def test_a_hung_rank_is_named_within_the_timeout(helpers, hang):
+    started = time.monotonic()
+    env = {**os.environ, "HANG_RANK": hang}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptkit",
+            "train",
+            "--mode",
+            "ddp",
+            "--model",
+            "engine_helpers:hanging",
+            "--out",
+            "hang",
+            "--timeout",
+            "6",
+            "-q",
+        ],
+        cwd=helpers,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     elapsed = time.monotonic() - started
-    assert procs[hang].returncode == 1
-    assert stderr.splitlines()[-1] == (
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == (
         f"Error: rank {hang} hung: it never reached the collective the other ranks waited in for "
         "--timeout 6 s; see what it was doing: a stuck data loader, a deadlock, fewer batches "
         "than the others; the other workers were stopped"
-    ), stderr[-3000:]
+    ), proc.stderr[-3000:]
     # the timeout, the check-in (5 s), the hung rank's grace after SIGTERM (5 s), start-up
     assert elapsed < 6 + 25, elapsed
 

@@ -262,3 +262,47 @@ def test_without_hard_links_convert_writes_and_refuses_as_usual(tmp_path, no_har
     assert again.stderr == "Error: out.safetensors exists; pass --force to overwrite it\n"
     assert (tmp_path / "out.safetensors").read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]
+
+
+_SIGNALLED_AS_MADE = """
+import os, signal, sys, tempfile
+from pathlib import Path
+from ckptkit.storage.atomic import atomic_folder, atomic_output
+
+class Stopped(Exception):
+    pass
+
+def stop(signum, frame):
+    raise Stopped()
+
+signal.signal(signal.SIGTERM, stop)
+kind, folder = sys.argv[1], Path(sys.argv[2])
+name = "mkstemp" if kind == "file" else "mkdtemp"
+real = getattr(tempfile, name)
+
+def made_then_signalled(*args, **kwargs):
+    made = real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's SIGTERM, the moment the temp exists
+    return made
+
+setattr(tempfile, name, made_then_signalled)
+opened = atomic_output(folder / "out.pt") if kind == "file" else atomic_folder(folder / "out")
+try:
+    with opened:
+        print("written", flush=True)
+except Stopped:
+    print("stopped", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_a_signal_the_moment_a_temp_is_made_leaves_no_temp(tmp_path, kind):
+    """A SIGTERM (or Ctrl-C) whose handler raises just after the temp file or folder is made
+    and before it is recorded for cleanup: it is held until then, so nothing is left."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGNALLED_AS_MADE, kind, str(tmp_path)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["stopped"]  # the signal stopped it, before any write
+    assert os.listdir(tmp_path) == []
