@@ -742,6 +742,15 @@ def train(ctx: click.Context, as_json: bool, config_file: str | None, **options:
     help="Read every tensor once: min, max, mean, std, NaN and inf counts (the table replaces "
     "the tree).",
 )
+@click.option(
+    "--map",
+    "mapping",
+    metavar="NAME|FILE",
+    help="Show what `convert --map` would make of PATH: each rule, what it takes, every "
+    "target tensor and where it comes from (nothing is written).",
+)
+@click.option("--reverse", is_flag=True, help="With --map: the other way.")
+@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="A mapping variable.")
 @json_option
 @quiet_option
 def inspect(
@@ -753,6 +762,9 @@ def inspect(
     variant: str | None,
     names_from: str | None,
     stats: bool,
+    mapping: str | None,
+    reverse: bool,
+    sets: tuple[str, ...],
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -763,9 +775,15 @@ def inspect(
     ckptkit inspect model.safetensors --filter 'layers.0.*' --flat
     ckptkit inspect shards/ --depth 2
     ckptkit inspect download.safetensors --stats
+    ckptkit inspect llama-2-13b/ --map llama-meta
     """
     from ckptkit.summary import keep, summarize
 
+    if mapping is not None:
+        _inspect_mapped(path, mapping, reverse, sets, select, key_filter, as_json, quiet)
+        return
+    if reverse or sets:
+        raise UsageError("--reverse and --set go with --map NAME|FILE")
     if flat and depth:
         raise UsageError("--flat and --depth do not go together", "use one of them")
     summary = summarize(path, select=select, variant=variant, names_from=names_from)
@@ -790,6 +808,29 @@ def inspect(
             _echo([*summary_lines(summary), "", *stats_lines(values)])
         else:
             _echo(inspect_lines(summary, flat=flat, depth=depth, key_filter=key_filter))
+
+
+def _inspect_mapped(
+    path: str,
+    mapping: str,
+    reverse: bool,
+    sets: tuple[str, ...],
+    select: str | None,
+    key_filter: str | None,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """``inspect PATH --map NAME``: the mapped conversion's plan, nothing written."""
+    from ckptkit.formats.open import OpenOptions
+    from ckptkit.mapping.source import MapOptions, map_plan, parse_sets
+    from ckptkit.render import mapping_plan_lines
+
+    options = MapOptions(mapping=mapping, reverse=reverse, sets=parse_sets(sets))
+    plan = map_plan(path, options, OpenOptions(select=select))
+    if as_json:
+        _emit("inspect", plan)
+    elif not quiet:
+        _echo(mapping_plan_lines(plan, key_filter))
 
 
 @cli.command()

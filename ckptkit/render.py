@@ -100,11 +100,32 @@ def convert_lines(report: Any) -> list[str]:
 
 
 def _mapping_lines(report: Any) -> list[str]:
-    """What ``--map`` did: the rules that ran and what each took, the bytes it let go and why,
-    and the variables taken from the mapping's defaults."""
-    mapping = report.mapping
-    if mapping is None:
-        return []
+    return [] if report.mapping is None else mapping_lines(report.mapping)
+
+
+def mapping_plan_lines(plan: dict[str, Any], key_filter: str | None = None) -> list[str]:
+    """``inspect --map``: the mapping's account, then each target tensor and its source."""
+    import fnmatch
+
+    lines = [f"Source   {plan['source']}", *mapping_lines(plan)]
+    if plan["documents"]:
+        lines.append(f"Makes    {', '.join(plan['documents'])}")
+    lines.append("Targets")
+    for target in plan["targets"]:
+        if key_filter and not fnmatch.fnmatchcase(target["key"], key_filter):
+            continue
+        rank = "" if target["rank"] is None else f"rank {target['rank']}: "
+        ranks = f" ({target['ranks_read']} ranks)" if target["ranks_read"] > 1 else ""
+        lines.append(
+            f"  {rank}{target['key']}  {target['dtype']} {target['shape']}  <- "
+            f"{', '.join(target['from'])}{ranks}, rule {target['rule']}"
+        )
+    return lines
+
+
+def mapping_lines(mapping: dict[str, Any]) -> list[str]:
+    """What ``--map`` does: the rules that ran and what each took, the bytes it let go and
+    why, and the variables taken from the mapping's defaults."""
     ran = [r for r in mapping["rules"] if r["groups"]]
     lines = [
         f"Mapped   by {mapping['from']} ({mapping['direction']}): {len(ran)} of "
@@ -189,6 +210,8 @@ def _written_lines(report: Any) -> list[str]:
         checked = (
             "verified: merged tensors equal a fresh fp32 merge from the files, the rest bit-exact"
         )
+    elif report.mapping is not None:
+        checked = "verified: read back equal to the mapped tensors made again from the files"
     elif report.cast:
         checked = "verified: read back equal to the cast values"
     else:
@@ -204,6 +227,14 @@ def _written_lines(report: Any) -> list[str]:
                 else f"; `ckptkit convert --finish {report.destination}` writes the index "
                 "once every part is done"
             )
+        )
+    elif report.mapping is not None and report.mapping["target_ranks"]:
+        names = [f.rsplit("/", 1)[-1] for f in report.files]
+        shown = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"
+        lines.append(
+            f"Wrote    {plural(len(names), 'rank file')} ({shown}) in "
+            f"{report.files[0][: -len(names[0]) - 1]}, "
+            f"{checked}"
         )
     elif len(report.files) > 1:
         lines.append(f"Wrote    {len(report.files) - 1} shards and {report.files[-1]}, {checked}")

@@ -12,12 +12,18 @@ from ckptkit.conversion.options import OutputOptions
 from ckptkit.errors import FormatError, KeyMatchError, UsageError
 from ckptkit.formats.base.dtypes import DTYPES, TensorSpec
 from ckptkit.formats.base.source import KEPT_IN_TORCH, KINDS, Source, TensorInfo
-from ckptkit.formats.folders.layouts import folder_files
+from ckptkit.formats.folders.layouts import (
+    folder_files,
+    model_parallel_files,
+    model_parallel_name,
+    model_parallel_refusal,
+)
 from ckptkit.formats.open import open_source
 from ckptkit.formats.output.copier import Item
 from ckptkit.formats.output.plan import parse_size, plan_shards, shard_paths
 from ckptkit.formats.output.writers import able, writer_class
 from ckptkit.keys import KeyMatch, KeyPlan, KeyRules, match_keys, mismatch_message, plan_ties
+from ckptkit.mapping.source import MappedSource
 from ckptkit.spread import Part
 from ckptkit.storage.location import Location, is_local
 
@@ -117,6 +123,24 @@ def make_plan(
     )
 
 
+def per_rank(plan: Plan, source: MappedSource, folder: Path) -> Plan:
+    """A mapping's target saved one file per rank (Meta's consolidated.NN.pth): each rank's
+    tensors, under their own keys, in its file in ``folder``."""
+    names = source.rank_files
+    assert names is not None
+    shards: list[list[Item]] = [[] for _ in names]
+    for item in plan.items:
+        rank, key = source.placed(item.old)
+        shards[rank].append(replace(item, spec=replace(item.spec, key=key)))
+    return replace(
+        plan,
+        items=[item for shard in shards for item in shard],
+        shards=shards,
+        outputs=[folder / name for name in names],
+        aliases={},
+    )
+
+
 def refuse_special(src: Location, entries: dict[str, TensorInfo], fmt: str) -> None:
     """Refuse, naming the key, what the output cannot hold as it is: a placeholder or a meta
     tensor is never written as weights; sparse and quantized tensors and packed parameters go
@@ -191,6 +215,11 @@ def refuse_unconvertible(source: Source, src: Location, check_outputs: bool) -> 
         )
     if check_outputs and not isinstance(source, MergedSource):
         raise UsageError("--check-outputs checks merged adapters", "merge one, or drop it")
+    named = model_parallel_name(src.name) and not isinstance(source, MappedSource)
+    parallel = model_parallel_files(src.parent) if named else None  # listed only then
+    if parallel is not None and src.name in parallel[0] and len(parallel[0]) > 1:
+        # One rank's slice of every weight: converted alone it would be verified, and wrong.
+        raise model_parallel_refusal(src, parallel)
 
 
 def part_of(plan: Plan, part: Part) -> Plan:

@@ -17,6 +17,7 @@ from ckptkit.conversion.plan import (
     copies_into,
     make_plan,
     part_of,
+    per_rank,
     refuse_unconvertible,
     shard_limit,
     weights_name,
@@ -28,7 +29,7 @@ from ckptkit.formats.base.source import Source
 from ckptkit.formats.output import output_format
 from ckptkit.formats.output.plan import stale_names
 from ckptkit.formats.output.writers import TO_FORMATS, writer_class
-from ckptkit.mapping.source import open_mapped
+from ckptkit.mapping.source import MappedSource, open_mapped
 from ckptkit.spread import Part
 from ckptkit.storage.destination import Destination, destination
 from ckptkit.storage.location import Location, location
@@ -76,8 +77,16 @@ def _convert(src: Location, dst: Path, target: Destination, job: Job) -> Convert
     dtype, limit = cast_target(output.dtype), shard_limit(output, fmt)
     with _opened(src, read) as source:
         refuse_unconvertible(source, src, job.check_outputs)
-        dst, folder = _placed(source, dst, fmt, into, folder)
+        ranks = source.rank_files if isinstance(source, MappedSource) else None
+        if ranks is not None:  # a mapping's target saved one file per rank: a folder of them
+            folder = _rank_folder(dst, into, ranks, output)
+            dst, fmt = folder / ranks[0], output_format(Path(ranks[0]))
+        else:
+            dst, folder = _placed(source, dst, fmt, into, folder)
         plan = make_plan(source, src, dst, fmt, keys, output, dtype, limit, folder)
+        if ranks is not None:
+            assert isinstance(source, MappedSource) and folder is not None
+            plan = per_rank(plan, source, folder)
         if folder is not None and folder is into:
             plan.into = True
             plan.copies = copies_into(plan, job.force)
@@ -112,6 +121,24 @@ def _opened(src: Location, read: ReadOptions) -> AbstractContextManager[Source]:
             "merge the adapter first, then map the merged checkpoint",
         )
     return open_mapped(src, read.mapping, read)
+
+
+def _rank_folder(dst: Path, into: Path | None, ranks: list[str], output: OutputOptions) -> Path:
+    """The folder a target saved per rank goes to: DST itself, new or existing."""
+    if output.to is not None or output.max_shard_size is not None:
+        raise UsageError(
+            f"the mapping's target is {len(ranks)} file(s) named like {ranks[0]}, one per rank: "
+            "--to and --max-shard-size do not apply",
+            "leave them out",
+        )
+    if into is not None:
+        return into
+    if dst.suffix:
+        raise UsageError(
+            f"{dst}: the mapping's target is a folder of {ranks[0]}... (one file per rank)",
+            "give a folder name as DST",
+        )
+    return dst
 
 
 def _placed(

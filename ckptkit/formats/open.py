@@ -45,6 +45,8 @@ from ckptkit.formats.folders.layouts import (
     folder_files,
     folder_parts,
     model_file_in,
+    model_parallel_files,
+    model_parallel_refusal,
 )
 from ckptkit.formats.folders.rank_files import find_rank_files
 from ckptkit.formats.folders.runs import run_checkpoint, trainer_checkpoint
@@ -317,6 +319,9 @@ def _open_folder(path: Location, options: OpenOptions, opener: Opener) -> Source
         return RankFilesSource(*ranks, select=select, ema=ema)
     index = checkpoint_index(path)
     if index is None and path.is_dir():
+        parallel = model_parallel_files(path)
+        if parallel is not None:  # Meta's consolidated.NN.pth: only a mapping joins them
+            raise model_parallel_refusal(path, parallel)
         tag = find_deepspeed(path)
         if tag is not None:  # DeepSpeed's engine.save_checkpoint (Lightning's DeepSpeed too)
             from ckptkit.formats.folders.deepspeed import DeepSpeedSource

@@ -192,10 +192,12 @@ def variables(
         if name not in names:
             names[name] = expr.evaluate(names, functions)
     followed = []
+    read = mapping.reads()
     for name, expr in mapping.defaults.items():
         if name not in names:
             names[name] = expr.evaluate(names, functions)
-            followed.append(name)
+            if name in read:
+                followed.append(name)
     return names, followed
 
 
@@ -298,15 +300,34 @@ def plan_mapping(
             count.bytes_in += group.nbytes
             count.dropped += group.dropped
             plan.groups.append(group)
-    # Groups in the order of their first source key (layer by layer, as the source is laid out).
-    position = {key: i for i, key in enumerate(source.keys)}
-    plan.groups.sort(key=lambda g: position[g.inputs[0][0][1]] if g.inputs else -1)
+    plan.groups.sort(key=_order(mapping))
     for index, group in enumerate(plan.groups):
         for (rank, key), (shape, dtype) in zip(group.outputs, group.metas, strict=True):
             plan.targets.append(Target(key, rank, TensorInfo(dtype, tuple(shape)), index))
     if plan.accounted != plan.source_bytes:  # each key is claimed once: this cannot differ
         raise AssertionError(f"accounted {plan.accounted} of {plan.source_bytes} bytes")
     return plan
+
+
+def _order(mapping: Mapping) -> Callable[[Group], tuple[Any, ...]]:
+    """The order targets are written in: rules in a row that capture the same names form a
+    block, taken layer by layer (Meta's and Hugging Face's own order: the embedding, then each
+    layer's tensors in the rules' order, then the final norm and the head)."""
+    blocks: dict[int, int] = {}
+    block, last = 0, None
+    for rule in mapping.rules:
+        captures = sorted({c for p in rule.sources for c in p.captures} - {rule.over})
+        if last is not None and captures != last:
+            block += 1
+        blocks[rule.number], last = block, captures
+    return lambda g: (
+        blocks[g.rule.number],
+        tuple(
+            (0, v, "") if isinstance(v, int) else (1, 0, str(v))
+            for _, v in sorted(g.captures.items())
+        ),
+        g.rule.number,
+    )
 
 
 def _reason(rule: Rule) -> str:

@@ -31,7 +31,14 @@ from ckptkit.storage.small import read_json
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MapOptions", "MappedSource", "open_mapped", "render_document", "parse_sets"]
+__all__ = [
+    "MapOptions",
+    "MappedSource",
+    "open_mapped",
+    "map_plan",
+    "render_document",
+    "parse_sets",
+]
 
 _MOST_RANKS = 4096  # rank files in one folder: more is a folder of something else
 
@@ -80,11 +87,26 @@ class MappedSource(Source):
         self.plan = plan
         self._sources = sources
         self._rank = rank
-        self._targets = {t.key: t for t in plan.targets if t.rank == rank}
+        # A target saved per rank names each of its tensors "rank R:KEY" until the plan puts
+        # them in rank R's file under KEY (conversion.plan.per_rank).
+        self._targets = {_name(t.key, t.rank): t for t in plan.targets}
         self._made: tuple[int, dict[tuple[int | None, str], torch.Tensor]] | None = None
 
     def entries(self) -> list[tuple[str, TensorInfo]]:
         return [(key, target.info) for key, target in self._targets.items()]
+
+    @property
+    def rank_files(self) -> list[str] | None:
+        """The target's file names, one per rank, for a target saved per rank."""
+        side = self.plan.mapping.target
+        if side.files is None:
+            return None
+        return [side.files.format({"rank": r}, {}) for r in range(self.plan.target_ranks or 1)]
+
+    def placed(self, name: str) -> tuple[int, str]:
+        """A target tensor's rank and key, from its name here."""
+        target = self._targets[name]
+        return target.rank or 0, target.key
 
     def _input(self, rank: int | None, key: str) -> Source:
         return self._sources[rank or 0]
@@ -100,7 +122,7 @@ class MappedSource(Source):
         target = self._targets[key]
         if self._made is None or self._made[0] != target.group:
             self._made = (target.group, self._run(target.group))
-        return self._made[1][(target.rank, key)]
+        return self._made[1][(target.rank, target.key)]
 
     def _run(self, index: int) -> dict[tuple[int | None, str], torch.Tensor]:
         """One group's outputs (the previous group's are let go: memory holds one)."""
@@ -124,6 +146,10 @@ class MappedSource(Source):
         self._made = None
         for source in self._sources:
             source.close()
+
+
+def _name(key: str, rank: int | None) -> str:
+    return key if rank is None else f"rank {rank}:{key}"
 
 
 def _copies_bytes(group: Any, plan: MapPlan) -> bool:
@@ -173,6 +199,9 @@ def open_mapped(
         plan = plan_mapping(mapping, keys, names, target_ranks)
         plan.followed = followed
         mapped = MappedSource(plan, sources, where)
+        if ranked:
+            mapped.format = f"{len(sources)} rank files, {sources[0].format}"
+        mapped.selected, mapped.selected_reason = sources[0].selected, sources[0].selected_reason
         if mapping.target.write is not None:
             targets = {t.key: t.info for t in plan.targets}
             document = render_document(mapping.target.write, names, config, side, targets)
@@ -181,6 +210,32 @@ def open_mapped(
     finally:
         for source in sources:
             source.close()
+
+
+def map_plan(
+    src: str | Path | Location, options: MapOptions, read: OpenOptions | None = None
+) -> dict[str, Any]:
+    """What a mapped conversion of ``src`` would do, from headers alone (``inspect --map``):
+    the plan's account (:meth:`MapPlan.describe`) and every target tensor with where it
+    comes from."""
+    with open_mapped(src, options, read) as source:
+        plan = source.plan
+        described = plan.describe()
+        described["source"] = str(src)
+        described["targets"] = [
+            {
+                "key": target.key,
+                "rank": target.rank,
+                "dtype": target.info.dtype,
+                "shape": list(target.info.shape),
+                "rule": plan.groups[target.group].rule.number,
+                "from": [key for slot in plan.groups[target.group].inputs for _, key in slot[:1]],
+                "ranks_read": len(plan.groups[target.group].inputs[0]),
+            }
+            for target in plan.targets
+        ]
+        described["documents"] = sorted(source.documents)
+        return described
 
 
 def _rank_count(names: MappingType[str, Value], side: Side) -> int:

@@ -129,6 +129,34 @@ class Mapping:
             is_reversed=not self.is_reversed,
         )
 
+    def reads(self) -> set[str]:
+        """The variables this direction reads: in its rules' ops and key patterns, and in the
+        target's rank count and config document (a default nothing reads is not reported)."""
+        names: set[str] = set()
+        for rule in self.rules:
+            for op in rule.ops:
+                for expr in op.args.values():
+                    names |= expr.names()
+            for pattern in (*rule.sources, *rule.targets):
+                for part in pattern.parts:
+                    if not isinstance(part, str) and part.shift is not None:
+                        names |= part.shift.names()
+        if self.target.ranks is not None:
+            names.add(self.target.ranks)
+
+        def document(value: Any) -> None:
+            if isinstance(value, str) and value.startswith("="):
+                names.update(parse_expr(value[1:], "write").names())
+            elif isinstance(value, list):
+                for item in value:
+                    document(item)
+            elif isinstance(value, dict):
+                for item in value.values():
+                    document(item)
+
+        document(self.target.write or {})
+        return names
+
     @property
     def direction(self) -> str:
         return f"{self.source.name} -> {self.target.name}"

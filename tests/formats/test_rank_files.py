@@ -144,3 +144,28 @@ def test_inspect_reads_rank_files_without_importing_torch():
     no_torch_imported(
         f"from ckptkit.summary import summarize\nassert len(summarize({str(RANKS)!r}).tensors) == 5"
     )
+
+
+@pytest.mark.parametrize("layout", ["whole storages", "views"])
+def test_plain_tensors_that_differ_between_ranks_are_slices_and_refused(tmp_path, layout):
+    """Plain tensors in every rank's file are copies (data parallel) only if they are equal:
+    tensor-parallel slices of the same shape would otherwise be taken as the model, one rank's
+    part converted and verified. The zip's CRC-32s tell (whole storages), or the bytes (views
+    of a larger storage, whose member's CRC covers more)."""
+    full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    for rank in range(2):
+        piece = full.chunk(2)[rank]
+        if layout == "whole storages":
+            weight = piece.clone()
+        else:  # a view into a storage that also holds the norm
+            storage = torch.cat([piece.flatten(), torch.ones(4)])
+            weight = storage[:16].view(4, 4)
+        torch.save({"w": weight, "norm": torch.ones(4)}, tmp_path / f"model_rank{rank}.pt")
+    with pytest.raises(FormatError, match="hold different values for 'w'.*not copies.*--map"):
+        ckptkit.convert(tmp_path, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+    copies = torch.randn(4, 4)
+    for rank in range(2):  # true copies: read once
+        torch.save({"w": copies.clone(), "norm": torch.ones(4)}, tmp_path / f"model_rank{rank}.pt")
+    ckptkit.convert(tmp_path, tmp_path / "out.safetensors")
+    assert torch.equal(load_file(tmp_path / "out.safetensors")["w"], copies)

@@ -29,6 +29,10 @@ __all__ = [
     "find_deepspeed",
     "find_dcp",
     "copied_beside_weights",
+    "MODEL_PARALLEL",
+    "model_parallel_files",
+    "model_parallel_refusal",
+    "model_parallel_name",
 ]
 
 # The weights file of a Hugging Face model folder (save_pretrained), in transformers' order.
@@ -241,3 +245,46 @@ def find_dcp(path: Location) -> Location | None:
         return None
     shards = by_name(p for p in path.glob("*.safetensors") if p.is_file())  # no FIFO opened
     return path if any(dcp_sharding_info(p) is not None for p in shards) else None
+
+
+# Model-parallel saves whose files hold one rank's slice of every weight, with nothing in them
+# saying how the slices join: only a mapping (ckptkit.mapping's packs) can. Name pattern, the
+# family, the pack that maps it.
+MODEL_PARALLEL = ((re.compile(r"consolidated\.(\d+)\.pth"), "Meta Llama", "llama-meta"),)
+
+
+def model_parallel_name(name: str) -> bool:
+    """Whether a file name is one of a model-parallel save's (``consolidated.00.pth``)."""
+    return any(pattern.fullmatch(name) for pattern, _, _ in MODEL_PARALLEL)
+
+
+def model_parallel_files(folder: Location) -> tuple[list[str], str, str] | None:
+    """A folder's model-parallel rank files (in rank order), their family and the pack that maps
+    them; None when it holds none."""
+    if not folder.is_dir():
+        return None
+    names = [p.name for p in folder.iterdir()]
+    for pattern, family, pack in MODEL_PARALLEL:
+        ranks = sorted(
+            (int(found[1]), name) for name in names if (found := pattern.fullmatch(name))
+        )
+        if ranks:
+            return [name for _, name in ranks], family, pack
+    return None
+
+
+def model_parallel_refusal(where: Location, found: tuple[list[str], str, str]) -> FormatError:
+    """The error for a model-parallel save read as if its files were the model."""
+    names, family, pack = found
+    if where.name in names and len(names) > 1:
+        return FormatError(
+            f"{where} is one of {len(names)} model-parallel files of a {family} checkpoint: "
+            "a slice of every weight, not the model",
+            f"convert their folder with --map {pack} (see docs/mapping.md)",
+        )
+    return FormatError(
+        f"{where} is a {family} checkpoint in {len(names)} model-parallel file(s) "
+        f"({names[0]}{' ...' if len(names) > 1 else ''}), in its own names and layout",
+        f"convert it with --map {pack} (see docs/mapping.md)"
+        + (f", or give {names[0]} to keep {family}'s names" if len(names) == 1 else ""),
+    )

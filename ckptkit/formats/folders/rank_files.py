@@ -132,6 +132,8 @@ class _Piece:
         self.offsets: tuple[int, ...] = (0,) * len(stub.shape)
         self.coordinate: tuple[int, ...] = ()
         self.shard_dims: list[tuple[int, int]] = []  # (mesh dim, tensor dim)
+        self.plain = False  # a plain tensor: every rank's copy of it, to be checked equal
+        self.crc: int | None = None  # the zip's CRC-32 of its bytes, when the member is just it
 
 
 class RankFilesSource(ChunkedSource):
@@ -193,7 +195,11 @@ class RankFilesSource(ChunkedSource):
             return _Piece(file, stub, layout.data_offset(stub.storage), key)
 
         if isinstance(leaf, TensorStub):
-            return leaf.shape, leaf.dtype, [piece(leaf)]
+            plain = piece(leaf)
+            plain.plain = True
+            if leaf.byte_range() == (0, leaf.storage.nbytes):
+                plain.crc = layout.member_crc(leaf.storage)
+            return leaf.shape, leaf.dtype, [plain]
         if key.endswith("flat_param"):
             raise FormatError(
                 f"{file} holds FSDP's flat parameter '{key}' (LOCAL_STATE_DICT): the shapes of "
@@ -283,13 +289,16 @@ class RankFilesSource(ChunkedSource):
         for path, (shape, dtype, _) in first.items():
             key = ".".join(path)
             chunks: dict[tuple[int, ...], Chunk] = {}
+            firsts: dict[tuple[int, ...], _Piece] = {}
             for found in parts:
                 other_shape, other_dtype, pieces = found[path]
                 if (other_shape, other_dtype) != (shape, dtype):
+                    plain = pieces[0].plain
                     raise FormatError(
                         f"{pieces[0].file} holds '{key}' as {other_dtype} {list(other_shape)}, "
-                        f"{self._files[0]} as {dtype} {list(shape)}",
-                        "give only the files of one save",
+                        f"{self._files[0]} as {dtype} {list(shape)}"
+                        + (": slices of a tensor-parallel model, not copies" if plain else ""),
+                        _SLICES if plain else "give only the files of one save",
                     )
                 for p in pieces:
                     offsets = list(p.offsets)
@@ -300,14 +309,51 @@ class RankFilesSource(ChunkedSource):
                     if p.stub.dtype != dtype:
                         raise FormatError(f"{p.file} is damaged at '{key}' (its dtype differs)")
                     self._layouts[chunk] = (p.file, p.at, p.stub.nbytes)
-                    chunks.setdefault(chunk.offsets, chunk)  # a replica: the first one read
+                    if chunk.offsets not in chunks:
+                        chunks[chunk.offsets], firsts[chunk.offsets] = chunk, p
+                    elif p.plain:  # a replica, read once: but only if it is one
+                        self._check_copy(key, firsts[chunk.offsets], p)
             tensor = ChunkedTensor(key, dtype, tuple(shape), list(chunks.values()))
             check_cover(self.path, tensor)
             tensors[path] = tensor
         return tensors
 
+    def _check_copy(self, key: str, first: _Piece, other: _Piece) -> None:
+        """A plain tensor of two ranks' files: copies of one tensor (data parallel), or refused.
+        The files' CRC-32s tell, where they record one for just its bytes; else the bytes.
+
+        Raises:
+            FormatError: they differ: each rank holds its slice of a tensor-parallel model.
+        """
+        if first.crc is not None and other.crc is not None:
+            same = first.crc == other.crc
+        else:
+            same = True
+            for at in range(0, first.stub.nbytes, _COMPARE_PIECE):
+                n = min(_COMPARE_PIECE, first.stub.nbytes - at)
+                a, b = bytearray(n), bytearray(n)
+                self._reader.read([(first.file, first.at + at, n)], memoryview(a))
+                self._reader.read([(other.file, other.at + at, n)], memoryview(b))
+                if a != b:
+                    same = False
+                    break
+        if not same:
+            raise FormatError(
+                f"{other.file} and {first.file} hold different values for '{key}' (plain "
+                "tensors of the same shape): slices of a tensor-parallel model, not copies",
+                _SLICES,
+            )
+
     def files(self) -> list[Location]:
         return list(self._files)
+
+
+# Plain tensors that differ between ranks: nothing in the files says how they join.
+_SLICES = (
+    "ckptkit joins ranks' files when they record how they are split (DTensor, ShardedTensor); "
+    "map a tensor-parallel save with --map (see docs/mapping.md)"
+)
+_COMPARE_PIECE = 8 << 20  # bytes of each copy held at once while two are compared
 
 
 def _sharded_kind(file: Location) -> str | None:

@@ -1,0 +1,271 @@
+"""The llama-meta pack end to end: Meta's consolidated.NN.pth folders (TP 1, 2 and 4, grouped-
+query attention, Llama 2's column-split embedding and rotary frequencies) to Hugging Face, equal
+bit for bit to transformers' own converter's output (fixtures/mapping, made by transformers
+4.46.3: see fixtures/make_mapping.py), with the Meta model's logits; and back to the very
+shards it came from."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import FIXTURE_DIR, ROOT, one_error
+from make_mapping import CASES, PARAMS, make_meta
+from meta_llama import meta_logits
+from safetensors.torch import load_file
+
+import ckptkit
+from ckptkit.errors import FormatError, MappingError, UsageError
+from ckptkit.mapping.spec import PACKS
+
+REFERENCES = FIXTURE_DIR / "mapping"
+CASE_IDS = [name for name, _, _ in CASES]
+# The config fields transformers' converter sets from params.json (max_position_embeddings
+# and the token ids come from its own table of Llama versions, not from the checkpoint).
+CONFIG_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "num_key_value_heads",
+    "vocab_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(torch.int16), b.view(torch.int16))
+    )
+
+
+@pytest.mark.parametrize(("name", "tp", "version"), CASES, ids=CASE_IDS)
+def test_meta_to_hf_is_transformers_converter_bit_for_bit(tmp_path, name, tp, version):
+    make_meta(tmp_path / "meta", tp, version)
+    report = ckptkit.convert(tmp_path / "meta", tmp_path / "hf", mapping="llama-meta")
+    ours = load_file(tmp_path / "hf" / "model.safetensors")
+    theirs = load_file(REFERENCES / name / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    assert [k for k in theirs if not same_bits(ours[k], theirs[k])] == []
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    reference = json.loads((REFERENCES / name / "config.json").read_text())
+    assert {f: config[f] for f in CONFIG_FIELDS} == {f: reference[f] for f in CONFIG_FIELDS}
+    assert report.verified and report.made_files == ["config.json"]
+    mapping = report.mapping
+    assert (
+        mapping["accounted_bytes"]
+        == mapping["source_bytes"]
+        == sum(
+            t.numel() * t.element_size()
+            for r in range(tp)
+            for t in torch.load(
+                tmp_path / "meta" / f"consolidated.{r:02d}.pth", weights_only=True
+            ).values()
+        )
+    )
+    dropped = [d["bytes"] for d in mapping["dropped"]]
+    assert dropped == ([tp * PARAMS["dim"] // PARAMS["n_heads"]] if version == "2" else [])
+
+
+@pytest.mark.parametrize("name", ["llama3-tp2", "llama2-tp2"])
+def test_the_converted_model_computes_the_meta_models_logits(tmp_path, name):
+    """from_pretrained's logits equal Meta's forward pass on the source weights; the same
+    mapping without the rotary permute gives other logits (what a silent converter bug does)."""
+    from transformers import LlamaForCausalLM
+
+    _, tp, version = next(c for c in CASES if c[0] == name)
+    whole = make_meta(tmp_path / "meta", tp, version)
+    tokens = torch.randint(
+        0, PARAMS["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1)
+    )
+    want = meta_logits(whole, PARAMS, tokens)
+
+    def logits(folder):
+        model = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            return model(tokens).logits
+
+    ckptkit.convert(tmp_path / "meta", tmp_path / "hf", mapping="llama-meta")
+    torch.testing.assert_close(logits(tmp_path / "hf"), want, rtol=1e-4, atol=1e-4)
+    unpermuted = (
+        (PACKS / "llama-meta.toml").read_text().replace(', "permute_rope(heads=n_heads)"', "")
+    )
+    (tmp_path / "no-permute.toml").write_text(unpermuted)
+    ckptkit.convert(tmp_path / "meta", tmp_path / "wrong", mapping=tmp_path / "no-permute.toml")
+    assert (logits(tmp_path / "wrong") - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(("name", "tp", "version"), CASES, ids=CASE_IDS)
+def test_reversed_with_the_rank_count_it_gives_back_the_original_shards(
+    tmp_path, name, tp, version
+):
+    make_meta(tmp_path / "meta", tp, version)
+    sets = {"tp": tp} | ({"embed_dim": 1} if version == "2" else {})
+    report = ckptkit.convert(
+        REFERENCES / name, tmp_path / "back", mapping="llama-meta", reverse=True, sets=sets
+    )
+    names = [f"consolidated.{r:02d}.pth" for r in range(tp)]
+    assert sorted(os.listdir(tmp_path / "back")) == [*names, "params.json"]
+    for file in names:
+        original = torch.load(tmp_path / "meta" / file, weights_only=True)
+        back = torch.load(tmp_path / "back" / file, weights_only=True)
+        original.pop("rope.freqs", None)  # Llama 2's, dropped on the way (loaders compute it)
+        assert list(back) == list(original)  # Meta's order too
+        assert [k for k in original if not same_bits(back[k], original[k])] == []
+    params = json.loads((tmp_path / "back" / "params.json").read_text())
+    assert {k: params[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")} == {
+        k: PARAMS[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")
+    }
+    assert report.mapping["target_ranks"] == tp and report.mapping["direction"] == "hf -> meta"
+    taken = report.mapping["defaults_taken"]
+    assert taken == ([] if version == "2" else ["embed_dim"])  # said in the report when taken
+
+
+def test_the_cli_reports_each_rule_and_what_it_assumed(run, tmp_path):
+    make_meta(tmp_path / "meta", 2, "2")
+    result = run("convert", "meta", "hf", "--map", "llama-meta")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert (
+        "Mapped   by llama-meta (meta -> hf): 13 of 13 rules ran; every source byte accounted for (58.0 kB)"
+        in lines
+    )
+    assert "  rule 2: 4 keys -> 2 (gather(dim=0), permute_rope(heads=n_heads))" in lines
+    assert any(line.startswith("Dropped  8 B by rule 13: the rotary frequencies") for line in lines)
+    assert "Assumed  max_positions = 4096 (the mapping's default; --set max_positions=...)" in lines
+    assert "Made     config.json from the mapping" in lines
+    back = run(
+        "convert",
+        "hf",
+        "back",
+        "--map",
+        "llama-meta",
+        "--reverse",
+        "--set",
+        "tp=2",
+        "--set",
+        "embed_dim=1",
+        "--json",
+    )
+    assert back.exit_code == 0, back.output
+    report = json.loads(back.output)
+    assert report["files"][-1].endswith("consolidated.01.pth") and report["mapping"]["reversed"]
+    assert [r["keys_in"] for r in report["mapping"]["rules"]][:3] == [1, 2, 2]
+
+
+def test_a_real_process_maps_and_refuses(tmp_path):
+    make_meta(tmp_path / "meta", 4, "3")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("CKPTKIT_DEBUG", None)
+
+    def ckptkit_run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "ckptkit", "convert", *map(str, args)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    done = ckptkit_run("meta", "hf", "--map", "llama-meta", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["mapping"]["variables"]["tp"] == 4
+    refused = ckptkit_run("meta/consolidated.01.pth", "one.safetensors")
+    assert refused.returncode == 1 and refused.stderr.splitlines() == [
+        "Error: meta/consolidated.01.pth is one of 4 model-parallel files of a Meta Llama "
+        "checkpoint: a slice of every weight, not the model; convert their folder with --map "
+        "llama-meta (see docs/mapping.md)"
+    ]
+    assert sorted(os.listdir(tmp_path)) == ["hf", "meta"]
+
+
+def test_mapping_refusals_name_the_file_and_the_fix(run, tmp_path):
+    make_meta(tmp_path / "meta", 4, "3")
+    one_error(
+        run("convert", "meta", "x.safetensors"),
+        "is a Meta Llama checkpoint in 4",
+        "--map llama-meta",
+    )
+    one_error(run("inspect", "meta"), "--map llama-meta")
+    one_error(
+        run("convert", "meta/consolidated.00.pth", "x", "--map", "llama-meta"),
+        "is one file",
+        "name the folder",
+    )
+    one_error(run("convert", "meta", "x", "--reverse"), "--reverse and --set go with --map")
+    one_error(
+        run("convert", "meta", "x", "--map", "llama-meta", "--set", "tp"), "is not NAME=VALUE"
+    )
+    one_error(run("convert", "meta", "x", "--map", "nope"), "no mapping 'nope'")
+    one_error(
+        run("convert", "meta", "x", "--map", "llama-meta", "--set", "tp=2"),
+        "--set tp=2, but the source has 4 rank files",
+    )
+    ckptkit.convert(tmp_path / "meta", tmp_path / "hf", mapping="llama-meta")
+    one_error(
+        run("convert", "hf", "back.pth", "--map", "llama-meta", "--reverse"), "give a folder name"
+    )
+    one_error(
+        run("convert", "hf", "back", "--map", "llama-meta", "--reverse", "--set", "tp=3"),
+        "does not split into 3 ranks",
+    )
+    (tmp_path / "meta" / "consolidated.02.pth").unlink()
+    one_error(
+        run("convert", "meta", "y", "--map", "llama-meta"),
+        "lacks rank 2's file (consolidated.02.pth)",
+    )
+    assert sorted(os.listdir(tmp_path)) == ["hf", "meta"]  # nothing written by a refusal
+
+
+def test_a_meta_file_of_another_model_is_refused_by_its_rule(tmp_path):
+    make_meta(tmp_path / "meta", 1, "3")
+    state = torch.load(tmp_path / "meta" / "consolidated.00.pth", weights_only=True)
+    state["layers.0.attention.extra.weight"] = torch.zeros(2)
+    torch.save(state, tmp_path / "meta" / "consolidated.00.pth")
+    with pytest.raises(
+        MappingError,
+        match="no rule of llama-meta .meta -> hf. takes 'layers.0.attention.extra.weight'",
+    ):
+        ckptkit.convert(tmp_path / "meta", tmp_path / "hf", mapping="llama-meta")
+    params = {**PARAMS, "n_heads": 3}
+    (tmp_path / "meta" / "params.json").write_text(json.dumps(params))
+    state.pop("layers.0.attention.extra.weight")
+    torch.save(state, tmp_path / "meta" / "consolidated.00.pth")
+    with pytest.raises(MappingError, match="rule 2 .* is not 3 heads of pairs of rows"):
+        ckptkit.convert(tmp_path / "meta", tmp_path / "hf", mapping="llama-meta")
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(UsageError):
+        ckptkit.convert(
+            tmp_path / "meta", tmp_path / "hf", mapping="llama-meta", drop_adapters=True
+        )
+    with pytest.raises(FormatError):
+        ckptkit.convert(
+            tmp_path / "meta" / "consolidated.00.pth", tmp_path / "hf2", mapping="llama-meta"
+        )
+
+
+def test_inspect_with_a_map_shows_the_plan_and_writes_nothing(run, tmp_path):
+    make_meta(tmp_path / "meta", 2, "3")
+    result = run(
+        "inspect", "meta", "--map", "llama-meta", "--filter", "model.layers.1.self_attn.k*"
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert (
+        lines[1]
+        == "Mapped   by llama-meta (meta -> hf): 12 of 13 rules ran; every source byte accounted for (58.0 kB)"
+    )
+    assert lines[-1] == (
+        "  model.layers.1.self_attn.k_proj.weight  bfloat16 [16, 32]  <- "
+        "layers.1.attention.wk.weight (2 ranks), rule 3"
+    )
+    document = json.loads(run("inspect", "meta", "--map", "llama-meta", "--json").output)
+    assert len(document["targets"]) == 21 and document["documents"] == ["config.json"]
+    assert document["accounted_bytes"] == document["source_bytes"]
+    assert sorted(os.listdir(tmp_path)) == ["meta"]
+    one_error(run("inspect", "meta", "--reverse"), "go with --map")
