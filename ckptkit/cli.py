@@ -224,6 +224,12 @@ _READ_OPTIONS = [
         "--reverse", is_flag=True, help="With --map: map the other way (Hugging Face to Meta)."
     ),
     click.option(
+        "--check-roundtrip",
+        is_flag=True,
+        help="With --map: map each group back as it streams and compare it with the source, "
+        "bit for bit (nothing is written if one differs).",
+    ),
+    click.option(
         "--set",
         "sets",
         multiple=True,
@@ -264,6 +270,7 @@ def read_options(command: Callable[..., Any]) -> Callable[..., Any]:
         trust: bool,
         mapping: str | None,
         reverse: bool,
+        check_roundtrip: bool,
         sets: tuple[str, ...],
         workers: int,
         **kwargs: Any,
@@ -272,8 +279,8 @@ def read_options(command: Callable[..., Any]) -> Callable[..., Any]:
         from ckptkit.convert import ReadOptions
         from ckptkit.mapping.source import MapOptions, parse_sets
 
-        if mapping is None and (reverse or sets):
-            raise click.UsageError("--reverse and --set go with --map NAME|FILE")
+        if mapping is None and (reverse or sets or check_roundtrip):
+            raise click.UsageError("--reverse, --set and --check-roundtrip go with --map NAME|FILE")
 
         merge = AdapterOptions(
             tuple(parse_adapter_arg(a) for a in adapters),
@@ -292,7 +299,12 @@ def read_options(command: Callable[..., Any]) -> Callable[..., Any]:
             adapters=merge,
             mapping=None
             if mapping is None
-            else MapOptions(mapping=mapping, reverse=reverse, sets=parse_sets(sets)),
+            else MapOptions(
+                mapping=mapping,
+                reverse=reverse,
+                sets=parse_sets(sets),
+                check_roundtrip=check_roundtrip,
+            ),
             workers=workers,
         )
         return command(*args, read=read, **kwargs)

@@ -78,6 +78,7 @@ def convert(
     mapping: str | Path | None = None,
     reverse: bool = False,
     sets: Mapping[str, int | float | str] | None = None,
+    check_roundtrip: bool = False,
 ) -> ConvertReport:
     """Convert a checkpoint's state dict to safetensors, a plain ``.pt`` state dict or a DCP
     folder. This is the keyword front of :func:`convert_checkpoint` (the one function allowed
@@ -134,6 +135,8 @@ def convert(
             see docs/mapping.md.
         reverse: with ``mapping``, map the other way.
         sets: with ``mapping``, its variables (``{"tp": 2}``).
+        check_roundtrip: with ``mapping``, map each group back as it streams and compare it
+            with the source bit for bit.
 
     Returns:
         The report: where the state dict was, the key plan, what was dropped, cast and written.
@@ -160,7 +163,12 @@ def convert(
             names_from=None if names_from is None else str(names_from),
             mapping=None
             if mapping is None
-            else MapOptions(mapping=mapping, reverse=reverse, sets=dict(sets or {})),
+            else MapOptions(
+                mapping=mapping,
+                reverse=reverse,
+                sets=dict(sets or {}),
+                check_roundtrip=check_roundtrip,
+            ),
             workers=workers,
         ),
         keys=KeyRules(

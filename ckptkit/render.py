@@ -139,6 +139,14 @@ def mapping_lines(mapping: dict[str, Any]) -> list[str]:
         )
     for drop in mapping["dropped"]:
         lines.append(f"Dropped  {human_size(drop['bytes'])} by rule {drop['rule']}: {drop['why']}")
+    roundtrip = mapping.get("roundtrip")
+    if roundtrip is not None:
+        copied = roundtrip["groups"] - roundtrip["mapped_back"] - roundtrip["dropped"]
+        lines.append(
+            f"Checked  mapped back bit for bit in the stream: {roundtrip['mapped_back']} of "
+            f"{plural(roundtrip['groups'], 'group')} ({copied} renamed, copied as bytes; "
+            f"{roundtrip['dropped']} dropped)"
+        )
     variables = mapping["variables"]
     for name in mapping["defaults_taken"]:
         value = variables[name]

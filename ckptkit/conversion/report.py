@@ -12,7 +12,7 @@ from ckptkit.formats.base.tree import DroppedPart
 from ckptkit.keys import KeyMatch, KeyPlan, detect_wrappers
 from ckptkit.meta import TRAINING_KEY, CheckpointMeta
 
-__all__ = ["ConvertReport", "make_report", "merge_report", "output_header"]
+__all__ = ["ConvertReport", "make_report", "merge_report", "roundtrip_report", "output_header"]
 
 
 @dataclass
@@ -174,6 +174,22 @@ def merge_report(source: Source, report: ConvertReport, check_outputs: bool) -> 
         from ckptkit.adapters.check import check_outputs as run_checks
 
         report.output_check = run_checks(source).to_dict()
+
+
+def roundtrip_report(source: Source, report: ConvertReport) -> None:
+    """``--check-roundtrip``: how many groups were mapped back bit-equal in the stream (those a
+    rule only renames are copied as bytes, their inverse the identity)."""
+    from ckptkit.mapping.source import MappedSource
+
+    if not isinstance(source, MappedSource) or not source.check_roundtrip:
+        return
+    assert report.mapping is not None
+    groups = source.plan.groups
+    report.mapping["roundtrip"] = {
+        "groups": len(groups),
+        "mapped_back": len(source.roundtrips),
+        "dropped": sum(1 for g in groups if g.inverse_steps() is None),
+    }
 
 
 def output_header(source: Source, report: ConvertReport, plan: Plan) -> dict[str, str]:

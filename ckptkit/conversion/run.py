@@ -22,7 +22,13 @@ from ckptkit.conversion.plan import (
     shard_limit,
     weights_name,
 )
-from ckptkit.conversion.report import ConvertReport, make_report, merge_report, output_header
+from ckptkit.conversion.report import (
+    ConvertReport,
+    make_report,
+    merge_report,
+    output_header,
+    roundtrip_report,
+)
 from ckptkit.conversion.write import outputs_of, parent_folders, write, write_agreed
 from ckptkit.errors import UsageError
 from ckptkit.formats.base.source import Source
@@ -105,6 +111,7 @@ def _convert(src: Location, dst: Path, target: Destination, job: Job) -> Convert
                 source, plan, whole, report, header, target, read, job.verify, job.progress, part
             )
         merge_report(source, report, job.check_outputs)
+        roundtrip_report(source, report)
         if job.force and part is None and not writer_class(fmt).folder:
             written = [path.name for path in plan.outputs]
             target.remove_stale(plan.dst, lambda present: stale_names(dst.name, written, present))

@@ -73,6 +73,19 @@ class Group:
     metas: list[Meta]  # each output's shape and dtype
     nbytes: int  # the source bytes it reads
     dropped: int  # ...and of those, the ones it lets go
+    names: dict[str, Value] = field(default_factory=dict)  # its ops' variables and captures
+    where: str = ""  # the rule and a key, for messages
+    source_ranks: int | None = None  # the source side's ranks (mapped back, scatter's count)
+
+    def inverse_steps(self) -> list[Step] | None:
+        """Its ops undone, bound as they were (``--check-roundtrip``); None when it drops."""
+        steps = []
+        for op in reversed(self.rule.ops):
+            inverse = op.inverse()
+            if inverse is None:
+                return None
+            steps.append(Step.bind(inverse, self.names, {}, self.source_ranks, self.where))
+        return steps
 
     @property
     def renames(self) -> bool:
@@ -412,7 +425,10 @@ def _group(
                 "each target key comes from one rule",
             )
         made[(rank, key)] = rule.name
-    return Group(rule, captures, inputs, steps, outputs, flat, nbytes, dropped)
+    ranks_read = len(source.ranks) if source.ranked else None
+    return Group(
+        rule, captures, inputs, steps, outputs, flat, nbytes, dropped, names, where, ranks_read
+    )
 
 
 def _outputs(

@@ -50,6 +50,7 @@ class MapOptions:
     mapping: str | Path
     reverse: bool = False
     sets: MappingType[str, Value] = field(default_factory=dict)
+    check_roundtrip: bool = False  # each group mapped back in the stream, compared bit for bit
 
     def load(self) -> Mapping:
         mapping = load_mapping(self.mapping)
@@ -91,6 +92,8 @@ class MappedSource(Source):
         # them in rank R's file under KEY (conversion.plan.per_rank).
         self._targets = {_name(t.key, t.rank): t for t in plan.targets}
         self._made: tuple[int, dict[tuple[int | None, str], torch.Tensor]] | None = None
+        self.check_roundtrip = False
+        self.roundtrips: set[int] = set()  # groups mapped back and found bit-equal
 
     def entries(self) -> list[tuple[str, TensorInfo]]:
         return [(key, target.info) for key, target in self._targets.items()]
@@ -132,12 +135,44 @@ class MappedSource(Source):
         for slot in group.inputs:
             tensors = [self._input(rank, key).load(key) for rank, key in slot]
             values.append(tensors if slot[0][0] is not None else tensors[0])
+        inputs = values
         for step in group.steps:
             values = step.run(values)
+        if self.check_roundtrip and index not in self.roundtrips:
+            self._map_back(index, values, inputs)
         flat: list[torch.Tensor] = []
         for value in values:
             flat += value if isinstance(value, list) else [value]
         return {ref: t.contiguous() for ref, t in zip(group.outputs, flat, strict=True)}
+
+    def _map_back(self, index: int, values: list[Any], inputs: list[Any]) -> None:
+        """``--check-roundtrip``: the group's outputs mapped back by the inverse ops must be
+        its inputs, bit for bit (a group that drops its tensors has nothing to give back).
+
+        Raises:
+            VerificationError: naming the rule and the key that came back different.
+        """
+        from ckptkit.errors import VerificationError
+        from ckptkit.formats.base.tensors import bit_equal
+
+        group = self.plan.groups[index]
+        steps = group.inverse_steps()
+        if steps is None:
+            return
+        back = values
+        for step in steps:
+            back = step.run(back)
+        for slot, want, got in zip(group.inputs, inputs, back, strict=True):
+            pairs = zip(want, got, strict=True) if isinstance(want, list) else [(want, got)]
+            for (rank, key), (a, b) in zip(slot, pairs, strict=True):
+                if not bit_equal(a, b):
+                    shown = key if rank is None else f"{key} (rank {rank})"
+                    raise VerificationError(
+                        f"{group.where}: mapped and mapped back, '{shown}' is not what it was; "
+                        "nothing was written",
+                        "the mapping loses information there: check the rule's ops",
+                    )
+        self.roundtrips.add(index)
 
     def files(self) -> list[Location]:
         return [f for source in self._sources for f in source.files()]
@@ -199,6 +234,7 @@ def open_mapped(
         plan = plan_mapping(mapping, keys, names, target_ranks)
         plan.followed = followed
         mapped = MappedSource(plan, sources, where)
+        mapped.check_roundtrip = options.check_roundtrip
         if ranked:
             mapped.format = f"{len(sources)} rank files, {sources[0].format}"
         mapped.selected, mapped.selected_reason = sources[0].selected, sources[0].selected_reason

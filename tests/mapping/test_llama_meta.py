@@ -110,7 +110,12 @@ def test_reversed_with_the_rank_count_it_gives_back_the_original_shards(
     make_meta(tmp_path / "meta", tp, version)
     sets = {"tp": tp} | ({"embed_dim": 1} if version == "2" else {})
     report = ckptkit.convert(
-        REFERENCES / name, tmp_path / "back", mapping="llama-meta", reverse=True, sets=sets
+        REFERENCES / name,
+        tmp_path / "back",
+        mapping="llama-meta",
+        reverse=True,
+        sets=sets,
+        check_roundtrip=True,
     )
     names = [f"consolidated.{r:02d}.pth" for r in range(tp)]
     assert sorted(os.listdir(tmp_path / "back")) == [*names, "params.json"]
@@ -125,6 +130,10 @@ def test_reversed_with_the_rank_count_it_gives_back_the_original_shards(
         k: PARAMS[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")
     }
     assert report.mapping["target_ranks"] == tp and report.mapping["direction"] == "hf -> meta"
+    # mapped back in the stream: every group, but with one rank only q and k go through torch
+    # (the rest are byte copies, whose inverse is the identity)
+    expected = 21 if tp > 1 else 2 * PARAMS["n_layers"]
+    assert report.mapping["roundtrip"]["mapped_back"] == expected
     taken = report.mapping["defaults_taken"]
     assert taken == ([] if version == "2" else ["embed_dim"])  # said in the report when taken
 
@@ -197,7 +206,7 @@ def test_mapping_refusals_name_the_file_and_the_fix(run, tmp_path):
         "is one file",
         "name the folder",
     )
-    one_error(run("convert", "meta", "x", "--reverse"), "--reverse and --set go with --map")
+    one_error(run("convert", "meta", "x", "--reverse"), "go with --map")
     one_error(
         run("convert", "meta", "x", "--map", "llama-meta", "--set", "tp"), "is not NAME=VALUE"
     )
