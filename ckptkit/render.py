@@ -164,13 +164,15 @@ def _plan_lines(report: Any) -> list[str]:
     ]
     plan = report.plan
     steps = "; ".join(plan.steps) if plan.steps else "keys unchanged"
+    if report.mapping is not None:  # inspect --map lists each target with its sources
+        steps = f"made by {report.mapping['from']}'s rules (below)"
     lines.append(
         f"Keys     {plural(report.tensors, 'tensor')}, {human_size(report.nbytes)}: {steps}"
     )
     if report.kept_wrappers:
         chain = "".join(report.kept_wrappers)
         lines.append(f"Note     the keys keep '{chain}'; --strip-wrappers removes it")
-    if report.dry_run:
+    if report.dry_run and report.mapping is None:
         for old, new in plan.mapping.items():
             lines.append(f"  {old} -> {new if new is not None else '(dropped)'}")
     for part in report.dropped:
