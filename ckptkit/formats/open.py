@@ -49,7 +49,7 @@ from ckptkit.formats.folders.layouts import (
     model_parallel_refusal,
 )
 from ckptkit.formats.folders.rank_files import find_rank_files
-from ckptkit.formats.folders.runs import run_checkpoint, trainer_checkpoint
+from ckptkit.formats.folders.runs import run_checkpoint, step_checkpoint, trainer_checkpoint
 from ckptkit.storage.location import (
     Location,
     is_local,
@@ -219,6 +219,11 @@ def _open_layout(path: Location, options: OpenOptions) -> Source | None:
             trainer[0], select=None if chosen else select, ema=ema, variant=options.variant
         )
         return _pointed_to(source, *trainer)
+    steps = step_checkpoint(path, select)
+    if steps is not None:  # torchtitan's dump folder: its newest checkpoint/step-N
+        chosen = steps[1] == "chosen with --select"
+        source = opener(steps[0], select=None if chosen else select, ema=ema)
+        return _pointed_to(source, *steps)
     return _open_folder(path, options, opener)
 
 

@@ -4,8 +4,9 @@ can compute a layer offset or a head count and cannot run code.
 
 Allowed: whole numbers (and, for config documents, decimals, strings, lists), names, ``+ - *
 // %``, unary minus, comparisons, ``and or not``, ``a if cond else b``, and the functions
-``min``, ``max``, ``get`` (a field of the side's config document) and ``shape`` (a tensor's
-size along a dimension). Anything else is refused when the file is read, naming the text.
+``min``, ``max``, ``get`` (a field of the side's config document), ``shape`` (a tensor's size
+along a dimension) and ``count`` (how many source keys a pattern matches). Anything else is
+refused when the file is read, naming the text.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ _COMPARE: dict[type, Callable[[Any, Any], bool]] = {
     ast.Gt: operator.gt,
     ast.GtE: operator.ge,
 }
-_FUNCTIONS = ("min", "max", "get", "shape")
+_FUNCTIONS = ("min", "max", "get", "shape", "count")
 _LONGEST = 400  # characters: an expression is a line of a hand-written file
 _BIGGEST = 2**62  # a size or an offset beyond this is a mistake, not a model
 
@@ -181,7 +182,7 @@ def _check(node: ast.AST, text: str, where: str) -> None:
             raise MappingError(
                 f"{where}: '{text}' uses {type(sub).__name__}, which mapping expressions do not "
                 "allow",
-                "use numbers, names, + - * // %, comparisons, if/else, min, max, get and shape",
+                "use numbers, names, + - * // %, comparisons, if/else, min, max, get, shape, count",
             )
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "plan_mapping",
     "variables",
     "config_getter",
+    "shape_getter",
 ]
 
 _MOST_SHOWN = 5  # keys named in one message
@@ -182,7 +183,7 @@ def variables(
     mapping: Mapping,
     given: MappingType[str, Value],
     config: MappingType[str, Any] | None,
-    shape: Callable[[str, int], int],
+    tensors: MappingType[str, TensorInfo],
     ranks: int | None,
 ) -> tuple[dict[str, Value], list[str]]:
     """The mapping's variables: ``given`` (``--set``) first, then the source side's ``vars``
@@ -200,7 +201,11 @@ def variables(
                 f"--set {side.ranks}={names[side.ranks]}, but the source has {ranks} rank files"
             )
         names[side.ranks] = ranks
-    functions = {"get": config_getter(config, side.config), "shape": shape}
+    functions = {
+        "get": config_getter(config, side.config),
+        "shape": shape_getter(tensors, "the source"),
+        "count": lambda text: _count(text, tensors, names),
+    }
     for name, expr in side.vars.items():
         if name not in names:
             names[name] = expr.evaluate(names, functions)
@@ -212,6 +217,28 @@ def variables(
             if name in read:
                 followed.append(name)
     return names, followed
+
+
+def shape_getter(tensors: MappingType[str, TensorInfo], what: str) -> Callable[..., Value]:
+    """``shape('key', dim)``: a tensor's size along a dim."""
+
+    def shape(key: Any, dim: Any) -> Value:
+        info = tensors.get(str(key))
+        rank = len(info.shape) if info is not None else 0
+        if info is None or not isinstance(dim, int) or not -rank <= dim < rank:
+            raise MappingError(f"the mapping reads dim {dim} of '{key}', which {what} lacks")
+        return info.shape[dim]
+
+    return shape
+
+
+def _count(text: Any, tensors: MappingType[str, TensorInfo], names: MappingType[str, Value]) -> int:
+    """``count('layers.{i}.attention_norm.weight')``: how many source keys a pattern matches
+    (a layer count the checkpoint does not record elsewhere)."""
+    from ckptkit.mapping.patterns import parse_pattern
+
+    pattern = parse_pattern(text, "count()")
+    return sum(1 for key in tensors if pattern.match(key, names) is not None)
 
 
 def config_getter(config: MappingType[str, Any] | None, where: str | None) -> Callable[..., Value]:

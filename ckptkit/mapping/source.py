@@ -23,7 +23,14 @@ from ckptkit.errors import FormatError, MappingError
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.open import OpenOptions, open_source
 from ckptkit.mapping.expr import Value, parse_expr
-from ckptkit.mapping.plan import MapPlan, SourceKeys, config_getter, plan_mapping, variables
+from ckptkit.mapping.plan import (
+    MapPlan,
+    SourceKeys,
+    config_getter,
+    plan_mapping,
+    shape_getter,
+    variables,
+)
 from ckptkit.mapping.spec import Mapping, Side, load_mapping
 from ckptkit.storage.location import Location, holds_file, listing, location
 from ckptkit.storage.small import read_json
@@ -219,14 +226,8 @@ def open_mapped(
         ranked = side.files is not None
         keys = SourceKeys([dict(s.entries()) for s in sources], ranked)
 
-        def shape(key: str, dim: int) -> int:
-            info = keys.ranks[0].get(key)
-            if info is None or not -len(info.shape) <= dim < len(info.shape):
-                raise MappingError(f"the mapping reads the shape of '{key}', which {where} lacks")
-            return info.shape[dim]
-
         names, followed = variables(
-            mapping, options.sets, config, shape, len(sources) if ranked else None
+            mapping, options.sets, config, keys.ranks[0], len(sources) if ranked else None
         )
         target_ranks = None
         if mapping.target.ranks is not None:
@@ -237,7 +238,9 @@ def open_mapped(
         mapped.check_roundtrip = options.check_roundtrip
         if ranked:
             mapped.format = f"{len(sources)} rank files, {sources[0].format}"
-        mapped.selected, mapped.selected_reason = sources[0].selected, sources[0].selected_reason
+        first = sources[0]  # where the state dict was, and what was left out beside it
+        mapped.selected, mapped.selected_reason = first.selected, first.selected_reason
+        mapped.extras, mapped.dropped = first.extras, first.dropped
         if mapping.target.write is not None:
             targets = {t.key: t.info for t in plan.targets}
             document = render_document(mapping.target.write, names, config, side, targets)
@@ -351,13 +354,10 @@ def render_document(
     starting with ``=`` is an expression (``"=dim"``); a table with ``when`` is written only
     when it holds; anything else is written as it is."""
 
-    def shape(key: str, dim: int) -> int:
-        info = targets.get(key)
-        if info is None or not -len(info.shape) <= dim < len(info.shape):
-            raise MappingError(f"the config written reads the shape of '{key}', not made")
-        return info.shape[dim]
-
-    functions = {"get": config_getter(config, source.config), "shape": shape}
+    functions = {
+        "get": config_getter(config, source.config),
+        "shape": shape_getter(targets, "the target"),
+    }
 
     def render(value: Any, where: str) -> Any:
         if isinstance(value, str) and value.startswith("="):

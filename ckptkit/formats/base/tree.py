@@ -307,6 +307,12 @@ def _no_tensors(root: Any) -> Selection:
     )
 
 
+# Training state a checkpoint may keep beside the model's keys at its top level.
+_TRAINING_PARTS = frozenset(
+    {"optimizer", "optim", "lr_scheduler", "scheduler", "dataloader", "train_state", "scaler"}
+)
+
+
 def _mixed_state_dict(
     root: Any, is_tensor: IsTensor, nbytes: Callable[[Any], int]
 ) -> Selection | None:
@@ -318,15 +324,26 @@ def _mixed_state_dict(
         return None
     tensors = {k: v for k, v in root.items() if is_tensor(v)}
     others = {k: v for k, v in root.items() if k not in tensors}
-    if not tensors or any(_tensors_in(v, is_tensor, nbytes)[0] for v in others.values()):
+    holding = {k: _tensors_in(v, is_tensor, nbytes) for k, v in others.items()}
+    # Training state beside the model's own keys (torchtitan flattens the model into the top
+    # level of its DCP save, beside optimizer, lr_scheduler, dataloader and train_state).
+    beside = {k for k, (count, _) in holding.items() if count}
+    if not tensors or not beside <= _TRAINING_PARTS:
         return None
-    names = ", ".join(sorted(others)[:6])
+    names = ", ".join(sorted(set(others) - beside)[:6])
+    dropped = [DroppedPart(k, *holding[k]) for k in sorted(beside)]
+    reason = "the top level's tensors"
+    if beside:
+        reason += f"; beside them {', '.join(sorted(beside))}, left out"
+    if names:
+        reason += f"; its other values ({names}) kept as extras"
     return Selection(
         state_dict=tensors,
         path="",
-        reason=f"the top level's tensors; its other values ({names}) kept as extras",
+        reason=reason,
         candidates=[],
-        extras={k: jsonable(v) for k, v in others.items()},
+        extras={k: jsonable(v) for k, v in others.items() if k not in beside},
+        dropped=dropped,
     )
 
 

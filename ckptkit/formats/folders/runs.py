@@ -26,6 +26,7 @@ __all__ = [
     "is_run_folder",
     "run_checkpoint",
     "trainer_checkpoint",
+    "step_checkpoint",
 ]
 
 LATEST = "latest"
@@ -150,3 +151,38 @@ def trainer_checkpoint(folder: Location, select: str | None = None) -> tuple[Loc
         return chosen[0], "chosen with --select"
     others = "; --select checkpoint-N for another" if len(found) > 1 else ""
     return found[-1][1], f"the newest of the Trainer's {len(found)} checkpoints{others}"
+
+
+# torchtitan's CheckpointManager saves DUMP/checkpoint/step-N (N the training step), each a DCP
+# folder (its model keys at the top level, beside optimizer, lr_scheduler, dataloader and
+# train_state; the last step's model alone, by default).
+STEP_CHECKPOINT = re.compile(r"step-(\d+)")
+
+
+def step_checkpoint(folder: Location, select: str | None = None) -> tuple[Location, str] | None:
+    """The checkpoint of a torchtitan run to read, and why: the newest ``step-N`` folder that
+    holds DCP metadata (of ``folder``, or of its ``checkpoint`` folder: torchtitan's dump
+    folder), or the one ``select`` names. None when there is none."""
+    if not folder.is_dir():
+        return None
+    for where in (folder, folder / "checkpoint"):
+        if not where.is_dir():
+            continue
+        found = sorted(
+            (int(m.group(1)), p)
+            for p in where.iterdir()
+            if (m := STEP_CHECKPOINT.fullmatch(p.name)) and (p / ".metadata").is_file()
+        )
+        if not found:
+            continue
+        if select is not None and STEP_CHECKPOINT.fullmatch(select):
+            chosen = [p for _, p in found if p.name == select]
+            if not chosen:
+                raise SelectError(
+                    f"{where} holds no torchtitan checkpoint '{select}'",
+                    f"give one of {', '.join(p.name for _, p in found)}",
+                )
+            return chosen[0], "chosen with --select"
+        others = "; --select step-N for another" if len(found) > 1 else ""
+        return found[-1][1], f"the newest of the run's {len(found)} step checkpoints{others}"
+    return None
