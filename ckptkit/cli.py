@@ -1005,4 +1005,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``ckptkit`` script and ``python -m ckptkit``."""
     # torch warns on import when numpy is absent; ckptkit never uses numpy, so say nothing.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    from ckptkit.allocator import return_large_buffers
+
+    return_large_buffers()  # a streamed conversion's freed tensors go back to the system
     cli.main(argv, prog_name="ckptkit")

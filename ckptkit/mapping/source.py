@@ -121,12 +121,23 @@ class MappedSource(Source):
     def _input(self, rank: int | None, key: str) -> Source:
         return self._sources[rank or 0]
 
-    def byte_span(self, key: str) -> tuple[Location, int, int] | None:
+    def byte_pieces(self, key: str) -> list[tuple[Location, int, int]] | None:
+        """A tensor that goes out as its source's bytes: renamed, or its ranks' row slices
+        joined (``gather(dim=0)``), each rank's bytes in rank order. None for any other."""
         group = self.plan.groups[self._targets[key].group]
         if not _copies_bytes(group, self.plan):
             return None
-        rank, old = group.inputs[0][0]
-        return self._input(rank, old).byte_span(old)
+        pieces = []
+        for rank, old in group.inputs[0]:
+            span = self._input(rank, old).byte_span(old)
+            if span is None:
+                return None
+            pieces.append(span)
+        return pieces
+
+    def byte_span(self, key: str) -> tuple[Location, int, int] | None:
+        pieces = self.byte_pieces(key)
+        return pieces[0] if pieces is not None and len(pieces) == 1 else None
 
     def load(self, key: str) -> torch.Tensor:
         target = self._targets[key]
@@ -195,15 +206,30 @@ def _name(key: str, rank: int | None) -> str:
 
 
 def _copies_bytes(group: Any, plan: MapPlan) -> bool:
-    """A group whose one tensor goes out as it came in: renamed, or joined from one rank."""
-    if len(group.inputs) != 1 or len(group.inputs[0]) != 1 or len(group.outputs) != 1:
+    """A group whose one tensor goes out as the bytes it came in: renamed, taken from its only
+    rank, or its ranks' row slices joined end to end (``gather`` along the first dim). Copies
+    of one tensor on every rank (``same``) are read, so that they are checked equal."""
+    if len(group.inputs) != 1 or len(group.outputs) != 1:
         return False
-    one_rank = ("gather", "same", "scatter", "replicate")
-    return all(
-        s.call.name in ("rename", "require")
-        or (s.call.name in one_rank and (plan.target_ranks or 1) == 1)
-        for s in group.steps
-    )
+    ranks = len(group.inputs[0])
+    for step in group.steps:
+        name = step.call.name
+        if name in ("rename", "require"):
+            continue
+        if name == "gather" and (ranks == 1 or step.values["dim"] in (0, -_ndim(group))):
+            continue
+        if (
+            name in ("same", "scatter", "replicate")
+            and ranks == 1
+            and (plan.target_ranks or 1) == 1
+        ):
+            continue
+        return False
+    return True
+
+
+def _ndim(group: Any) -> int:
+    return len(group.metas[0][0])
 
 
 @contextlib.contextmanager

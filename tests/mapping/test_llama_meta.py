@@ -59,6 +59,10 @@ def test_meta_to_hf_is_transformers_converter_bit_for_bit(tmp_path, name, tp, ve
     reference = json.loads((REFERENCES / name / "config.json").read_text())
     assert {f: config[f] for f in CONFIG_FIELDS} == {f: reference[f] for f in CONFIG_FIELDS}
     assert report.verified and report.made_files == ["config.json"]
+    # Copied as bytes: renamed tensors, and row slices joined (gather along dim 0): with one rank
+    # all but q and k; with more, v, w1, w3, the head and (Llama 3's, by rows) the embedding.
+    copied = {"llama3-tp1": 17, "llama3-tp2": 8, "llama3-tp4": 8, "llama2-tp2": 7}[name]
+    assert (report.copied, report.through_torch) == (copied, 21 - copied)
     mapping = report.mapping
     assert (
         mapping["accounted_bytes"]
