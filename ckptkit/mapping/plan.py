@@ -279,40 +279,7 @@ def plan_mapping(
             missing, made twice, or that does not fit.
     """
     _same_keys(source)
-    compiled = [[p.regex() for p in rule.sources] for rule in mapping.rules]
-    claims: dict[int, dict[tuple, dict[int, list[tuple[Value, str]]]]] = {}
-    unclaimed: list[str] = []
-    for key in source.keys:
-        found = []
-        for r, rule in enumerate(mapping.rules):
-            for p, regex in enumerate(compiled[r]):
-                if regex.fullmatch(key) is None:
-                    continue
-                captures = rule.sources[p].match(key, names)
-                if captures is not None:
-                    found.append((r, p, captures))
-        if not found:
-            unclaimed.append(key)
-            continue
-        if len(found) > 1:
-            (r1, p1, _), (r2, p2, _) = found[:2]
-            raise MappingError(
-                f"'{key}' is taken by {_pattern_name(mapping.rules[r1], p1)} and by "
-                f"{_pattern_name(mapping.rules[r2], p2)}",
-                "make the patterns exclusive: each source key belongs to one rule",
-            )
-        r, p, captures = found[0]
-        over = mapping.rules[r].over
-        group_key = tuple(sorted((k, v) for k, v in captures.items() if k != over))
-        by_pattern = claims.setdefault(r, {}).setdefault(group_key, {})
-        by_pattern.setdefault(p, []).append((captures.get(over, 0) if over else 0, key))
-    if unclaimed:
-        shown = ", ".join(f"'{k}'" for k in unclaimed[:_MOST_SHOWN])
-        more = f" and {len(unclaimed) - _MOST_SHOWN} more" if len(unclaimed) > _MOST_SHOWN else ""
-        raise MappingError(
-            f"no rule of {mapping.origin} ({mapping.direction}) takes {shown}{more}",
-            "add a rule for them, or drop(reason) them: every source byte is accounted for",
-        )
+    claims = _claims(mapping, source, names)
     plan = MapPlan(
         mapping=mapping,
         names=dict(names),
@@ -347,6 +314,53 @@ def plan_mapping(
     if plan.accounted != plan.source_bytes:  # each key is claimed once: this cannot differ
         raise AssertionError(f"accounted {plan.accounted} of {plan.source_bytes} bytes")
     return plan
+
+
+Claims = dict[int, dict[tuple[Any, ...], dict[int, list[tuple[Value, str]]]]]
+
+
+def _claims(mapping: Mapping, source: SourceKeys, names: MappingType[str, Value]) -> Claims:
+    """Each source key's rule: rule index -> group (its captures) -> pattern index -> the keys
+    (with the value of the capture a stack joins over).
+
+    Raises:
+        MappingError: a key no rule takes, or two rules (or two patterns) take.
+    """
+    compiled = [[p.regex() for p in rule.sources] for rule in mapping.rules]
+    claims: Claims = {}
+    unclaimed: list[str] = []
+    for key in source.keys:
+        found = []
+        for r, rule in enumerate(mapping.rules):
+            for p, regex in enumerate(compiled[r]):
+                if regex.fullmatch(key) is None:
+                    continue
+                captures = rule.sources[p].match(key, names)
+                if captures is not None:
+                    found.append((r, p, captures))
+        if not found:
+            unclaimed.append(key)
+            continue
+        if len(found) > 1:
+            (r1, p1, _), (r2, p2, _) = found[:2]
+            raise MappingError(
+                f"'{key}' is taken by {_pattern_name(mapping.rules[r1], p1)} and by "
+                f"{_pattern_name(mapping.rules[r2], p2)}",
+                "make the patterns exclusive: each source key belongs to one rule",
+            )
+        r, p, captures = found[0]
+        over = mapping.rules[r].over
+        group_key = tuple(sorted((k, v) for k, v in captures.items() if k != over))
+        by_pattern = claims.setdefault(r, {}).setdefault(group_key, {})
+        by_pattern.setdefault(p, []).append((captures.get(over, 0) if over else 0, key))
+    if unclaimed:
+        shown = ", ".join(f"'{k}'" for k in unclaimed[:_MOST_SHOWN])
+        more = f" and {len(unclaimed) - _MOST_SHOWN} more" if len(unclaimed) > _MOST_SHOWN else ""
+        raise MappingError(
+            f"no rule of {mapping.origin} ({mapping.direction}) takes {shown}{more}",
+            "add a rule for them, or drop(reason) them: every source byte is accounted for",
+        )
+    return claims
 
 
 def _order(mapping: Mapping) -> Callable[[Group], tuple[Any, ...]]:
