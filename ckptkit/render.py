@@ -103,6 +103,7 @@ def _mapping_lines(report: Any) -> list[str]:
     return [] if report.mapping is None else mapping_lines(report.mapping)
 
 
+@terminal_safe
 def mapping_plan_lines(plan: dict[str, Any], key_filter: str | None = None) -> list[str]:
     """``inspect --map``: the mapping's account, then each target tensor and its source."""
     import fnmatch
@@ -123,6 +124,7 @@ def mapping_plan_lines(plan: dict[str, Any], key_filter: str | None = None) -> l
     return lines
 
 
+@terminal_safe
 def mapping_lines(mapping: dict[str, Any]) -> list[str]:
     """What ``--map`` does: the rules that ran and what each took, the bytes it let go and
     why, and the variables taken from the mapping's defaults."""
