@@ -107,8 +107,11 @@ class MappedSource(Source):
 
     @property
     def rank_files(self) -> list[str] | None:
-        """The target's file names, one per rank, for a target saved per rank."""
+        """The target's file names when its side names them: one per rank (Meta's
+        consolidated.NN.pth), or its one file (Mistral's consolidated.safetensors)."""
         side = self.plan.mapping.target
+        if side.file is not None:
+            return [side.file]
         if side.files is None:
             return None
         return [side.files.format({"rank": r}, {}) for r in range(self.plan.target_ranks or 1)]
@@ -124,11 +127,13 @@ class MappedSource(Source):
     def byte_pieces(self, key: str) -> list[tuple[Location, int, int]] | None:
         """A tensor that goes out as its source's bytes: renamed, or its ranks' row slices
         joined (``gather(dim=0)``), each rank's bytes in rank order. None for any other."""
-        group = self.plan.groups[self._targets[key].group]
-        if not _copies_bytes(group, self.plan):
+        target = self._targets[key]
+        group = self.plan.groups[target.group]
+        refs = _bytes_of(group, group.outputs.index((target.rank, target.key)), self.plan)
+        if refs is None:
             return None
         pieces = []
-        for rank, old in group.inputs[0]:
+        for rank, old in refs:
             span = self._input(rank, old).byte_span(old)
             if span is None:
                 return None
@@ -205,27 +210,29 @@ def _name(key: str, rank: int | None) -> str:
     return key if rank is None else f"rank {rank}:{key}"
 
 
-def _copies_bytes(group: Any, plan: MapPlan) -> bool:
-    """A group whose one tensor goes out as the bytes it came in: renamed, taken from its only
-    rank, or its ranks' row slices joined end to end (``gather`` along the first dim). Copies
-    of one tensor on every rank (``same``) are read, so that they are checked equal."""
+def _bytes_of(group: Any, index: int, plan: MapPlan) -> list[tuple[int | None, str]] | None:
+    """The source tensors whose bytes, end to end, are a group's output ``index`` as they lie:
+    a renamed one (a rule may rename several keys together), the only rank's, or every rank's
+    row slice (``gather`` along the first dim). None when the output is computed. Copies of
+    one tensor on every rank (``same``) are read, so that they are checked equal."""
+    if all(s.call.name in ("rename", "require") for s in group.steps):
+        if len(group.inputs) == len(group.outputs) and len(group.inputs[index]) == 1:
+            return list(group.inputs[index])
+        return None
     if len(group.inputs) != 1 or len(group.outputs) != 1:
-        return False
+        return None
     ranks = len(group.inputs[0])
+    one_rank = ranks == 1 and (plan.target_ranks or 1) == 1
     for step in group.steps:
         name = step.call.name
         if name in ("rename", "require"):
             continue
         if name == "gather" and (ranks == 1 or step.values["dim"] in (0, -_ndim(group))):
             continue
-        if (
-            name in ("same", "scatter", "replicate")
-            and ranks == 1
-            and (plan.target_ranks or 1) == 1
-        ):
+        if name in ("same", "scatter", "replicate") and one_rank:
             continue
-        return False
-    return True
+        return None
+    return list(group.inputs[0])
 
 
 def _ndim(group: Any) -> int:
@@ -316,6 +323,8 @@ def _rank_count(names: MappingType[str, Value], side: Side) -> int:
 
 def _open_side(where: Location, side: Side, read: OpenOptions) -> list[Source]:
     """One source, or one per rank file (``side.files``), in rank order."""
+    if side.file is not None and not holds_file(where):  # the side's one file, in its folder
+        where = where / side.file
     if side.files is None:
         return [open_source(where, read)]
     if holds_file(where):
@@ -378,7 +387,8 @@ def render_document(
 ) -> str:
     """The config document a side writes when it is the target (``[sides.X.write]``): text
     starting with ``=`` is an expression (``"=dim"``); a table with ``when`` is written only
-    when it holds; anything else is written as it is."""
+    when it holds (``{when = "=experts > 0", value = "=experts"}`` writes the value alone);
+    anything else is written as it is."""
 
     functions = {
         "get": config_getter(config, source.config),
@@ -392,11 +402,17 @@ def render_document(
             return [render(v, where) for v in value]
         if isinstance(value, dict):
             return {
-                k: render(v, f"{where}.{k}")
+                k: render_value(v, f"{where}.{k}")
                 for k, v in value.items()
                 if k != "when" and _holds(v, f"{where}.{k}")
             }
         return value
+
+    def render_value(value: Any, where: str) -> Any:
+        # {when = ..., value = ...}: the value alone, written only when it holds
+        if isinstance(value, dict) and "value" in value and set(value) <= {"when", "value"}:
+            return render(value["value"], where)
+        return render(value, where)
 
     def _holds(value: Any, where: str) -> bool:
         if not isinstance(value, dict) or "when" not in value:

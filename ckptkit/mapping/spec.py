@@ -48,7 +48,7 @@ PACKS = Path(__file__).parent / "packs"
 _LARGEST_FILE = 1 << 20  # bytes: a mapping is written by hand
 _MOST_RULES = 10_000
 _TOP = {"name", "summary", "from", "to", "sides", "rules", "defaults", "detect"}
-_SIDE = {"files", "ranks", "config", "vars", "write", "detect"}
+_SIDE = {"file", "files", "ranks", "config", "vars", "write", "detect"}
 _RULE = {"from", "to", "ops", "optional", "note"}
 
 
@@ -57,6 +57,7 @@ class Side:
     """One end of a mapping: how its checkpoints are laid out and where its variables come from."""
 
     name: str
+    file: str | None = None  # its weights' one file in its folder (consolidated.safetensors)
     files: Pattern | None = None  # one file per rank, named so (Meta's consolidated.NN.pth)
     ranks: str | None = None  # the variable counting them
     config: str | None = None  # the document beside the weights that get() reads
@@ -248,6 +249,9 @@ def _side(name: str, raw: Any, origin: str) -> Side:
     ranks = raw.get("ranks")
     if (files is None) != (ranks is None) or (ranks is not None and not isinstance(ranks, str)):
         raise MappingError(f"{where}: 'files' (a name per rank) and 'ranks' go together")
+    file = raw.get("file")
+    if file is not None and (files is not None or not isinstance(file, str) or "/" in file):
+        raise MappingError(f"{where}: 'file' names one file in the folder, without 'files'")
     if files is not None and files.captures != ["rank"]:
         raise MappingError(f"{where}.files captures {{rank}} alone, e.g. 'model.{{rank:02}}.pt'")
     raw_vars = raw.get("vars", {})
@@ -261,6 +265,7 @@ def _side(name: str, raw: Any, origin: str) -> Side:
         raise MappingError(f"{where}.detect is a list of keys")
     return Side(
         name=name,
+        file=file,
         files=files,
         ranks=ranks,
         config=raw.get("config"),

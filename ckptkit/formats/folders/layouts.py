@@ -247,10 +247,13 @@ def find_dcp(path: Location) -> Location | None:
     return path if any(dcp_sharding_info(p) is not None for p in shards) else None
 
 
-# Model-parallel saves whose files hold one rank's slice of every weight, with nothing in them
-# saying how the slices join: only a mapping (ckptkit.mapping's packs) can. Name pattern, the
-# family, the pack that maps it.
-MODEL_PARALLEL = ((re.compile(r"consolidated\.(\d+)\.pth"), "Meta Llama", "llama-meta"),)
+# Model families' own layouts that only a mapping (ckptkit.mapping's packs) turns into a model
+# folder: model-parallel saves whose files hold one rank's slice of every weight, with nothing
+# in them saying how the slices join, and Mistral's one file. Name pattern, family, pack.
+MODEL_PARALLEL = (
+    (re.compile(r"consolidated\.(\d+)\.pth"), "Meta Llama", "llama-meta"),
+    (re.compile(r"consolidated\.safetensors()"), "Mistral", "mistral"),
+)
 
 
 def model_parallel_name(name: str) -> bool:
@@ -266,7 +269,7 @@ def model_parallel_files(folder: Location) -> tuple[list[str], str, str] | None:
     names = [p.name for p in folder.iterdir()]
     for pattern, family, pack in MODEL_PARALLEL:
         ranks = sorted(
-            (int(found[1]), name) for name in names if (found := pattern.fullmatch(name))
+            (int(found[1] or 0), name) for name in names if (found := pattern.fullmatch(name))
         )
         if ranks:
             return [name for _, name in ranks], family, pack
@@ -282,9 +285,14 @@ def model_parallel_refusal(where: Location, found: tuple[list[str], str, str]) -
             "a slice of every weight, not the model",
             f"convert their folder with --map {pack} (see docs/mapping.md)",
         )
+    if len(names) == 1:
+        return FormatError(
+            f"{where} is a {family} checkpoint ({names[0]}), in its own names and layout",
+            f"convert it with --map {pack} (see docs/mapping.md), or give {names[0]} to keep "
+            f"{family}'s names",
+        )
     return FormatError(
-        f"{where} is a {family} checkpoint in {len(names)} model-parallel file(s) "
-        f"({names[0]}{' ...' if len(names) > 1 else ''}), in its own names and layout",
-        f"convert it with --map {pack} (see docs/mapping.md)"
-        + (f", or give {names[0]} to keep {family}'s names" if len(names) == 1 else ""),
+        f"{where} is a {family} checkpoint in {len(names)} model-parallel files "
+        f"({names[0]} ...), in its own names and layout",
+        f"convert it with --map {pack} (see docs/mapping.md)",
     )
