@@ -87,7 +87,9 @@ def test_hugging_faces_own_mixtral_maps_to_mistrals_layout_and_back(tmp_path):
 
 def test_experts_that_do_not_match_params_json_are_refused(tmp_path, run):
     make_mistral(tmp_path / "dense", 0)
-    one_error(run("convert", "dense", "x.safetensors"), "dense is a Mistral checkpoint", "--map mistral")
+    one_error(
+        run("convert", "dense", "x.safetensors"), "dense is a Mistral checkpoint", "--map mistral"
+    )
     params = {**MISTRAL, "moe": {"num_experts": 4, "num_experts_per_tok": 2}}
     (tmp_path / "dense" / "params.json").write_text(json.dumps(params))
     one_error(
