@@ -282,3 +282,52 @@ def test_inspect_with_a_map_shows_the_plan_and_writes_nothing(run, tmp_path):
     assert document["accounted_bytes"] == document["source_bytes"]
     assert sorted(os.listdir(tmp_path)) == ["meta"]
     one_error(run("inspect", "meta", "--reverse"), "go with --map")
+
+
+_PEAK_ABOVE_IMPORTS = """
+import sys, threading, time
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+peak = [0]
+def sample():
+    while True:
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.0005)
+import torch, ckptkit.convert  # what the conversion imports, measured before it starts
+from ckptkit.cli import main
+base = anon()
+threading.Thread(target=sample, daemon=True).start()
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    assert not exc.code, exc.code
+print(peak[0] - base)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_memory_holds_a_group_not_the_model(tmp_path, tp):
+    """Peak memory above the imports stays within twice the largest conversion set (here the
+    embedding, 16 MB, joined from its ranks), for a model more than five times that."""
+    params = {
+        **PARAMS,
+        "dim": 1024,
+        "n_layers": 4,
+        "n_heads": 16,
+        "n_kv_heads": 8,
+        "vocab_size": 8192,
+        "multiple_of": 256,
+    }
+    make_meta(tmp_path / "meta", tp, "3", params)
+    largest = params["vocab_size"] * params["dim"] * 2
+    model = sum(p.stat().st_size for p in (tmp_path / "meta").glob("*.pth"))
+    assert model > 5 * largest
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_ABOVE_IMPORTS, "convert", "meta", "hf", "--map", "llama-meta", "-q"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) <= 2 * largest, (int(done.stdout) / 1e6, largest / 1e6)
