@@ -27,7 +27,15 @@ from ckptkit.mapping.source import MappedSource
 from ckptkit.spread import Part
 from ckptkit.storage.location import Location, is_local
 
-__all__ = ["Plan", "make_plan", "part_of", "shard_limit", "cast_target", "refuse_unconvertible"]
+__all__ = [
+    "Plan",
+    "make_plan",
+    "part_of",
+    "shard_limit",
+    "cast_target",
+    "refuse_unconvertible",
+    "documents_into",
+]
 
 
 @dataclass
@@ -303,6 +311,19 @@ def copies_into(plan: Plan, force: bool) -> list[Location]:
                 continue
         copies.append(path)
     return copies
+
+
+def documents_into(plan: Plan) -> dict[str, str]:
+    """The documents a mapping made to write into an existing folder: those it lacks or holds
+    otherwise (which need ``--force``, as the copies do); one it holds as made is left alone."""
+    assert plan.folder is not None
+    made = {}
+    for name, text in plan.documents.items():
+        there = plan.folder / name
+        if there.is_file() and there.read_bytes() == text.encode("utf-8"):
+            continue
+        made[name] = text
+    return made
 
 
 def weights_name(source: Source) -> str:

@@ -15,6 +15,7 @@ from ckptkit.conversion.plan import (
     Plan,
     cast_target,
     copies_into,
+    documents_into,
     make_plan,
     part_of,
     per_rank,
@@ -96,6 +97,7 @@ def _convert(src: Location, dst: Path, target: Destination, job: Job) -> Convert
         if folder is not None and folder is into:
             plan.into = True
             plan.copies = copies_into(plan, job.force)
+            plan.documents = documents_into(plan)
         report = make_report(source, plan, job.dry_run)
         whole = plan
         if part is not None:
@@ -159,7 +161,8 @@ def _placed(
         return folder / weights_name(source), folder
     if into is not None:
         dst = into / weights_name(source)
-        if source.folder is not None and writer_class(fmt).model_folder:
+        made = source.folder is not None or source.documents
+        if made and writer_class(fmt).model_folder:
             return dst, into  # a model folder written into one: its config files too
     return dst, None
 

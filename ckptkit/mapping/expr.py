@@ -69,6 +69,9 @@ class Expr:
             return _Walker(self.text, names, functions).value(self.tree)
         except ZeroDivisionError:
             raise MappingError(f"'{self.text}' divides by zero") from None
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+            # a function given the wrong arguments, a comparison of a text with a number
+            raise MappingError(f"'{self.text}' cannot be computed: {exc}") from None
 
     def as_int(self, names: Mapping[str, Value], functions: Mapping[str, Any] = {}) -> int:
         value = self.evaluate(names, functions)

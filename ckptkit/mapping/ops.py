@@ -85,6 +85,8 @@ INVERSE = {
     "cast": "cast",
     "require": "require",
 }
+_MOST_PARTS = 65_536  # tensors one op may cut a value into (experts, heads, groups)
+_MOST_PADDING = 1 << 20  # a pad adds padding (a vocabulary's), not a new tensor
 _NAMES = ("over",)  # parameters that name a capture rather than compute a value
 _TEXTS = ("reason", "message", "dtype", "back")  # parameters given as text
 
@@ -223,6 +225,8 @@ class Step:
             ((shape, dtype),) = self._arity(one, 1)
             if not shape:
                 raise self.fail("unstacks a scalar")
+            if shape[0] > _MOST_PARTS:
+                raise self.fail(f"unstacks {shape[0]} tensors, more than {_MOST_PARTS}")
             return [(shape[1:], dtype)] * shape[0], 0
         ((shape, dtype),) = self._arity(one, 1)
         if name in ("permute_rope", "unpermute_rope"):
@@ -240,21 +244,23 @@ class Step:
             return [(tuple(out), dtype)], 0
         if name in ("slice", "pad"):
             dim, size = self._dim(v["dim"], shape), self._int("size", 0)
-            full = v.get("full")
+            full = self._int("full", 0) if "full" in v else None
             have = shape[dim]
             want_in, want_out = (full, size) if name == "slice" else (size, full)
             if want_in is not None and have != want_in:
                 raise self.fail(f"dim {dim} is {have}, not {want_in}")
             if name == "slice" and size > have:
                 raise self.fail(f"keeps {size} of dim {dim}, which is only {have}")
-            if name == "pad" and full < have:
+            if name == "pad" and full is not None and full < have:
                 raise self.fail(f"pads dim {dim} of {have} to {full}, which is smaller")
+            if name == "pad" and full is not None and full > 2 * have + _MOST_PADDING:
+                raise self.fail(f"pads dim {dim} of {have} to {full}: padding, not a new tensor")
             out = list(shape)
             out[dim] = want_out
             dropped = _nbytes((shape, dtype)) - _nbytes((tuple(out), dtype))
             return [(tuple(out), dtype)], max(dropped, 0)
         if name == "cast":
-            if v["dtype"] not in DTYPES:
+            if not isinstance(v["dtype"], str) or v["dtype"] not in DTYPES:
                 raise self.fail(f"unknown dtype '{v['dtype']}'")
             if DTYPES[dtype].kind != "float" or DTYPES[v["dtype"]].kind != "float":
                 raise self.fail(f"casts {dtype} to {v['dtype']}: only floats are cast")
@@ -326,6 +332,8 @@ class Step:
         """The sizes along dim of one group's parts."""
         groups = self._int("groups", 1) if "groups" in self.values else 1
         sizes = self.values.get("sizes")
+        if groups > _MOST_PARTS or (parts or 0) > _MOST_PARTS or len(sizes or ()) > _MOST_PARTS:
+            raise self.fail(f"cuts into more than {_MOST_PARTS} parts")
         if total % groups:
             raise self.fail(f"{total} does not split into {groups} groups")
         per_group = total // groups
@@ -345,8 +353,8 @@ class Step:
     def _split(self, meta: Meta) -> list[Meta]:
         shape, dtype = meta
         dim = self._dim(self.values["dim"], shape)
-        parts = self.values.get("parts")
-        sizes = self._sizes(shape[dim], parts if isinstance(parts, int) else None)
+        parts = self._int("parts", 1) if "parts" in self.values else None
+        sizes = self._sizes(shape[dim], parts)
         groups = self.values.get("groups", 1)
         out = []
         for size in sizes:

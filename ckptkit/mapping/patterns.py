@@ -133,6 +133,19 @@ def parse_pattern(text: object, where: str) -> Pattern:
         raise MappingError(f"{where}: unbalanced braces in '{text}'")
     if rest:
         parts.append(rest)
+    for i, part in enumerate(parts):
+        # A text capture is a whole dotted part: between dots it cannot match in more than one
+        # way, so no key makes the match backtrack without end.
+        if isinstance(part, Slot) and part.text:
+            before = parts[i - 1] if i else "."
+            after = parts[i + 1] if i + 1 < len(parts) else "."
+            if not (isinstance(before, str) and before.endswith(".")) or not (
+                isinstance(after, str) and after.startswith(".")
+            ):
+                raise MappingError(
+                    f"{where}: {{{part.name}:str}} in '{text}' is not a whole dotted part",
+                    "write it between dots, e.g. 'layers.{i}.{name:str}.weight'",
+                )
     return Pattern(text, tuple(parts))
 
 

@@ -11,6 +11,7 @@ to the source's bytes exactly (:attr:`MapPlan.accounted`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from collections.abc import Mapping as MappingType
 from dataclasses import dataclass, field
@@ -209,6 +210,14 @@ def variables(
     for name, expr in side.vars.items():
         if name not in names:
             names[name] = expr.evaluate(names, functions)
+    for check in side.checks:
+        if not check.evaluate(names, functions):
+            values = ", ".join(f"{n} = {names[n]}" for n in sorted(check.names()) if n in names)
+            raise MappingError(
+                f"{mapping.origin}: this {side.name} checkpoint fails the mapping's check "
+                f"'{check}' ({values})",
+                f"is {side.config or 'its config'} that of these weights? (--set corrects one)",
+            )
     followed = []
     read = mapping.reads()
     for name, expr in mapping.defaults.items():
@@ -258,8 +267,10 @@ def config_getter(config: MappingType[str, Any] | None, where: str | None) -> Ca
                     return default[0]
                 raise MappingError(f"{where} has no field '{path}'")
             node = node[part]
-        if not isinstance(node, int | float | str | bool | list):
-            raise MappingError(f"{where}'s '{path}' is not a number or text")
+        if not isinstance(node, int | float | str | bool | list) or (
+            isinstance(node, float) and not math.isfinite(node)
+        ):
+            raise MappingError(f"{where}'s '{path}' is not a number or text ({node!r})")
         return node
 
     return get

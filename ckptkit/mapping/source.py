@@ -333,14 +333,21 @@ def _open_side(where: Location, side: Side, read: OpenOptions) -> list[Source]:
             f"{side.files.source} files (one per rank)",
             "name the folder that holds them all",
         )
-    regex = side.files.regex()
     ranks: dict[int, str] = {}
     for name in listing(where):
-        found = regex.fullmatch(name)
-        if found is not None:
-            ranks[int(found.group("rank"))] = name
-        if len(ranks) > _MOST_RANKS:
-            raise FormatError(f"{where} holds more than {_MOST_RANKS} rank files")
+        # Only the names the pattern writes back (consolidated.01.pth, never .1.pth or .001.pth:
+        # two files for one rank would be a guess), and rank numbers a folder can hold.
+        found = side.files.match(name, {})
+        if found is None:
+            continue
+        rank = found["rank"]
+        assert isinstance(rank, int)
+        if rank >= _MOST_RANKS:
+            raise FormatError(
+                f"{where / name} is rank {rank}'s file: more than {_MOST_RANKS} ranks",
+                "give the folder of one save's rank files",
+            )
+        ranks[rank] = name
     if not ranks:
         raise FormatError(
             f"{where} holds no {side.files.source} file",

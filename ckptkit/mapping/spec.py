@@ -48,7 +48,7 @@ PACKS = Path(__file__).parent / "packs"
 _LARGEST_FILE = 1 << 20  # bytes: a mapping is written by hand
 _MOST_RULES = 10_000
 _TOP = {"name", "summary", "from", "to", "sides", "rules", "defaults", "detect"}
-_SIDE = {"file", "files", "ranks", "config", "vars", "write", "detect"}
+_SIDE = {"file", "files", "ranks", "config", "vars", "checks", "write", "detect"}
 _RULE = {"from", "to", "ops", "optional", "note"}
 
 
@@ -62,6 +62,8 @@ class Side:
     ranks: str | None = None  # the variable counting them
     config: str | None = None  # the document beside the weights that get() reads
     vars: dict[str, Expr] = field(default_factory=dict)  # read when this side is the source
+    # ...then these must hold: its config and its weights agree (a params.json of another model)
+    checks: tuple[Expr, ...] = ()
     write: dict[str, Any] | None = None  # the config document written when it is the target
     detect: tuple[str, ...] = ()  # keys whose presence says a checkpoint is of this side
 
@@ -188,7 +190,7 @@ def load_mapping(name: str | Path) -> Mapping:
         raise MappingError(f"{path} is larger than a mapping written by hand ({_LARGEST_FILE} B)")
     try:
         document = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
         raise MappingError(f"{path} is not a TOML mapping file: {exc}") from None
     return parse_mapping(document, origin)
 
@@ -250,29 +252,74 @@ def _side(name: str, raw: Any, origin: str) -> Side:
     if (files is None) != (ranks is None) or (ranks is not None and not isinstance(ranks, str)):
         raise MappingError(f"{where}: 'files' (a name per rank) and 'ranks' go together")
     file = raw.get("file")
-    if file is not None and (files is not None or not isinstance(file, str) or "/" in file):
+    if file is not None and (files is not None or not _plain_name(file)):
         raise MappingError(f"{where}: 'file' names one file in the folder, without 'files'")
-    if files is not None and files.captures != ["rank"]:
-        raise MappingError(f"{where}.files captures {{rank}} alone, e.g. 'model.{{rank:02}}.pt'")
+    if files is not None and (
+        [(p.name, p.text) for p in files.parts if not isinstance(p, str)] != [("rank", False)]
+        or not _plain_name(files.format({"rank": 0}, {}))
+        or any(p.shift is not None for p in files.parts if not isinstance(p, str))
+    ):
+        raise MappingError(
+            f"{where}.files names one file per rank in the folder by its number alone, e.g. "
+            "'model.{rank:02}.pt'"
+        )
+    config = raw.get("config")
+    if config is not None and not _plain_name(config):
+        raise MappingError(f"{where}.config names a file in the checkpoint's folder")
     raw_vars = raw.get("vars", {})
     write = raw.get("write")
     detect = raw.get("detect", [])
     if not isinstance(raw_vars, dict) or (write is not None and not isinstance(write, dict)):
         raise MappingError(f"{where}: 'vars' and 'write' are tables")
-    if write is not None and not isinstance(write.get("file"), str):
+    if write is not None and not _plain_name(write.get("file")):
         raise MappingError(f"{where}.write names its 'file' (config.json, params.json...)")
+    if write is not None:
+        _check_document(write, f"{where}.write", 0)
     if not isinstance(detect, list) or not all(isinstance(k, str) for k in detect):
         raise MappingError(f"{where}.detect is a list of keys")
+    checks = raw.get("checks", [])
+    if not isinstance(checks, list):
+        raise MappingError(f"{where}.checks is a list of expressions that must hold")
     return Side(
         name=name,
         file=file,
         files=files,
         ranks=ranks,
-        config=raw.get("config"),
+        config=config,
         vars={k: parse_expr(v, f"{where}.vars.{k}") for k, v in raw_vars.items()},
+        checks=tuple(parse_expr(c, f"{where}.checks") for c in checks),
         write=write,
         detect=tuple(detect),
     )
+
+
+def _plain_name(name: object) -> bool:
+    """A file name in a folder: no path, no parent, nothing a folder would not hold."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and name not in (".", "..")
+        and not any(c in name for c in "/\\\0")
+    )
+
+
+_DEEPEST = 16  # tables in tables in a config document a mapping writes
+
+
+def _check_document(value: Any, where: str, depth: int) -> None:
+    """A config template holds what JSON holds (no TOML dates), a few levels deep."""
+    if depth > _DEEPEST:
+        raise MappingError(f"{where}: tables nested more than {_DEEPEST} deep")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_document(item, f"{where}.{key}", depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _check_document(item, where, depth + 1)
+    elif not isinstance(value, str | int | float | bool) or (
+        isinstance(value, float) and value != value or value in (float("inf"), float("-inf"))
+    ):
+        raise MappingError(f"{where}: {value!r} is not a JSON value")
 
 
 def _patterns(raw: Any, where: str) -> tuple[Pattern, ...]:
@@ -298,7 +345,9 @@ def _rule(number: int, raw: Any, origin: str) -> Rule:
         raise MappingError(f"{where}: drop(reason) is the rule's only op, with no 'to'")
     if not drops and not targets:
         raise MappingError(f"{where} has no 'to'", "name the target keys, or drop(reason)")
-    optional, note = bool(raw.get("optional", False)), str(raw.get("note", ""))
+    optional, note = raw.get("optional", False), raw.get("note", "")
+    if not isinstance(optional, bool) or not isinstance(note, str):
+        raise MappingError(f"{where}: 'optional' is true or false, 'note' a text")
     rule = Rule(number, sources, targets, ops, optional, note)
     over = rule.over
     captured = set().union(*(p.captures for p in sources))

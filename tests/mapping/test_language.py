@@ -152,7 +152,15 @@ def test_the_file_format_refuses_what_it_does_not_know():
     refused({**BASE, "rules": [{"to": "x"}]}, "has no 'from'")
     refused({**BASE, "sides": {"c": {}}}, "neither 'from' nor 'to'")
     refused({**BASE, "sides": {"a": {"files": "r{rank}.pt"}}}, "go together")
-    refused({**BASE, "sides": {"a": {"files": "r{i}.pt", "ranks": "tp"}}}, "{rank} alone")
+    refused({**BASE, "sides": {"a": {"files": "r{i}.pt", "ranks": "tp"}}}, "by its number alone")
+    refused({**BASE, "sides": {"a": {"files": "../x{rank}.pt", "ranks": "tp"}}}, "by its number")
+    refused({**BASE, "sides": {"a": {"file": ".."}}}, "names one file in the folder")
+    refused({**BASE, "sides": {"a": {"config": "../../etc/x.json"}}}, "names a file in")
+    refused({**BASE, "sides": {"b": {"write": {"file": "../victim.txt"}}}}, "names its 'file'")
+    refused(
+        {**BASE, "rules": [{"from": "x.{a:str}-{b:str}", "to": "y.{a}.{b}"}]}, "whole dotted part"
+    )
+    refused({**BASE, "rules": [{"from": "x", "to": "y", "optional": "false"}]}, "true or false")
 
 
 def test_reversing_needs_what_each_inverse_needs():
