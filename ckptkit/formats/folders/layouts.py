@@ -251,7 +251,7 @@ def find_dcp(path: Location) -> Location | None:
 # folder: model-parallel saves whose files hold one rank's slice of every weight, with nothing
 # in them saying how the slices join, and Mistral's one file. Name pattern, family, pack.
 MODEL_PARALLEL = (
-    (re.compile(r"consolidated\.(\d+)\.pth"), "Meta Llama", "llama-meta"),
+    (re.compile(r"consolidated\.(\d\d+)\.pth"), "Meta Llama", "llama-meta"),
     (re.compile(r"consolidated\.safetensors()"), "Mistral", "mistral"),
 )
 
