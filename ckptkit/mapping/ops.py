@@ -13,7 +13,7 @@ is read before the whole mapping is known to fit; then it runs on tensors (:meth
 | ``gather(dim)`` | per-rank slices joined along ``dim`` | ``scatter(dim)`` |
 | ``same()`` | per-rank copies checked equal, one kept | ``replicate()`` |
 | ``concat(dim, sizes, groups)`` | values joined along ``dim`` | ``split`` with the same |
-| ``split(dim, sizes, parts, groups)`` | one value cut along ``dim`` | ``concat`` with the same |
+| ``split(dim, sizes, parts, groups)`` | one value cut into ``parts`` or ``sizes`` | ``concat`` |
 | ``stack(over)`` | the values of capture ``over`` stacked on a new first dim | ``unstack(over)`` |
 | ``permute_rope(heads)`` | rows from interleaved to half-split rotary order | ``unpermute_rope`` |
 | ``transpose(a, b)`` | two dims swapped | itself |
