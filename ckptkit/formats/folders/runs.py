@@ -141,16 +141,36 @@ def trainer_checkpoint(folder: Location, select: str | None = None) -> tuple[Loc
     )
     if not found:
         return None
-    if named:
-        chosen = [p for _, p in found if p.name == select]
+    paths, chosen = [p for _, p in found], select if named else None
+    return _newest_or_named(folder, paths, chosen, "Trainer", ("the Trainer's", "checkpoints"))
+
+
+def _newest_or_named(
+    folder: Location,
+    found: list[Location],
+    select: str | None,
+    kind: str,
+    whose: tuple[str, str],
+) -> tuple[Location, str]:
+    """Of a run's numbered checkpoints (oldest first), the one ``select`` names, else the
+    newest, and why.
+
+    Raises:
+        SelectError: ``select`` names none of them.
+    """
+    if select is not None:
+        chosen = [p for p in found if p.name == select]
         if not chosen:
             raise SelectError(
-                f"{folder} holds no Trainer checkpoint '{select}'",
-                f"give one of {', '.join(p.name for _, p in found)}",
+                f"{folder} holds no {kind} checkpoint '{select}'",
+                f"give one of {', '.join(p.name for p in found)}",
             )
         return chosen[0], "chosen with --select"
-    others = "; --select checkpoint-N for another" if len(found) > 1 else ""
-    return found[-1][1], f"the newest of the Trainer's {len(found)} checkpoints{others}"
+    # "the newest of the Trainer's 2 checkpoints; --select checkpoint-N for another"
+    number = re.sub(r"\d+$", "N", found[-1].name)
+    others = f"; --select {number} for another" if len(found) > 1 else ""
+    owner, noun = whose
+    return found[-1], f"the newest of {owner} {len(found)} {noun}{others}"
 
 
 # torchtitan's CheckpointManager saves DUMP/checkpoint/step-N (N the training step), each a DCP
@@ -173,16 +193,9 @@ def step_checkpoint(folder: Location, select: str | None = None) -> tuple[Locati
             for p in where.iterdir()
             if (m := STEP_CHECKPOINT.fullmatch(p.name)) and (p / ".metadata").is_file()
         )
-        if not found:
-            continue
-        if select is not None and STEP_CHECKPOINT.fullmatch(select):
-            chosen = [p for _, p in found if p.name == select]
-            if not chosen:
-                raise SelectError(
-                    f"{where} holds no torchtitan checkpoint '{select}'",
-                    f"give one of {', '.join(p.name for _, p in found)}",
-                )
-            return chosen[0], "chosen with --select"
-        others = "; --select step-N for another" if len(found) > 1 else ""
-        return found[-1][1], f"the newest of the run's {len(found)} step checkpoints{others}"
+        if found:
+            named = select if select is not None and STEP_CHECKPOINT.fullmatch(select) else None
+            paths = [p for _, p in found]
+            whose = ("the run's", "step checkpoints")
+            return _newest_or_named(where, paths, named, "torchtitan", whose)
     return None
