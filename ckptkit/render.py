@@ -223,7 +223,10 @@ def _written_lines(report: Any) -> list[str]:
             "verified: merged tensors equal a fresh fp32 merge from the files, the rest bit-exact"
         )
     elif report.mapping is not None:
-        checked = "verified: read back equal to the mapped tensors made again from the files"
+        checked = (
+            "verified: read back, copied tensors bit-exact against the source and mapped ones "
+            "by the CRC-32 of the bytes made"
+        )
     elif report.cast:
         checked = "verified: read back equal to the cast values"
     else:

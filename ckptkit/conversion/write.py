@@ -69,6 +69,8 @@ def write(
                 # Tensors made through torch are then checked by the CRC-32 of the bytes
                 # written, since their bytes have left the disk when the writer's check comes.
                 copier.crc_made, copier.batch_bytes = verify, files.streaming
+            if source.made_once:  # each source byte read once: made tensors checked by CRC
+                copier.crc_made = verify
             writer = writer_for(
                 plan.fmt,
                 copier,

@@ -88,6 +88,8 @@ def parse_sets(items: list[str] | tuple[str, ...]) -> dict[str, Value]:
 class MappedSource(Source):
     """The target's tensors, each made from its group of source tensors."""
 
+    made_once = True  # each group is read and made once; what was written is checked by CRC
+
     def __init__(
         self, plan: MapPlan, sources: list[Source], path: Location, rank: int | None = None
     ) -> None:

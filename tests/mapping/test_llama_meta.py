@@ -331,3 +331,33 @@ def test_memory_holds_a_group_not_the_model(tmp_path, tp):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) <= 2 * largest, (int(done.stdout) / 1e6, largest / 1e6)
+
+
+def test_each_group_is_made_once_and_what_was_written_is_checked(tmp_path, monkeypatch):
+    """Each source tensor is read once: a group's tensors are made once, and the output is
+    checked against the CRC-32 of the bytes made (a write that went wrong is caught, and
+    nothing is left)."""
+    import ckptkit.formats.output.copier as copier
+    from ckptkit.errors import VerificationError
+    from ckptkit.mapping.source import MappedSource
+
+    make_meta(tmp_path / "meta", 2, "3")
+    made = []
+    real_run = MappedSource._run
+    monkeypatch.setattr(MappedSource, "_run", lambda self, i: made.append(i) or real_run(self, i))
+    report = ckptkit.convert(tmp_path / "meta", tmp_path / "hf", mapping="llama-meta")
+    assert len(made) == len(set(made)) == report.through_torch == 13
+    real_write = copier.write_all
+    flipped = []
+
+    def flipping(fd, data):  # the first made tensor reaches the disk with one bit flipped
+        if not flipped:
+            data = bytearray(bytes(data))
+            data[0] ^= 1
+            flipped.append(True)
+        real_write(fd, data)
+
+    monkeypatch.setattr(copier, "write_all", flipping)
+    with pytest.raises(VerificationError, match="model.layers.0.self_attn.q_proj.weight"):
+        ckptkit.convert(tmp_path / "meta", tmp_path / "bad", mapping="llama-meta")
+    assert not (tmp_path / "bad").exists()

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.base import dtypes
@@ -94,6 +94,9 @@ class Source(ABC):
     # Files a model folder output writes beside the weights, made rather than copied: name ->
     # text (the config.json a mapping writes from the source's params.json).
     documents: dict[str, str] = field(default_factory=dict)
+    # Its tensors made through torch are checked by the CRC-32 of the bytes as they were
+    # written, not made again from the files (a mapping reads each source byte once).
+    made_once: ClassVar[bool] = False
     # A file at a URL: the byte file its reader reads through (its first read gave the size);
     # None on a local disk, where readers map or kernel-copy the file itself.
     remote_file: RangeFile | None = field(default=None, init=False, repr=False)
