@@ -77,6 +77,17 @@ allow_global_option = click.option(
     help="Admit pickle global NAME (module.Class); it is never imported. Names that run "
     "code are refused.",
 )
+# A mapping's direction and variables, for convert --map and inspect --map alike.
+reverse_option = click.option(
+    "--reverse", is_flag=True, help="With --map: map the other way (its 'to' side to its 'from')."
+)
+set_option = click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="With --map: set a mapping variable (--set tp=2); repeatable.",
+)
 
 
 def key_rule_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -220,22 +231,14 @@ _READ_OPTIONS = [
         "(llama-meta: Meta's consolidated.NN.pth to Hugging Face); every source byte is "
         "accounted for before anything is written. See docs/mapping.md.",
     ),
-    click.option(
-        "--reverse", is_flag=True, help="With --map: map the other way (Hugging Face to Meta)."
-    ),
+    reverse_option,
     click.option(
         "--check-roundtrip",
         is_flag=True,
         help="With --map: map each group back as it streams and compare it with the source, "
         "bit for bit (nothing is written if one differs).",
     ),
-    click.option(
-        "--set",
-        "sets",
-        multiple=True,
-        metavar="NAME=VALUE",
-        help="With --map: set a mapping variable (--set tp=2); repeatable.",
-    ),
+    set_option,
     click.option(
         "--workers",
         type=click.IntRange(1, 64),
@@ -761,8 +764,8 @@ def train(ctx: click.Context, as_json: bool, config_file: str | None, **options:
     help="Show what `convert --map` would make of PATH: each rule, what it takes, every "
     "target tensor and where it comes from (nothing is written).",
 )
-@click.option("--reverse", is_flag=True, help="With --map: the other way.")
-@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="A mapping variable.")
+@reverse_option
+@set_option
 @json_option
 @quiet_option
 def inspect(

@@ -79,23 +79,6 @@ class Expr:
             raise MappingError(f"'{self.text}' is {value!r}, not a whole number")
         return value
 
-    def offset(self) -> tuple[str, int] | None:
-        """``(name, c)`` when the expression is ``name``, ``name + c`` or ``name - c`` with a
-        constant ``c``: the forms a key pattern can solve for ``name`` when read backwards."""
-        node = self.tree
-        if isinstance(node, ast.Name):
-            return node.id, 0
-        if (
-            isinstance(node, ast.BinOp)
-            and isinstance(node.op, ast.Add | ast.Sub)
-            and isinstance(node.left, ast.Name)
-            and isinstance(node.right, ast.Constant)
-            and type(node.right.value) is int
-        ):
-            sign = 1 if isinstance(node.op, ast.Add) else -1
-            return node.left.id, sign * node.right.value
-        return None
-
     def __str__(self) -> str:
         return self.text
 

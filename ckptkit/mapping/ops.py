@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import ast
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -169,10 +169,11 @@ class Step:
         cls,
         call: OpCall,
         names: Mapping[str, Value],
-        functions: Mapping[str, Callable[..., Value]],
         ranks: int | None,
         where: str,
     ) -> Step:
+        """The op with its arguments evaluated on ``names`` (the variables and the group's
+        captures; ``get``, ``shape`` and ``count`` belong to a side's variables, not here)."""
         values: dict[str, Any] = {}
         for key, expr in call.args.items():
             if key in _NAMES:
@@ -181,7 +182,7 @@ class Step:
             elif key in _TEXTS and isinstance(expr.tree, ast.Constant):
                 values[key] = expr.tree.value
             else:
-                values[key] = expr.evaluate(names, functions)
+                values[key] = expr.evaluate(names)
         return cls(call, values, ranks, where)
 
     def fail(self, message: str, hint: str | None = None) -> MappingError:

@@ -86,18 +86,8 @@ class Group:
             inverse = op.inverse()
             if inverse is None:
                 return None
-            steps.append(Step.bind(inverse, self.names, {}, self.source_ranks, self.where))
+            steps.append(Step.bind(inverse, self.names, self.source_ranks, self.where))
         return steps
-
-    @property
-    def renames(self) -> bool:
-        """A rule that only renames one tensor: its bytes are copied as they lie."""
-        return (
-            len(self.inputs) == 1
-            and len(self.inputs[0]) == 1
-            and len(self.outputs) == 1
-            and all(s.call.name in ("rename", "require") for s in self.steps)
-        )
 
 
 @dataclass(frozen=True)
@@ -456,8 +446,7 @@ def _group(
         pieces = [(info.shape, info.dtype) for info in infos]
         metas.append(pieces if source.ranked else pieces[0])
     nbytes = sum(source.ranks[r or 0][k].nbytes for slot in inputs for r, k in slot)
-    functions: dict[str, Callable[..., Value]] = {}
-    steps = [Step.bind(op, names, functions, plan.target_ranks, where) for op in rule.ops]
+    steps = [Step.bind(op, names, plan.target_ranks, where) for op in rule.ops]
     dropped = 0
     for step in steps:
         metas, lost = step.plan(metas)

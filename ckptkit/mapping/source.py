@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.errors import FormatError, MappingError
+from ckptkit.errors import FormatError, MappingError, UsageError
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.open import OpenOptions, open_source
 from ckptkit.mapping.expr import Value, parse_expr
@@ -70,8 +70,6 @@ def parse_sets(items: list[str] | tuple[str, ...]) -> dict[str, Value]:
     Raises:
         UsageError: not NAME=VALUE.
     """
-    from ckptkit.errors import UsageError
-
     sets: dict[str, Value] = {}
     for item in items:
         name, eq, text = item.partition("=")

@@ -47,8 +47,8 @@ __all__ = ["Mapping", "Rule", "Side", "load_mapping", "parse_mapping", "packs", 
 PACKS = Path(__file__).parent / "packs"
 _LARGEST_FILE = 1 << 20  # bytes: a mapping is written by hand
 _MOST_RULES = 10_000
-_TOP = {"name", "summary", "from", "to", "sides", "rules", "defaults", "detect"}
-_SIDE = {"file", "files", "ranks", "config", "vars", "checks", "write", "detect"}
+_TOP = {"name", "summary", "from", "to", "sides", "rules", "defaults"}
+_SIDE = {"file", "files", "ranks", "config", "vars", "checks", "write"}
 _RULE = {"from", "to", "ops", "optional", "note"}
 
 
@@ -65,7 +65,6 @@ class Side:
     # ...then these must hold: its config and its weights agree (a params.json of another model)
     checks: tuple[Expr, ...] = ()
     write: dict[str, Any] | None = None  # the config document written when it is the target
-    detect: tuple[str, ...] = ()  # keys whose presence says a checkpoint is of this side
 
 
 @dataclass(frozen=True)
@@ -268,15 +267,12 @@ def _side(name: str, raw: Any, origin: str) -> Side:
         raise MappingError(f"{where}.config names a file in the checkpoint's folder")
     raw_vars = raw.get("vars", {})
     write = raw.get("write")
-    detect = raw.get("detect", [])
     if not isinstance(raw_vars, dict) or (write is not None and not isinstance(write, dict)):
         raise MappingError(f"{where}: 'vars' and 'write' are tables")
     if write is not None and not _plain_name(write.get("file")):
         raise MappingError(f"{where}.write names its 'file' (config.json, params.json...)")
     if write is not None:
         _check_document(write, f"{where}.write", 0)
-    if not isinstance(detect, list) or not all(isinstance(k, str) for k in detect):
-        raise MappingError(f"{where}.detect is a list of keys")
     checks = raw.get("checks", [])
     if not isinstance(checks, list):
         raise MappingError(f"{where}.checks is a list of expressions that must hold")
@@ -289,7 +285,6 @@ def _side(name: str, raw: Any, origin: str) -> Side:
         vars={k: parse_expr(v, f"{where}.vars.{k}") for k, v in raw_vars.items()},
         checks=tuple(parse_expr(c, f"{where}.checks") for c in checks),
         write=write,
-        detect=tuple(detect),
     )
 
 

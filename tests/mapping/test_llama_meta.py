@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import ckptkit
 from ckptkit.errors import FormatError, MappingError, UsageError
+from ckptkit.formats.base.tensors import bit_equal
 from ckptkit.mapping.spec import PACKS
 
 REFERENCES = FIXTURE_DIR / "mapping"
@@ -39,14 +40,6 @@ CONFIG_FIELDS = (
 )
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.view(torch.int16), b.view(torch.int16))
-    )
-
-
 @pytest.mark.parametrize(("name", "tp", "version"), CASES, ids=CASE_IDS)
 def test_meta_to_hf_is_transformers_converter_bit_for_bit(tmp_path, name, tp, version):
     make_meta(tmp_path / "meta", tp, version)
@@ -54,7 +47,7 @@ def test_meta_to_hf_is_transformers_converter_bit_for_bit(tmp_path, name, tp, ve
     ours = load_file(tmp_path / "hf" / "model.safetensors")
     theirs = load_file(REFERENCES / name / "model.safetensors")
     assert sorted(ours) == sorted(theirs)
-    assert [k for k in theirs if not same_bits(ours[k], theirs[k])] == []
+    assert [k for k in theirs if not bit_equal(ours[k], theirs[k])] == []
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     reference = json.loads((REFERENCES / name / "config.json").read_text())
     assert {f: config[f] for f in CONFIG_FIELDS} == {f: reference[f] for f in CONFIG_FIELDS}
@@ -128,7 +121,7 @@ def test_reversed_with_the_rank_count_it_gives_back_the_original_shards(
         back = torch.load(tmp_path / "back" / file, weights_only=True)
         original.pop("rope.freqs", None)  # Llama 2's, dropped on the way (loaders compute it)
         assert list(back) == list(original)  # Meta's order too
-        assert [k for k in original if not same_bits(back[k], original[k])] == []
+        assert [k for k in original if not bit_equal(back[k], original[k])] == []
     params = json.loads((tmp_path / "back" / "params.json").read_text())
     assert {k: params[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")} == {
         k: PARAMS[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")

@@ -18,14 +18,7 @@ from safetensors.torch import load_file
 
 import ckptkit
 from ckptkit.errors import MappingError
-
-
-def same_bits(a, b) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    )
+from ckptkit.formats.base.tensors import bit_equal
 
 
 @pytest.mark.parametrize("experts", [0, 4], ids=["mistral", "mixtral"])
@@ -59,7 +52,7 @@ def test_mapped_back_it_is_the_same_file(tmp_path, experts):
     )
     back = load_file(tmp_path / "back" / "consolidated.safetensors")
     assert sorted(back) == sorted(weights)
-    assert [k for k in weights if not same_bits(back[k], weights[k])] == []
+    assert [k for k in weights if not bit_equal(back[k], weights[k])] == []
     params = json.loads((tmp_path / "back" / "params.json").read_text())
     assert params == json.loads((tmp_path / "mistral" / "params.json").read_text())
     assert report.mapping["roundtrip"]["mapped_back"] == 2 * MISTRAL["n_layers"]
@@ -82,7 +75,7 @@ def test_hugging_faces_own_mixtral_maps_to_mistrals_layout_and_back(tmp_path):
     ckptkit.convert(tmp_path / "mistral", tmp_path / "again", mapping="mistral")
     a = load_file(tmp_path / "hf" / "model.safetensors")
     b = load_file(tmp_path / "again" / "model.safetensors")
-    assert sorted(a) == sorted(b) and [k for k in a if not same_bits(a[k], b[k])] == []
+    assert sorted(a) == sorted(b) and [k for k in a if not bit_equal(a[k], b[k])] == []
 
 
 def test_experts_that_do_not_match_params_json_are_refused(tmp_path, run):

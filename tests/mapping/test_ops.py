@@ -18,7 +18,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8
 
 
 def step(text: str, names: dict | None = None, ranks: int | None = None) -> Step:
-    return Step.bind(parse_op(text, "test"), names or {}, {}, ranks, "rule 1 at 'k'")
+    return Step.bind(parse_op(text, "test"), names or {}, ranks, "rule 1 at 'k'")
 
 
 def meta(value):
@@ -51,7 +51,7 @@ def there_and_back(text: str, values: list, names: dict | None = None, ranks=Non
     forward = step(text, names, ranks)
     inverse_call = forward.call.inverse()
     assert inverse_call is not None
-    back = Step.bind(inverse_call, names or {}, {}, ranks, "rule 1 at 'k'")
+    back = Step.bind(inverse_call, names or {}, ranks, "rule 1 at 'k'")
     out = run_planned(forward, values)
     again = run_planned(back, out)
     assert same_bits(again, values), text

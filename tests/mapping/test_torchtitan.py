@@ -15,18 +15,11 @@ from safetensors.torch import load_file, save_file
 
 import ckptkit
 from ckptkit.errors import MappingError
+from ckptkit.formats.base.tensors import bit_equal
 
 RUN = FIXTURE_DIR / "torchtitan" / "torchtitan-llama3"
 EXPORT = FIXTURE_DIR / "torchtitan" / "torchtitan-llama3-hf"
 ARGS = json.loads((RUN / "model_args.json").read_text())
-
-
-def same_bits(a, b) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and torch.equal(a.view(torch.int32), b.view(torch.int32))
-    )
 
 
 def titan_weights(step: str) -> dict[str, torch.Tensor]:
@@ -51,7 +44,7 @@ def test_the_newest_step_maps_to_torchtitans_own_export_bit_for_bit(tmp_path):
         load_file(EXPORT / "model.safetensors"),
     )
     assert sorted(ours) == sorted(theirs)
-    assert [k for k in theirs if not same_bits(ours[k], theirs[k])] == []
+    assert [k for k in theirs if not bit_equal(ours[k], theirs[k])] == []
     assert "step-10, the newest of the run's 2 step checkpoints" in report.selected_reason
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (8, 4)
@@ -77,7 +70,7 @@ def test_a_full_training_save_leaves_its_optimizer_out(tmp_path):
     assert {"lr_scheduler", "train_state", "dataloader"} <= set(report.extras)
     ours = load_file(tmp_path / "hf" / "model.safetensors")
     saved = titan_weights("step-5")
-    assert same_bits(
+    assert bit_equal(
         ours["model.layers.1.mlp.down_proj.weight"], saved["layers.1.feed_forward.w2.weight"]
     )
 
@@ -99,7 +92,7 @@ def test_mapped_back_it_is_the_dcp_torchtitan_saved(tmp_path):
     state = {key: torch.empty_like(t) for key, t in saved.items()}
     with single_process_dcp():  # torch's own reader, the keys at the top level as torchtitan's
         dcp.load(state, checkpoint_id=str(tmp_path / "back"), no_dist=True)
-    assert [k for k in saved if not same_bits(state[k], saved[k])] == []
+    assert [k for k in saved if not bit_equal(state[k], saved[k])] == []
 
 
 def test_refusals_name_the_rule_the_key_and_the_fix(tmp_path, run):
