@@ -23,8 +23,8 @@ The ways:
   ``PYTHONPATH=--transformers`` (a ``pip install --target`` folder; default /tmp/tf446), its
   output then fsynced; skipped, and said so, when that folder has no converter;
 - the anchor: ``cp`` of the ``model.safetensors`` ckptkit wrote, then ``sync`` of the copy;
-- the imports alone (what ckptkit's convert imports, torch with them): the base its memory
-  above is measured from.
+- the imports alone (what ckptkit's convert imports; a mapping that only moves bytes never
+  imports torch): the base its memory above is measured from.
 
 Measured as in ``bench/run.py`` (fresh process per run, shuffled turns, a settled disk and a
 warm cache; peak anonymous memory sampled from /proc, peak RSS from the kernel).
@@ -125,7 +125,7 @@ print(json.dumps(n))
 CKPTKIT = "ckptkit convert --map llama-meta (verified)"
 TRANSFORMERS = "transformers 4.46.3 write_model + fsync"
 CP = "cp of ckptkit's output, then sync"
-IMPORTS = "import ckptkit's convert + torch (alone)"
+IMPORTS = "import ckptkit's convert (alone)"
 
 
 def meta_params(total_bytes: int) -> dict:
@@ -235,7 +235,7 @@ def main() -> None:
         ways = {
             CKPTKIT: ckptkit_argv(info["folder"], folder / "out-ckptkit"),
             CP: ["sh", "-c", f"cp '{ref_file}' '{out_cp}' && sync '{out_cp}'"],
-            IMPORTS: python("import ckptkit.cli, ckptkit.convert, torch"),
+            IMPORTS: python("import ckptkit.cli, ckptkit.convert"),
         }
         if converter:
             ways[TRANSFORMERS] = converter_argv(args.transformers, info, folder / "out-tf")

@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, MappingError, UsageError
+from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.open import OpenOptions, open_source
 from ckptkit.mapping.expr import Value, parse_expr
+from ckptkit.mapping.layout import ZEROS, Check, Layout, lay
 from ckptkit.mapping.plan import (
     MapPlan,
     SourceKeys,
@@ -32,6 +34,7 @@ from ckptkit.mapping.plan import (
     variables,
 )
 from ckptkit.mapping.spec import Mapping, Side, load_mapping
+from ckptkit.storage.bytecopy import MappedFiles, MappedRange, zeros
 from ckptkit.storage.location import Location, holds_file, listing, location
 from ckptkit.storage.small import read_json
 
@@ -99,6 +102,12 @@ class MappedSource(Source):
         # them in rank R's file under KEY (conversion.plan.per_rank).
         self._targets = {_name(t.key, t.rank): t for t in plan.targets}
         self._made: tuple[int, dict[tuple[int | None, str], torch.Tensor]] | None = None
+        # The group being moved as bytes (made_pieces): its outputs' layouts and the mapped
+        # ranges of its inputs.
+        self._moved: tuple[int, dict[tuple[int | None, str], Layout] | None] | None = None
+        self._ranges: list[MappedRange] = []
+        self._files = MappedFiles()
+        self._infos: list[dict[str, TensorInfo]] | None = None
         self.check_roundtrip = False
         self.roundtrips: set[int] = set()  # groups mapped back and found bit-equal
 
@@ -143,6 +152,73 @@ class MappedSource(Source):
     def byte_span(self, key: str) -> tuple[Location, int, int] | None:
         pieces = self.byte_pieces(key)
         return pieces[0] if pieces is not None and len(pieces) == 1 else None
+
+    def made_pieces(self, key: str) -> list[memoryview] | None:
+        """A tensor whose group only moves bytes (rank slices joined along any dim, q/k rows
+        permuted, fused tensors cut, padding), as views of the mapped source files (and of
+        zeros) whose concatenation is its bytes; None when an op computes (``cast``,
+        ``transpose``), a source tensor is not one range of a local file, or
+        ``--check-roundtrip`` maps the group back through torch."""
+        if self.check_roundtrip:
+            return None
+        target = self._targets[key]
+        if self._moved is None or self._moved[0] != target.group:
+            self._release()  # the previous group's mappings go first
+            self._moved = (target.group, self._move(target.group))
+        layouts = self._moved[1]
+        if layouts is None:
+            return None
+        return self._pieces_of(layouts[(target.rank, target.key)])
+
+    def _move(self, index: int) -> dict[tuple[int | None, str], Layout] | None:
+        """One group's outputs as layouts of its inputs, each input's range mapped; ``same``'s
+        rank copies compared."""
+        group = self.plan.groups[index]
+        if self._infos is None:
+            self._infos = [dict(source.entries()) for source in self._sources]
+        spans: list[tuple[Path, int, int]] = []
+        values: list[Any] = []
+        for slot in group.inputs:
+            layouts = []
+            for rank, key in slot:
+                span = self._input(rank, key).local_span(key)
+                info = self._infos[rank or 0][key]
+                if span is None or not isinstance(span[0], Path) or span[2] != info.nbytes:
+                    return None
+                itemsize = DTYPES[info.dtype].itemsize
+                layouts.append(Layout.of_input(len(spans), info.shape, itemsize))
+                spans.append((span[0], span[1], span[2]))
+            values.append(layouts if slot[0][0] is not None else layouts[0])
+        checks: list[Check] = []
+        for step in group.steps:
+            laid = lay(step, values, checks)
+            if laid is None:
+                return None
+            values = laid
+        self._ranges = [self._files.map(path, offset, count) for path, offset, count in spans]
+        for first, other, error in checks:  # same(): every rank's copy as rank 0's
+            if b"".join(self._pieces_of(first)) != b"".join(self._pieces_of(other)):
+                raise error
+        flat: list[Layout] = []
+        for value in values:
+            flat += value if isinstance(value, list) else [value]
+        return dict(zip(group.outputs, flat, strict=True))
+
+    def _pieces_of(self, layout: Layout) -> list[memoryview]:
+        views = [r.view for r in self._ranges]
+        pieces: list[memoryview] = []
+        for slot, offset, length in layout.pieces:
+            if slot == ZEROS:
+                pieces += zeros(length)
+            else:
+                pieces.append(views[slot][offset : offset + length])
+        return pieces
+
+    def _release(self) -> None:
+        self._moved = None
+        for mapped in self._ranges:
+            mapped.close()
+        self._ranges = []
 
     def load(self, key: str) -> torch.Tensor:
         target = self._targets[key]
@@ -202,6 +278,8 @@ class MappedSource(Source):
 
     def close(self) -> None:
         self._made = None
+        self._release()
+        self._files.close()
         for source in self._sources:
             source.close()
 

@@ -14,7 +14,9 @@ import errno
 import functools
 import mmap
 import os
-from typing import Any
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TypeVar
 
 from ckptkit.errors import FormatError
 
@@ -26,7 +28,15 @@ __all__ = [
     "preallocate",
     "release_pages",
     "CHUNK",
+    "IOV_MAX",
+    "batched",
+    "write_all_of",
+    "zeros",
+    "MappedRange",
+    "MappedFiles",
 ]
+
+T = TypeVar("T")
 
 CHUNK = 8 * 1024 * 1024
 COPY_WINDOW = 4 * 1024 * 1024  # mapped copy: 2 to 8 MiB measured fastest; larger thrashes caches
@@ -157,6 +167,85 @@ def write_all(fd: int, data: memoryview) -> None:
     """Write all of ``data`` at ``fd`` (``os.write`` may take less than it is given)."""
     while data:
         data = data[os.write(fd, data) :]
+
+
+IOV_MAX = 1024  # buffers one writev takes (Linux's UIO_MAXIOV)
+_ZEROS = memoryview(bytes(1 << 20))
+
+
+def batched(items: list[T], n: int) -> Iterator[list[T]]:
+    """``items`` in lists of ``n`` (the last shorter)."""
+    for start in range(0, len(items), n):
+        yield items[start : start + n]
+
+
+def write_all_of(fd: int, views: list[memoryview]) -> None:
+    """Write ``views`` end to end at ``fd``, in one ``writev`` where it takes them all."""
+    done = os.writev(fd, views)
+    for view in views:  # the rest of a short write
+        if done >= len(view):
+            done -= len(view)
+            continue
+        write_all(fd, view[done:])
+        done = 0
+
+
+def zeros(count: int) -> list[memoryview]:
+    """``count`` zero bytes, as views of one shared buffer of zeros."""
+    return [_ZEROS[: min(len(_ZEROS), count - at)] for at in range(0, count, len(_ZEROS))]
+
+
+class MappedRange:
+    """One byte range of a file mapped read-only (its pages are the page cache's, filled in
+    one go), as :attr:`view`."""
+
+    def __init__(self, fd: int, offset: int, count: int) -> None:
+        self._window: mmap.mmap | None = None
+        if count == 0:  # a mapping of length 0 would be the whole file
+            self.view = memoryview(b"")
+            return
+        self._window, skip = _map(
+            fd, offset, count, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ
+        )
+        self.view = memoryview(self._window)[skip : skip + count]
+
+    def close(self) -> None:
+        self.view.release()
+        # A view of it still held elsewhere (a write interrupted mid-way) keeps the mapping
+        # alive: it goes with that view.
+        if self._window is not None:
+            with contextlib.suppress(BufferError):
+                self._window.close()
+
+
+class MappedFiles:
+    """Files opened once to map ranges of (:class:`MappedRange`), closed together."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+
+    def map(self, path: Path, offset: int, count: int) -> MappedRange:
+        """Bytes ``offset`` to ``offset + count`` of ``path``, mapped.
+
+        Raises:
+            FormatError: the range runs past the end of the file (mapped, it would crash the
+                process on access).
+        """
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        fd = self._fds[path]
+        if offset < 0 or count < 0 or offset + count > os.fstat(fd).st_size:
+            raise FormatError(
+                f"{path}: a tensor's bytes ({offset} to {offset + count}) run past the end of "
+                "the file",
+                "the file is cut short: copy it again",
+            )
+        return MappedRange(fd, offset, count)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def release_pages(fd: int, offset: int, count: int) -> None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from ckptkit.errors import MappingError
 from ckptkit.formats.base.tensors import dtype_name
+from ckptkit.mapping.layout import ZEROS, Layout, lay
 from ckptkit.mapping.ops import Step, parse_op
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
@@ -28,11 +29,54 @@ def meta(value):
 
 
 def run_planned(s: Step, values: list) -> list:
-    """Run an op after planning it on the values' shapes: the plan must foresee the result."""
+    """Run an op after planning it on the values' shapes: the plan must foresee the result,
+    and the op laid out as byte ranges must give the very bytes it made (transpose and cast,
+    which move single elements or compute, have no layout)."""
     planned, _ = s.plan([meta(v) for v in values])
     out = s.run(values)
     assert [meta(v) for v in out] == planned
+    laid = laid_bytes(s, values)
+    if s.call.name in ("transpose", "cast"):
+        assert laid is None
+    else:
+        assert laid == as_bytes(out), s.call.text
     return out
+
+
+def as_bytes(value):
+    if isinstance(value, list):
+        return [as_bytes(v) for v in value]
+    return value.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def laid_bytes(s: Step, values: list) -> list | None:
+    """The op run by ``ckptkit.mapping.layout.lay`` on the values' layouts, each output's
+    pieces then copied from the values' bytes; None when it has no layout. A ``same`` whose
+    copies differ raises its error, as a conversion does once it reads them."""
+    inputs: list[bytes] = []
+
+    def layout_of(value):
+        if isinstance(value, list):
+            return [layout_of(v) for v in value]
+        inputs.append(as_bytes(value))
+        return Layout.of_input(len(inputs) - 1, value.shape, value.element_size())
+
+    def made(layout):
+        if isinstance(layout, list):
+            return [made(t) for t in layout]
+        got = b"".join(
+            bytes(n) if slot == ZEROS else inputs[slot][at : at + n]
+            for slot, at, n in layout.pieces
+        )
+        assert len(got) == layout.nbytes
+        return got
+
+    checks: list = []
+    out = lay(s, [layout_of(v) for v in values], checks)
+    for first, other, error in checks:
+        if made(first) != made(other):
+            raise error
+    return None if out is None else made(out)
 
 
 def same_bits(a: list, b: list) -> bool:
@@ -140,6 +184,42 @@ def test_stack_transpose_slice_pad_cast_are_undone(data, a, b, n):
         # widening is exact, so casting back gives the bits (NaN payloads aside)
         floats = torch.where(floats.isnan(), torch.zeros_like(floats), floats)
         there_and_back(f"cast('float32', back='{dtype_name(floats.dtype)}')", [floats])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.data(),
+    st.lists(st.integers(1, 3), min_size=3, max_size=3),
+    st.integers(0, 2),
+    st.integers(1, 3),
+    st.integers(1, 3),
+)
+def test_ops_along_any_dim_of_3d_tensors(data, shape, dim, ranks, groups):
+    """Joining, cutting, slicing and padding along any dim: each outer slice's pieces in turn
+    (what the layouts must get right beyond rows), there and back."""
+    whole = list(shape)
+    whole[dim] *= ranks * groups
+    t = data.draw(tensors(tuple(whole)))
+    there_and_back(f"scatter(dim={dim})", [t], ranks=ranks * groups)
+    sizes = [shape[dim]] * ranks
+    there_and_back(f"split(dim={dim}, sizes={sizes}, groups={groups})", [t])
+    there_and_back(f"split(dim={dim}, parts={ranks}, groups={groups})", [t])
+    run_planned(step(f"slice(dim={dim}, size={whole[dim] // groups})"), [t])
+    there_and_back(f"pad(dim={dim}, size={whole[dim]}, full={whole[dim] + groups})", [t])
+
+
+def test_a_layout_takes_ranges_across_its_pieces():
+    """Pieces of pieces: a range that starts inside one piece and ends inside another, and
+    zeros (pad) merged with zeros."""
+    rows = [torch.arange(4 * i, 4 * i + 4, dtype=torch.int16).reshape(2, 2) for i in range(3)]
+    padded = run_planned(step("pad(dim=1, size=2, full=3)"), [torch.cat(rows)])
+    joined = run_planned(step("gather(dim=1)"), [rows])
+    again = run_planned(step("permute_rope(heads=1)"), [joined[0]])
+    assert padded[0][:, 2].eq(0).all() and again[0].shape == (2, 6)
+    layout = Layout((6,), 2, [(0, 0, 4), (ZEROS, 0, 2), (ZEROS, 0, 2), (1, 8, 4)])
+    assert layout.pieces == [(0, 0, 4), (ZEROS, 0, 4), (1, 8, 4)]
+    assert layout.take(2, 8) == [(0, 2, 2), (ZEROS, 0, 4), (1, 8, 2)]
+    assert layout.take(11, 1) == [(1, 11, 1)]
 
 
 def test_drop_accounts_its_bytes_and_makes_nothing():

@@ -149,3 +149,43 @@ def test_preallocate_reserves_the_size(tmp_path):
     else:  # every filesystem a test folder lies on here (ext4, xfs, btrfs, tmpfs) has it
         assert size == 5_000_000
         assert os.stat(tmp_path / "out").st_blocks * 512 >= 5_000_000
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.binary(min_size=0, max_size=3 * mmap.ALLOCATIONGRANULARITY), st.data())
+def test_a_mapped_range_is_the_files_bytes_there(tmp_path_factory, data, draw):
+    path = tmp_path_factory.mktemp("mapped") / "f"
+    path.write_bytes(data)
+    start = draw.draw(st.integers(0, len(data)))
+    count = draw.draw(st.integers(0, len(data) - start))
+    files = bytecopy.MappedFiles()
+    try:
+        mapped = files.map(path, start, count)
+        assert bytes(mapped.view) == data[start : start + count]
+        mapped.close()
+        with pytest.raises(FormatError, match="run past the end of the file"):
+            files.map(path, start, len(data) - start + 1)
+    finally:
+        files.close()
+
+
+def test_write_all_of_finishes_a_short_writev(tmp_path, monkeypatch):
+    """``writev`` may take fewer bytes than it is given: the rest follows, in order."""
+    views = [memoryview(b"abc"), memoryview(b""), memoryview(b"defgh"), memoryview(b"ij")]
+    real = os.writev
+
+    def short(fd, buffers):  # takes the first four bytes only
+        return real(fd, [b"".join(buffers)[:4]])
+
+    monkeypatch.setattr(bytecopy.os, "writev", short)
+    fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT)
+    try:
+        bytecopy.write_all_of(fd, views)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "out").read_bytes() == b"abcdefghij"
+    assert b"".join(bytecopy.zeros(5)) == bytes(5) and bytecopy.zeros(0) == []
+    assert [len(z) for z in bytecopy.zeros((1 << 20) + 3)] == [
+        1 << 20,
+        3,
+    ]

@@ -151,6 +151,11 @@ class Source(ABC):
         span = self.byte_span(key)
         return None if span is None else [span]
 
+    def made_pieces(self, key: str) -> list[memoryview] | None:
+        """A tensor made by moving bytes of the source's files (a mapping's rank slices joined,
+        rows permuted): views whose concatenation is its bytes; None for any other."""
+        return None
+
     def expected_crc(self, key: str) -> int | None:
         """The CRC-32 a file records for exactly this tensor's bytes (a torch zip's member that
         holds the whole tensor), to check bytes fetched from a URL against; None when none."""
