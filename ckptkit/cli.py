@@ -792,10 +792,17 @@ def inspect(
     ckptkit inspect download.safetensors --stats
     ckptkit inspect llama-2-13b/ --map llama-meta
     """
+    from ckptkit.mapping.recognise import model_parallel
+    from ckptkit.storage.location import is_local, location
     from ckptkit.summary import keep, summarize
 
+    said = None
+    where = location(path)
+    asked = mapping is not None or reverse or sets or select is not None
+    if not asked and is_local(where) and (found := model_parallel(where)) is not None:
+        mapping, said = found.pack, found.said(where)  # only a pack reads such a folder
     if mapping is not None:
-        _inspect_mapped(path, mapping, reverse, sets, select, key_filter, as_json, quiet)
+        _inspect_mapped(path, mapping, reverse, sets, select, key_filter, as_json, quiet, said)
         return
     if reverse or sets:
         raise UsageError("--reverse and --set go with --map NAME|FILE")
@@ -834,18 +841,21 @@ def _inspect_mapped(
     key_filter: str | None,
     as_json: bool,
     quiet: bool,
+    said: str | None = None,
 ) -> None:
-    """``inspect PATH --map NAME``: the mapped conversion's plan, nothing written."""
+    """``inspect PATH --map NAME``: the mapped conversion's plan, nothing written (``said``:
+    why a folder inspected without --map is shown through a pack)."""
     from ckptkit.formats.open import OpenOptions
     from ckptkit.mapping.source import MapOptions, map_plan, parse_sets
     from ckptkit.render import mapping_plan_lines
 
     options = MapOptions(mapping=mapping, reverse=reverse, sets=parse_sets(sets))
     plan = map_plan(path, options, OpenOptions(select=select))
+    plan["recognised"] = said
     if as_json:
         _emit("inspect", plan)
     elif not quiet:
-        _echo(mapping_plan_lines(plan, key_filter))
+        _echo([*([said] if said else []), *mapping_plan_lines(plan, key_filter)])
 
 
 @cli.command()

@@ -141,6 +141,7 @@ def _key_lines(summary: Any) -> list[str]:
         lines.append(f"wrappers    {chain}; `ckptkit convert --strip-wrappers` removes them")
     else:
         lines.append("wrappers    none")
+    lines += _mapping_lines(summary.mapping)
     if summary.common_prefix and summary.model_folder:
         lines.append(
             f"prefix      every key starts with '{summary.common_prefix}': the model folder's "
@@ -170,6 +171,20 @@ def _key_lines(summary: Any) -> list[str]:
             f"{human_size(part.nbytes)} (not weights)"
         )
     return lines
+
+
+def _mapping_lines(mapping: dict[str, Any] | None) -> list[str]:
+    """A model family's own names or rank file: the pack that maps it (``convert --map``)."""
+    if mapping is None:
+        return []
+    if mapping["rank_file"]:
+        return [f"mapping     {mapping['rank_file']}"]
+    named = " or ".join(mapping["packs"])
+    return [
+        f"mapping     a model family's own names, which {named} maps: "
+        f"`ckptkit convert --map {mapping['packs'][0]}` makes a Hugging Face model "
+        f"(`inspect --map` shows how)"
+    ]
 
 
 def _training_lines(run: dict[str, Any]) -> list[str]:

@@ -79,6 +79,9 @@ class Summary:
     # A model folder's weights (config.json beside them): their names are the model's own,
     # whatever prefix they share (``transformer.``), and from_pretrained needs them as they are.
     model_folder: bool = False
+    # Keys in a model family's own names, or one of its rank files: the shipped packs that map
+    # them ("packs"), and for a rank file, that it is one slice of the model ("rank_file").
+    mapping: dict[str, Any] | None = None
 
     @cached_property  # the views ask more than once; 100,000 tensors make it count
     def parameters(self) -> int:
@@ -155,6 +158,7 @@ class Summary:
             "pipeline": self.pipeline,
             "ema_model": self.ema_model,
             "fetched": self.fetched,
+            "mapping": self.mapping,
             "tensors": [
                 {"key": key, **info.to_dict(), "contiguous": info.contiguous}
                 for key, info in self.tensors
@@ -240,8 +244,24 @@ def _summarize(
             adapter=describe(source),
             ema_model=_ema_model(source, path, names_from),
             model_folder=source.folder is not None,
+            mapping=_mapping(path, entries),
         )
     return summary
+
+
+def _mapping(path: Location, entries: list[tuple[str, TensorInfo]]) -> dict[str, Any] | None:
+    """The shipped packs that map keys in a model family's own names, and whether the file is
+    one of several model-parallel rank files (a local file's folder listed to find out)."""
+    from ckptkit.mapping.recognise import model_parallel, packs_for
+
+    found = packs_for((key for key, _ in entries), path.name)
+    rank_file = None
+    if is_local(path) and not path.is_dir():
+        recognised = model_parallel(path.parent)
+        rank_file = recognised.one_of(path.name) if recognised else None
+    if not found and rank_file is None:
+        return None
+    return {"packs": found, "rank_file": rank_file}
 
 
 def _safety(source: Source) -> ScanReport | None:

@@ -231,7 +231,6 @@ def test_mapping_refusals_name_the_file_and_the_fix(run, tmp_path):
         "is a Meta Llama checkpoint in 4",
         "--map llama-meta",
     )
-    one_error(run("inspect", "meta"), "--map llama-meta")
     one_error(
         run("convert", "meta/consolidated.00.pth", "x", "--map", "llama-meta"),
         "is one file",
@@ -287,6 +286,41 @@ def test_a_meta_file_of_another_model_is_refused_by_its_rule(tmp_path):
         ckptkit.convert(
             tmp_path / "meta" / "consolidated.00.pth", tmp_path / "hf2", mapping="llama-meta"
         )
+
+
+def test_inspect_recognises_the_layout_and_names_the_pack(run, tmp_path):
+    """A Meta folder inspected without --map is shown through llama-meta (and said so); one
+    of its rank files is said to be a slice; keys in Meta's names name the pack; torchtitan's
+    DCP names its own; a Hugging Face model names none."""
+    make_meta(tmp_path / "meta", 2, "3")
+    make_meta(tmp_path / "one", 1, "3")
+    shown = run("inspect", "meta")
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    assert lines[0] == (
+        "meta is a Meta Llama checkpoint in 2 model-parallel files: shown as --map llama-meta "
+        "maps it to Hugging Face"
+    )
+    assert lines[2].startswith("Mapped   by llama-meta (meta -> hf): 12 of 13 rules ran")
+    document = json.loads(run("inspect", "meta", "--json").output)
+    assert document["recognised"] == lines[0] and len(document["targets"]) == 21
+
+    def mapping_of(path):
+        return json.loads(run("inspect", str(path), "--json").output)["mapping"]
+
+    rank_file = mapping_of("meta/consolidated.01.pth")
+    assert rank_file["rank_file"].startswith("one of 2 model-parallel files of a Meta Llama")
+    assert (
+        "mapping     one of 2 model-parallel files"
+        in run("inspect", "meta/consolidated.01.pth").output
+    )
+    assert mapping_of("one/consolidated.00.pth") == {"packs": ["llama-meta"], "rank_file": None}
+    titan = FIXTURE_DIR / "torchtitan" / "torchtitan-llama3"
+    assert mapping_of(titan) == {"packs": ["torchtitan-llama3"], "rank_file": None}
+    text = run("inspect", str(titan)).output
+    assert "which torchtitan-llama3 maps: `ckptkit convert --map torchtitan-llama3`" in text
+    assert mapping_of(FIXTURE_DIR / "torchtitan" / "torchtitan-llama3-hf") is None
+    assert sorted(os.listdir(tmp_path)) == ["meta", "one"]
 
 
 def test_inspect_with_a_map_shows_the_plan_and_writes_nothing(run, tmp_path):

@@ -104,3 +104,16 @@ def test_experts_that_do_not_match_params_json_are_refused(tmp_path, run):
     with pytest.raises(MappingError, match="an expert is missing"):
         ckptkit.convert(tmp_path / "short", tmp_path / "c", mapping="mistral")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense", "moe", "short"]
+
+
+def test_inspect_names_the_mistral_pack(tmp_path, run):
+    """Its folder is shown through the pack; its one file, in Mistral's names, names it."""
+    make_mistral(tmp_path / "mistral", 4)
+    shown = run("inspect", "mistral")
+    assert shown.exit_code == 0, shown.output
+    assert shown.output.splitlines()[0] == (
+        "mistral is a Mistral checkpoint (consolidated.safetensors): shown as --map mistral "
+        "maps it to Hugging Face"
+    )
+    document = json.loads(run("inspect", "mistral/consolidated.safetensors", "--json").output)
+    assert document["mapping"] == {"packs": ["mistral"], "rank_file": None}
