@@ -1,96 +1,21 @@
-"""A mapping's ops run on where bytes lie instead of on tensors, so that a rule that only moves
-bytes (rank slices joined, q/k rows permuted, fused tensors cut) makes its outputs by copying
-ranges of the source files, without torch.
+"""A mapping's ops run on where bytes lie instead of on tensors (``formats/base/layout.py``), so
+that a rule that only moves bytes (rank slices joined, q/k rows permuted, fused tensors cut)
+makes its outputs by copying ranges of the source files, without torch.
 
-A :class:`Layout` is a tensor described as the byte ranges of a group's inputs that, end to end,
-are its row-major bytes (and runs of zeros, for padding). :func:`lay` is :meth:`Step.run`
-again, on layouts: every op that rearranges elements whole has one here; ``transpose`` (which
-moves single elements) and ``cast`` (which computes) have none, and a group that uses them is
-made through torch. ``tests/mapping/test_layout.py`` checks each op's layout against its torch
-run, byte for byte.
+:func:`lay` is :meth:`Step.run` again, on layouts: every op that rearranges elements whole has
+one; ``transpose`` (which moves single elements) and ``cast`` (which computes) have none, and a
+group that uses them is made through torch. ``tests/mapping/test_ops.py`` checks each op's
+layout against its torch run, byte for byte.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ckptkit.formats.base.layout import Layout, concat, pad, rope, split, stack, unstack
 from ckptkit.mapping.ops import Step
 
-__all__ = ["Layout", "Piece", "ZEROS", "lay"]
-
-ZEROS = -1  # a piece's slot for a run of zero bytes (pad)
-Piece = tuple[int, int, int]  # (input slot, or ZEROS; byte offset in that input; byte count)
-
-
-class Layout:
-    """One tensor as byte ranges of the group's inputs (each input numbered by its slot)."""
-
-    __slots__ = ("shape", "itemsize", "pieces", "_ends")
-
-    def __init__(self, shape: Sequence[int], itemsize: int, pieces: Iterable[Piece]) -> None:
-        self.shape = tuple(shape)
-        self.itemsize = itemsize
-        self.pieces = _joined(pieces)
-        self._ends: list[int] | None = None
-
-    @classmethod
-    def of_input(cls, slot: int, shape: Sequence[int], itemsize: int) -> Layout:
-        """Input ``slot``'s tensor, whole and contiguous."""
-        return cls(shape, itemsize, [(slot, 0, math.prod(shape) * itemsize)])
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
-
-    def take(self, start: int, count: int) -> list[Piece]:
-        """The pieces of bytes ``start`` to ``start + count`` of this tensor."""
-        if count <= 0:
-            return []
-        if len(self.pieces) == 1:  # a whole input (most are): no search
-            slot, offset, _ = self.pieces[0]
-            return [(slot, offset + (start if slot != ZEROS else 0), count)]
-        if self._ends is None:
-            ends, total = [], 0
-            for _, _, length in self.pieces:
-                total += length
-                ends.append(total)
-            self._ends = ends
-        ends = self._ends
-        out: list[Piece] = []
-        i = bisect.bisect_right(ends, start)
-        end = start + count
-        while start < end:
-            slot, offset, length = self.pieces[i]
-            begin = ends[i] - length  # where piece i starts in this tensor
-            skip = start - begin
-            n = min(length - skip, end - start)
-            out.append((slot, offset + (skip if slot != ZEROS else 0), n))
-            start += n
-            i += 1
-        return out
-
-    def _row(self, dim: int) -> tuple[int, int]:
-        """(the count of slices before ``dim``, bytes per unit of ``dim``)."""
-        return math.prod(self.shape[:dim]), math.prod(self.shape[dim + 1 :]) * self.itemsize
-
-
-def _joined(pieces: Iterable[Piece]) -> list[Piece]:
-    """Pieces with neighbours that continue each other merged (fewer, longer copies)."""
-    out: list[Piece] = []
-    for piece in pieces:
-        if piece[2] == 0:
-            continue
-        if out:
-            slot, offset, length = out[-1]
-            if slot == piece[0] and (slot == ZEROS or offset + length == piece[1]):
-                out[-1] = (slot, offset, length + piece[2])
-                continue
-        out.append(piece)
-    return out
-
+__all__ = ["Check", "lay"]
 
 # A check ``same`` leaves to when the bytes are read: (rank 0's copy, another rank's, the
 # message should they differ).
@@ -107,7 +32,7 @@ def lay(step: Step, values: list[Any], checks: list[Check]) -> list[Any] | None:
     if name == "drop":
         return []
     if name == "gather":
-        return [_concat(list(ranks), v["dim"], 1) for ranks in values]
+        return [concat(list(ranks), v["dim"], 1) for ranks in values]
     if name == "same":
         for ranks in values:
             for rank, other in enumerate(ranks[1:], 1):
@@ -120,99 +45,31 @@ def lay(step: Step, values: list[Any], checks: list[Check]) -> list[Any] | None:
         out = []
         for t in values:
             dim = v["dim"] % len(t.shape)
-            out.append(_split(t, dim, [t.shape[dim] // ranks] * ranks, 1))
+            out.append(split(t, dim, [t.shape[dim] // ranks] * ranks, 1))
         return out
     if name == "replicate":
         return [[t] * ranks for t in values]
     if name == "concat":
-        return [_concat(values, v["dim"], v.get("groups", 1))]
+        return [concat(values, v["dim"], v.get("groups", 1))]
     if name == "split":
         (t,) = values
         dim = v["dim"] % len(t.shape)
         parts = v.get("parts")
         sizes = step._sizes(t.shape[dim], parts if isinstance(parts, int) else None)
-        return _split(t, dim, sizes, v.get("groups", 1))
+        return split(t, dim, sizes, v.get("groups", 1))
     if name == "stack":
-        first = values[0]
-        pieces = [p for t in values for p in t.pieces]
-        return [Layout((len(values), *first.shape), first.itemsize, pieces)]
+        return [stack(values)]
     if name == "unstack":
         (t,) = values
-        rows = _split(t, 0, [1] * t.shape[0], 1)
-        return [Layout(t.shape[1:], t.itemsize, row.pieces) for row in rows]
+        return unstack(t)
     if name in ("permute_rope", "unpermute_rope"):
         (t,) = values
-        return [_rope(t, v["heads"], forward=name == "permute_rope")]
+        return [rope(t, v["heads"], forward=name == "permute_rope")]
     if name == "slice":
         (t,) = values
         dim = v["dim"] % len(t.shape)
-        return [_split(t, dim, [v["size"], t.shape[dim] - v["size"]], 1)[0]]
+        return [split(t, dim, [v["size"], t.shape[dim] - v["size"]], 1)[0]]
     if name == "pad":
         (t,) = values
-        return [_pad(t, v["dim"] % len(t.shape), v["full"])]
+        return [pad(t, v["dim"] % len(t.shape), v["full"])]
     return None  # transpose, cast: elements moved one by one or computed
-
-
-def _concat(values: list[Layout], dim: int, groups: int) -> Layout:
-    """``torch.cat`` along ``dim`` (with ``groups``: each value's groups placed in turn)."""
-    first = values[0]
-    dim %= len(first.shape)
-    outer = first._row(dim)[0] * groups
-    chunks = [(t, t.shape[dim] // groups * t._row(dim)[1]) for t in values]
-    shape = list(first.shape)
-    shape[dim] = sum(t.shape[dim] for t in values)
-    if outer == 1:
-        return Layout(shape, first.itemsize, [p for t in values for p in t.pieces])
-    pieces: list[Piece] = []
-    for o in range(outer):
-        for t, chunk in chunks:
-            pieces += t.take(o * chunk, chunk)
-    return Layout(shape, first.itemsize, pieces)
-
-
-def _split(t: Layout, dim: int, sizes: Sequence[int], groups: int) -> list[Layout]:
-    """:func:`_concat` undone: one layout per size (each joining its piece of every group)."""
-    outer, unit = t._row(dim)
-    outer *= groups
-    row = sum(sizes) * unit  # one group's bytes of one slice before dim
-    out, at = [], 0
-    for size in sizes:
-        shape = list(t.shape)
-        shape[dim] = size * groups
-        pieces: list[Piece] = []
-        for o in range(outer):
-            pieces += t.take(o * row + at, size * unit)
-        out.append(Layout(shape, t.itemsize, pieces))
-        at += size * unit
-    return out
-
-
-def _pad(t: Layout, dim: int, full: int) -> Layout:
-    """Zeros after each slice's ``dim`` up to ``full``."""
-    outer, unit = t._row(dim)
-    have = t.shape[dim] * unit
-    pieces: list[Piece] = []
-    for o in range(outer):
-        pieces += t.take(o * have, have)
-        pieces.append((ZEROS, 0, (full - t.shape[dim]) * unit))
-    shape = list(t.shape)
-    shape[dim] = full
-    return Layout(shape, t.itemsize, pieces)
-
-
-def _rope(t: Layout, heads: int, *, forward: bool) -> Layout:
-    """The rows of ``ops._rope``'s permutation: each head's rows from interleaved pairs to
-    halves (``forward``) or back."""
-    rows = t.shape[0]
-    unit = t._row(0)[1]
-    per_head = rows // heads
-    half = per_head // 2
-    pieces: list[Piece] = []
-    for h in range(heads):
-        base = h * per_head
-        for j in range(per_head):
-            # forward: output row (h, j) is input row (h, 2i + k) with j = k * half + i
-            k, i = divmod(j, half) if forward else (j % 2, j // 2)
-            row = base + (2 * i + k if forward else k * half + i)
-            pieces += t.take(row * unit, unit)
-    return Layout(t.shape, t.itemsize, pieces)

@@ -179,7 +179,8 @@ def variables(
 ) -> tuple[dict[str, Value], list[str]]:
     """The mapping's variables: ``given`` (``--set``) first, then the source side's ``vars``
     (reading its config document and tensor shapes), then ``defaults``; the rank count of a
-    side saved per rank is set from its files. Returns them and the names taken from defaults.
+    side saved per rank is set from its files. Returns them and the names taken from defaults
+    (the report says those the conversion reads: see ``source.open_mapped``).
 
     Raises:
         MappingError: a variable that cannot be read, or a ``--set`` that contradicts the files.
@@ -208,14 +209,12 @@ def variables(
                 f"'{check}' ({values})",
                 f"is {side.config or 'its config'} that of these weights? (--set corrects one)",
             )
-    followed = []
-    read = mapping.reads()
+    taken = []
     for name, expr in mapping.defaults.items():
         if name not in names:
             names[name] = expr.evaluate(names, functions)
-            if name in read:
-                followed.append(name)
-    return names, followed
+            taken.append(name)
+    return names, taken
 
 
 def shape_getter(tensors: MappingType[str, TensorInfo], what: str) -> Callable[..., Value]:

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, MappingError, UsageError
 from ckptkit.formats.base.dtypes import DTYPES
+from ckptkit.formats.base.layout import ZEROS, Layout
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.open import OpenOptions, open_source
 from ckptkit.mapping.expr import Value, parse_expr
-from ckptkit.mapping.layout import ZEROS, Check, Layout, lay
+from ckptkit.mapping.layout import Check, lay
 from ckptkit.mapping.plan import (
     MapPlan,
     SourceKeys,
@@ -337,14 +338,14 @@ def open_mapped(
         ranked = side.files is not None
         keys = SourceKeys([dict(s.entries()) for s in sources], ranked)
 
-        names, followed = variables(
+        names, taken = variables(
             mapping, options.sets, config, keys.ranks[0], len(sources) if ranked else None
         )
         target_ranks = None
         if mapping.target.ranks is not None:
             target_ranks = _rank_count(names, mapping.target)
         plan = plan_mapping(mapping, keys, names, target_ranks)
-        plan.followed = followed
+        reads = mapping.reads()
         mapped = MappedSource(plan, sources, where)
         mapped.check_roundtrip = options.check_roundtrip
         if ranked:
@@ -354,12 +355,27 @@ def open_mapped(
         mapped.extras, mapped.dropped = first.extras, first.dropped
         if mapping.target.write is not None:
             targets = {t.key: t.info for t in plan.targets}
-            document = render_document(mapping.target.write, names, config, side, targets)
+            recorded = _Recording(names)  # a default its document reads only when written
+            document = render_document(mapping.target.write, recorded, config, side, targets)
             mapped.documents[str(mapping.target.write["file"])] = document
+            reads |= recorded.read
+        plan.followed = [name for name in taken if name in reads]  # said in the report
         yield mapped
     finally:
         for source in sources:
             source.close()
+
+
+class _Recording(dict[str, Value]):
+    """Variables that note which of them an expression read."""
+
+    def __init__(self, names: MappingType[str, Value]) -> None:
+        super().__init__(names)
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str) -> Value:
+        self.read.add(name)
+        return super().__getitem__(name)
 
 
 def map_plan(

@@ -132,8 +132,9 @@ class Mapping:
         )
 
     def reads(self) -> set[str]:
-        """The variables this direction reads: in its rules' ops and key patterns, and in the
-        target's rank count and config document (a default nothing reads is not reported)."""
+        """The variables this direction's conversion reads: in its rules' ops and key patterns,
+        and the target's rank count (its config document reads what it reads as it is
+        written, which ``source.open_mapped`` records)."""
         names: set[str] = set()
         for rule in self.rules:
             for op in rule.ops:
@@ -145,18 +146,6 @@ class Mapping:
                         names |= part.shift.names()
         if self.target.ranks is not None:
             names.add(self.target.ranks)
-
-        def document(value: Any) -> None:
-            if isinstance(value, str) and value.startswith("="):
-                names.update(parse_expr(value[1:], "write").names())
-            elif isinstance(value, list):
-                for item in value:
-                    document(item)
-            elif isinstance(value, dict):
-                for item in value.values():
-                    document(item)
-
-        document(self.target.write or {})
         return names
 
     @property

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptkit.errors import MappingError
+from ckptkit.formats.base.layout import ZEROS, Layout
 from ckptkit.formats.base.tensors import dtype_name
-from ckptkit.mapping.layout import ZEROS, Layout, lay
+from ckptkit.mapping.layout import lay
 from ckptkit.mapping.ops import Step, parse_op
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]

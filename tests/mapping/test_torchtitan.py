@@ -6,6 +6,7 @@ optimizer and CheckpointManager) to Hugging Face, equal bit for bit to torchtita
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 import ckptkit
 from ckptkit.errors import MappingError
 from ckptkit.formats.base.tensors import bit_equal
+from ckptkit.mapping.spec import PACKS
 
 RUN = FIXTURE_DIR / "torchtitan" / "torchtitan-llama3"
 EXPORT = FIXTURE_DIR / "torchtitan" / "torchtitan-llama3-hf"
@@ -53,12 +55,12 @@ def test_the_newest_step_maps_to_torchtitans_own_export_bit_for_bit(tmp_path):
         32,
         64,
     )
+    # torchtitan's Llama 3 settings, which the checkpoint lacks: assumed, and said so
     taken = report.mapping["defaults_taken"]
-    assert taken == [
-        "norm_eps",
-        "rope_theta",
-        "max_positions",
-    ]  # said, as the checkpoint lacks them
+    assert taken == ["norm_eps", "rope_theta", "max_positions", "rope_factor"]
+    exported = json.loads((EXPORT / "config.json").read_text())
+    for field in ("rms_norm_eps", "rope_theta", "rope_scaling"):
+        assert config[field] == exported[field], field
     assert report.copied == 21 and report.through_torch == 0  # q and k rows permuted as bytes
 
 
@@ -119,3 +121,34 @@ def test_refusals_name_the_rule_the_key_and_the_fix(tmp_path, run):
             sets={"n_heads": 8},
         )
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("permuted", [True, False], ids=["as-the-pack", "without-permute"])
+def test_the_converted_model_computes_torchtitans_own_logits(tmp_path, permuted):
+    """transformers' LlamaForCausalLM on the converted folder gives the logits torchtitan's own
+    model computed on the checkpoint (fixtures/make_torchtitan.py --logits: torchtitan's
+    forward with its FlexAttention); a pack that forgets the rotary permute is caught."""
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    pack = "torchtitan-llama3"
+    if not permuted:  # the same pack, q and k left in torchtitan's interleaved rotary order
+        text = (PACKS / f"{pack}.toml").read_text()
+        pack = str(tmp_path / "no-permute.toml")
+        for heads in ("n_heads", "n_kv_heads"):
+            text = text.replace(f'"permute_rope(heads={heads})"', '"rename()"')
+        Path(pack).write_text(text)
+        assert 'ops = ["permute_rope' not in text
+    ckptkit.convert(RUN, tmp_path / "hf", mapping=pack, sets={"n_heads": ARGS["n_heads"]})
+    reference = load_file(RUN.parent / "torchtitan-llama3-logits.safetensors")
+    with safe_open(RUN.parent / "torchtitan-llama3-logits.safetensors", "pt") as f:
+        made = json.loads(f.metadata()["ckptkit_reference"])
+    assert made["checkpoint"] == "step-10" and made["rms_norm_eps"] == 1e-05
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(reference["tokens"]).logits
+    worst = (logits - reference["logits"]).abs().max().item()
+    if permuted:
+        assert worst < 1e-5, worst  # measured 1.2e-7: float rounding
+    else:
+        assert worst > 1e-4, worst  # measured 2e-4: attention is a small part of these logits
