@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, MappingError, UsageError
-from ckptkit.formats.base.dtypes import DTYPES
-from ckptkit.formats.base.layout import ZEROS, Layout
+from ckptkit.formats.base.laid import Span, SpanViews
+from ckptkit.formats.base.layout import Layout
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.open import OpenOptions, open_source
 from ckptkit.mapping.expr import Value, parse_expr
@@ -35,7 +35,6 @@ from ckptkit.mapping.plan import (
     variables,
 )
 from ckptkit.mapping.spec import Mapping, Side, load_mapping
-from ckptkit.storage.bytecopy import MappedFiles, MappedRange, zeros
 from ckptkit.storage.location import Location, holds_file, listing, location
 from ckptkit.storage.small import read_json
 
@@ -106,9 +105,7 @@ class MappedSource(Source):
         # The group being moved as bytes (made_pieces): its outputs' layouts and the mapped
         # ranges of its inputs.
         self._moved: tuple[int, dict[tuple[int | None, str], Layout] | None] | None = None
-        self._ranges: list[MappedRange] = []
-        self._files = MappedFiles()
-        self._infos: list[dict[str, TensorInfo]] | None = None
+        self._views = SpanViews()
         self.check_roundtrip = False
         self.roundtrips: set[int] = set()  # groups mapped back and found bit-equal
 
@@ -158,68 +155,49 @@ class MappedSource(Source):
         """A tensor whose group only moves bytes (rank slices joined along any dim, q/k rows
         permuted, fused tensors cut, padding), as views of the mapped source files (and of
         zeros) whose concatenation is its bytes; None when an op computes (``cast``,
-        ``transpose``), a source tensor is not one range of a local file, or
+        ``transpose``), a source tensor does not lie in local files as it is, or
         ``--check-roundtrip`` maps the group back through torch."""
         if self.check_roundtrip:
             return None
         target = self._targets[key]
         if self._moved is None or self._moved[0] != target.group:
-            self._release()  # the previous group's mappings go first
+            self._moved = None
+            self._views.release()  # the previous group's mappings go first
             self._moved = (target.group, self._move(target.group))
         layouts = self._moved[1]
         if layouts is None:
             return None
-        return self._pieces_of(layouts[(target.rank, target.key)])
+        return self._views.views(layouts[(target.rank, target.key)])
 
     def _move(self, index: int) -> dict[tuple[int | None, str], Layout] | None:
-        """One group's outputs as layouts of its inputs, each input's range mapped; ``same``'s
-        rank copies compared."""
+        """One group's outputs as layouts of its inputs' file ranges, those ranges mapped;
+        ``same``'s rank copies compared."""
         group = self.plan.groups[index]
-        if self._infos is None:
-            self._infos = [dict(source.entries()) for source in self._sources]
-        spans: list[tuple[Path, int, int]] = []
+        spans: list[Span] = []
         values: list[Any] = []
         for slot in group.inputs:
             layouts = []
             for rank, key in slot:
-                span = self._input(rank, key).local_span(key)
-                info = self._infos[rank or 0][key]
-                if span is None or not isinstance(span[0], Path) or span[2] != info.nbytes:
+                laid = self._input(rank, key).laid_out(key)
+                if laid is None:
                     return None
-                itemsize = DTYPES[info.dtype].itemsize
-                layouts.append(Layout.of_input(len(spans), info.shape, itemsize))
-                spans.append((span[0], span[1], span[2]))
+                layouts.append(laid.layout.moved(len(spans)))  # its slots after the others'
+                spans += laid.spans
             values.append(layouts if slot[0][0] is not None else layouts[0])
         checks: list[Check] = []
         for step in group.steps:
-            laid = lay(step, values, checks)
-            if laid is None:
+            laid_values = lay(step, values, checks)
+            if laid_values is None:
                 return None
-            values = laid
-        self._ranges = [self._files.map(path, offset, count) for path, offset, count in spans]
+            values = laid_values
+        self._views.map(spans)
         for first, other, error in checks:  # same(): every rank's copy as rank 0's
-            if b"".join(self._pieces_of(first)) != b"".join(self._pieces_of(other)):
+            if self._views.bytes(first) != self._views.bytes(other):
                 raise error
         flat: list[Layout] = []
         for value in values:
             flat += value if isinstance(value, list) else [value]
         return dict(zip(group.outputs, flat, strict=True))
-
-    def _pieces_of(self, layout: Layout) -> list[memoryview]:
-        views = [r.view for r in self._ranges]
-        pieces: list[memoryview] = []
-        for slot, offset, length in layout.pieces:
-            if slot == ZEROS:
-                pieces += zeros(length)
-            else:
-                pieces.append(views[slot][offset : offset + length])
-        return pieces
-
-    def _release(self) -> None:
-        self._moved = None
-        for mapped in self._ranges:
-            mapped.close()
-        self._ranges = []
 
     def load(self, key: str) -> torch.Tensor:
         target = self._targets[key]
@@ -278,9 +256,8 @@ class MappedSource(Source):
         return [f for source in self._sources for f in source.files()]
 
     def close(self) -> None:
-        self._made = None
-        self._release()
-        self._files.close()
+        self._made = self._moved = None
+        self._views.close()
         for source in self._sources:
             source.close()
 

@@ -8,10 +8,23 @@ copying ranges of the files it comes from, without torch.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 
-__all__ = ["Layout", "Piece", "ZEROS", "concat", "split", "pad", "rope", "stack", "unstack"]
+__all__ = [
+    "Layout",
+    "Piece",
+    "ZEROS",
+    "concat",
+    "split",
+    "pad",
+    "rope",
+    "stack",
+    "unstack",
+    "from_boxes",
+    "MOST_RUNS",
+]
 
 ZEROS = -1  # a piece's slot for a run of zero bytes (pad)
 Piece = tuple[int, int, int]  # (input slot, or ZEROS; byte offset in that input; byte count)
@@ -32,6 +45,13 @@ class Layout:
     def of_input(cls, slot: int, shape: Sequence[int], itemsize: int) -> Layout:
         """Input ``slot``'s tensor, whole and contiguous."""
         return cls(shape, itemsize, [(slot, 0, math.prod(shape) * itemsize)])
+
+    def moved(self, by: int) -> Layout:
+        """The same layout with its slots numbered ``by`` higher (inputs laid side by side)."""
+        if by == 0:
+            return self
+        pieces = [(s if s == ZEROS else s + by, o, n) for s, o, n in self.pieces]
+        return Layout(self.shape, self.itemsize, pieces)
 
     @property
     def nbytes(self) -> int:
@@ -160,3 +180,36 @@ def rope(t: Layout, heads: int, *, forward: bool) -> Layout:
             row = base + (2 * i + k if forward else k * half + i)
             pieces += t.take(row * unit, unit)
     return Layout(t.shape, t.itemsize, pieces)
+
+
+# Past this many runs a tensor's boxes are pieced together through torch instead (a chunking
+# that cuts the last dims finely would make a piece of every few elements).
+MOST_RUNS = 1 << 20
+
+
+def from_boxes(
+    shape: Sequence[int], itemsize: int, boxes: Sequence[tuple[Sequence[int], Sequence[int]]]
+) -> Layout | None:
+    """A tensor whose parts are boxes of it (a sharded save's chunks: offsets and sizes per
+    dim, each box's elements row-major in its slot, slot i for box i) that tile it exactly
+    (``chunks.check_cover`` says so first); None past :data:`MOST_RUNS` pieces."""
+    if not shape:
+        return Layout(shape, itemsize, [(0, 0, itemsize)])
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    runs: list[tuple[int, int, int, int]] = []  # (where in the tensor, slot, where in it, count)
+    for slot, (offsets, sizes) in enumerate(boxes):
+        if math.prod(sizes) == 0:
+            continue
+        # The dims after k span the tensor whole: each index of the dims before k is one run.
+        k = len(shape) - 1
+        while k > 0 and sizes[k] == shape[k]:
+            k -= 1
+        count, length = math.prod(sizes[:k]), sizes[k] * strides[k]
+        if len(runs) + count > MOST_RUNS:
+            return None
+        base = sum(o * s for o, s in zip(offsets, strides, strict=True))
+        for n, index in enumerate(itertools.product(*(range(m) for m in sizes[:k]))):
+            at = base + sum(i * s for i, s in zip(index, strides, strict=False))
+            runs.append((at, slot, n * length, length))
+    runs.sort()
+    return Layout(shape, itemsize, [(slot, at * itemsize, n * itemsize) for _, slot, at, n in runs])

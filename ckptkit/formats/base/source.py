@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.base import dtypes
+from ckptkit.formats.base.laid import Laid
+from ckptkit.formats.base.layout import Layout
 from ckptkit.formats.base.tree import Candidate, DroppedPart, Selection
 from ckptkit.storage.location import Location
 from ckptkit.storage.rangefile import RangeFile
@@ -100,6 +102,7 @@ class Source(ABC):
     # A file at a URL: the byte file its reader reads through (its first read gave the size);
     # None on a local disk, where readers map or kernel-copy the file itself.
     remote_file: RangeFile | None = field(default=None, init=False, repr=False)
+    _infos: dict[str, TensorInfo] | None = field(default=None, init=False, repr=False)
 
     @abstractmethod
     def entries(self) -> list[tuple[str, TensorInfo]]:
@@ -153,8 +156,33 @@ class Source(ABC):
 
     def made_pieces(self, key: str) -> list[memoryview] | None:
         """A tensor made by moving bytes of the source's files (a mapping's rank slices joined,
-        rows permuted): views whose concatenation is its bytes; None for any other."""
+        rows permuted, a sharded save's column chunks): views whose concatenation is its
+        bytes; None for any other (its byte pieces are copied, or it goes through torch)."""
         return None
+
+    def laid_out(self, key: str) -> Laid | None:
+        """The tensor as ranges of local files and a layout over them (what a mapping composes
+        its ops on); by default its byte pieces end to end. None where its bytes do not lie in
+        local files as they are (a URL, compression, a cast)."""
+        pieces = self.byte_pieces(key)
+        spans = []
+        for path, offset, length in pieces or ():
+            if not isinstance(path, Path):
+                return None
+            spans.append((path, offset, length))
+        info = self.info(key)
+        if pieces is None or sum(s[2] for s in spans) != info.nbytes or info.kind != "dense":
+            return None
+        itemsize = dtypes.DTYPES[info.dtype].itemsize
+        return Laid(
+            spans, Layout(info.shape, itemsize, [(i, 0, s[2]) for i, s in enumerate(spans)])
+        )
+
+    def info(self, key: str) -> TensorInfo:
+        """One tensor's :class:`TensorInfo` (:meth:`entries` read once)."""
+        if self._infos is None:
+            self._infos = dict(self.entries())
+        return self._infos[key]
 
     def expected_crc(self, key: str) -> int | None:
         """The CRC-32 a file records for exactly this tensor's bytes (a torch zip's member that

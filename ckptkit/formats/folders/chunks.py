@@ -14,10 +14,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError
 from ckptkit.formats.base.dtypes import DTYPES
+from ckptkit.formats.base.laid import Laid, Span, SpanViews
+from ckptkit.formats.base.layout import from_boxes
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.base.tree import select_state_dict
 from ckptkit.storage.location import Location
@@ -64,6 +67,7 @@ class ChunkedSource(Source):
         self._reader = RangeReader()
         self._layouts: dict[Chunk, Piece] = {}
         self._tensors: dict[str, ChunkedTensor] = {}
+        self._views = SpanViews()  # the chunks of the tensor being written as made pieces
 
     def _adopt_tree(self, build: Callable[[], Any], *, select: str | None, ema: bool) -> None:
         """Build the checkpoint's tree of values and :class:`ChunkedTensor` records (closing
@@ -106,6 +110,31 @@ class ChunkedSource(Source):
         pieces = self.byte_pieces(key)
         return pieces[0] if pieces is not None and len(pieces) == 1 else None
 
+    def laid_out(self, key: str) -> Laid | None:
+        """Chunks of any layout (column shards too) as a layout over their byte ranges, when
+        every chunk lies in a local file."""
+        tensor = self._tensors[key]
+        spans: list[Span] = []
+        for chunk in tensor.chunks:
+            path, offset, length = self._piece(tensor, chunk)
+            if not isinstance(path, Path):
+                return None
+            spans.append((path, offset, length))
+        boxes = [(c.offsets, c.sizes) for c in tensor.chunks]
+        layout = from_boxes(tensor.shape, DTYPES[tensor.dtype].itemsize, boxes)
+        return None if layout is None else Laid(spans, layout)
+
+    def made_pieces(self, key: str) -> list[memoryview] | None:
+        """A tensor whose chunks are not one byte range each of it (column shards), written from
+        views of its mapped chunks rather than assembled through torch."""
+        if self.byte_pieces(key) is not None:
+            return None  # copied range by range, and compared with them
+        laid = self.laid_out(key)
+        if laid is None:
+            return None
+        self._views.map(laid.spans)
+        return self._views.views(laid.layout)
+
     def load(self, key: str) -> torch.Tensor:
         import torch
 
@@ -127,6 +156,7 @@ class ChunkedSource(Source):
 
     def close(self) -> None:
         self._reader.close()
+        self._views.close()
 
 
 def identity(tensor: ChunkedTensor) -> str:

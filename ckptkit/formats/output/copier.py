@@ -276,10 +276,10 @@ class Copier:
                 crc = 0
                 for batch in batched(made, IOV_MAX):  # one copy: the source's pages to the output's
                     write_all_of(fd, batch)
-                    for view in batch if self.crc_made else ():
+                    for view in batch if verify else ():
                         crc = zlib.crc32(view, crc)
-                # Checked by the CRC-32 of its bytes as made (made_once: not read again).
-                self._written(spec.key, dst, start, spec.nbytes, crc if self.crc_made else None)
+                # Checked by the CRC-32 of its bytes as made: the source is not read again.
+                self._written(spec.key, dst, start, spec.nbytes, crc if verify else None)
                 self.copied += 1
             else:
                 start = os.lseek(fd, 0, os.SEEK_CUR)

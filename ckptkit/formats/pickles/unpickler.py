@@ -466,6 +466,11 @@ DCP_METADATA_GLOBALS = frozenset(
         _DCP + "metadata.StorageMeta",
         _DCP + "metadata._MEM_FORMAT_ENCODING",
         _DCP + "filesystem._StorageInfo",
+        # Megatron's torch_dist (dist_checkpointing) caches its save plan in the metadata
+        _DCP + "planner.SavePlan",
+        _DCP + "planner.WriteItem",
+        _DCP + "planner.WriteItemType",
+        _DCP + "planner.TensorWriteData",
     }
 )
 
