@@ -48,6 +48,7 @@ from ckptkit.formats.folders.layouts import (
     model_parallel_files,
     model_parallel_refusal,
 )
+from ckptkit.formats.folders.megatron import find_megatron, megatron_rank_refusal
 from ckptkit.formats.folders.rank_files import find_rank_files
 from ckptkit.formats.folders.runs import run_checkpoint, step_checkpoint, trainer_checkpoint
 from ckptkit.storage.location import (
@@ -312,6 +313,17 @@ def _open_folder(path: Location, options: OpenOptions, opener: Opener) -> Source
         diffusers = _open_diffusers(path, options, opener)
         if diffusers is not None:
             return diffusers
+    megatron = find_megatron(path) if is_local(path) else None
+    if megatron is not None and megatron.kind == "legacy":  # Megatron-LM's mp_rank_* files
+        from ckptkit.formats.folders.megatron import MegatronSource
+
+        return MegatronSource(megatron, select=select)
+    if megatron is not None:  # Megatron's torch_dist: DCP, its layers stacked
+        from ckptkit.formats.folders.dcp import DCPSource
+
+        dist = DCPSource(megatron.folder, select=select, ema=ema)
+        dist.selected_reason = f"{megatron.reason}; {dist.selected_reason}"
+        return dist
     dcp = find_dcp(path)
     if dcp is not None:  # torch.distributed.checkpoint (FSDP, Lightning's FSDP strategy)
         from ckptkit.formats.folders.dcp import DCPSource
@@ -514,6 +526,9 @@ def _open_file(path: Location, options: OpenOptions) -> Source:
         return SafetensorsSource(path, select=select)
     from ckptkit.formats.files.torchfile import TorchFileSource, TrustedTorchSource
 
+    refusal = megatron_rank_refusal(path)
+    if refusal is not None:  # one rank's file of a Megatron save: a slice, not the model
+        raise refusal
     if options.trust:
         return TrustedTorchSource(path, select=select, ema=ema)
     try:

@@ -1,0 +1,393 @@
+"""Megatron-LM's checkpoints (megatron-core's GPT models), read without Megatron: every
+tensor-parallel and pipeline-parallel shard of a legacy save merged into the model's tensors
+as one rank would hold them, in Megatron's own names, from the files' headers alone.
+
+A run folder holds ``latest_checkpointed_iteration.txt`` (an iteration, or ``release``) and
+one folder per saved iteration, ``iter_0000010`` (``release`` for a release). Saved with
+``--ckpt-format torch`` (legacy), that folder holds ``mp_rank_TT/model_optim_rng.pt`` per
+tensor-parallel rank TT (``mp_rank_TT_PPP`` with pipeline stages; ``model_rng.pt`` without the
+optimizer), each a ``torch.save`` of ``{"args": Namespace, "iteration", "checkpoint_version",
+"model": state dict, ...}``; with ``--ckpt-format torch_dist`` it is a DCP folder (read by
+``dcp.py``). How the ranks' pieces join follows megatron-core's layers (Megatron's own rules,
+``docs/formats/megatron.md``):
+
+- column-parallel weights (the fused ``linear_qkv``, ``linear_fc1``, the vocab-parallel
+  ``word_embeddings`` and ``output_layer``) are cut along dim 0; a SwiGLU ``linear_fc1``
+  holds each rank's ``[gate_r; up_r]``, which join as ``[gate; up]``;
+- row-parallel weights (``linear_proj``, ``linear_fc2``) along dim 1;
+- the rest (norms, row-parallel biases, learned positions) is the same on every rank, and
+  checked so;
+- a pipeline stage numbers its layers from 0: each is moved past the layers of the stages
+  before it;
+- ``_extra_state`` entries (TransformerEngine's FP8 state, None without it) are left out,
+  named. A key no rule knows is refused by name.
+
+The merged tensors are chunks of their full tensors (``chunks.py``), so a row-parallel
+weight is written from views of its ranks' columns and the rest is copied as it lies.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptkit.errors import FormatError, SelectError
+from ckptkit.formats.files.torchfile import scan_torch_file
+from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, check_cover
+from ckptkit.formats.pickles.machine import Opaque, fields
+from ckptkit.formats.pickles.unpickler import TensorStub
+from ckptkit.meta import jsonable
+from ckptkit.storage.bytecopy import same_bytes
+from ckptkit.storage.location import Location, local_path
+
+__all__ = ["LATEST", "MegatronSave", "MegatronSource", "find_megatron", "megatron_rank_refusal"]
+
+LATEST = "latest_checkpointed_iteration.txt"
+_ITERATION = re.compile(r"iter_(\d{7,12})|release")
+_RANK_DIR = re.compile(r"mp_rank_(\d{2,4})(?:_(\d{3}))?(?:_(\d{3}))?")
+_RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
+_MOST_RANKS = 4096
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+# How megatron-core's layers cut a tensor across tensor-parallel ranks, by the key's ending.
+_COLUMNS = (
+    "embedding.word_embeddings.weight",
+    "output_layer.weight",
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc1.bias",
+)
+_ROWS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_SAME = (
+    "layernorm.weight",
+    "layernorm.bias",
+    "layer_norm_weight",  # TransformerEngine's norm fused into the next linear
+    "layer_norm_bias",
+    "self_attention.linear_proj.bias",
+    "mlp.linear_fc2.bias",
+    "embedding.position_embeddings.weight",
+    "q_layernorm.weight",
+    "k_layernorm.weight",
+)
+_EXTRA_STATE = "._extra_state"
+
+
+@dataclass(frozen=True)
+class MegatronSave:
+    """One saved iteration of a Megatron run: its folder, how it was found, and its kind."""
+
+    folder: Location
+    reason: str
+    kind: str  # "legacy" (mp_rank_* files) or "torch_dist" (a DCP folder)
+
+
+def find_megatron(path: Location) -> MegatronSave | None:
+    """The iteration a Megatron run folder's ``latest_checkpointed_iteration.txt`` names (said
+    in the report), or an iteration folder itself; None for any other folder.
+
+    Raises:
+        FormatError: a run folder whose tracker names no saved iteration.
+    """
+    if not path.is_dir():
+        return None
+    if (path / LATEST).is_file():
+        text = (path / LATEST).read_bytes()[:64].decode("ascii", "replace").strip()
+        if text == "release":
+            name = "release"
+        elif text.isdigit() and len(text) <= 12:
+            name = f"iter_{int(text):07d}"
+        else:
+            raise FormatError(
+                f"{path / LATEST} says '{text[:20]}', not an iteration number",
+                "name an iteration folder (iter_NNNNNNN) instead",
+            )
+        folder = path / name
+        if not folder.is_dir():
+            raise FormatError(
+                f"{path / LATEST} names iteration {text}, but {folder.name} is not there",
+                "copy that iteration's folder, or name another iter_NNNNNNN folder",
+            )
+        found = _kind(folder)
+        if found is None:
+            raise FormatError(f"{folder} holds neither mp_rank_* folders nor a torch_dist save")
+        reason = f"{folder.name}, named by {LATEST}"
+        return MegatronSave(folder, reason, found)
+    found = _kind(path)
+    if found is None or _ITERATION.fullmatch(path.name) is None:
+        return None
+    return MegatronSave(path, f"{path.name}, the iteration folder given", found)
+
+
+def megatron_rank_refusal(file: Location) -> FormatError | None:
+    """The error for one rank's file of a legacy Megatron save given alone: with any
+    parallelism it holds a slice of the model, and its keys need Megatron's rules either way;
+    None for any other file."""
+    rank = file.parent
+    if file.name not in _RANK_FILES or _RANK_DIR.fullmatch(rank.name) is None:
+        return None
+    ranks = [p.name for p in rank.parent.iterdir() if _RANK_DIR.fullmatch(p.name)]
+    return FormatError(
+        f"{file} is one rank's file of a Megatron save ({len(ranks)} rank folders in "
+        f"{rank.parent.name}): Megatron's names, and with parallelism a slice of every weight",
+        f"convert the save's folder, {rank.parent}, which ckptkit merges",
+    )
+
+
+def _kind(folder: Location) -> str | None:
+    if (folder / ".metadata").is_file() and (folder / "common.pt").is_file():
+        return "torch_dist"
+    if any(_RANK_DIR.fullmatch(p.name) for p in folder.iterdir() if p.is_dir()):
+        return "legacy"
+    return None
+
+
+@dataclass(frozen=True)
+class _Rank:
+    tp: int
+    pp: int
+    file: Path
+
+
+class MegatronSource(ChunkedSource):
+    """A legacy Megatron save: its ranks' shards merged into one rank's tensors."""
+
+    def __init__(self, save: MegatronSave, *, select: str | None = None) -> None:
+        super().__init__(save.folder, "megatron")
+        if select not in (None, "model"):
+            raise SelectError(
+                f"{save.folder} is a Megatron save; its model is its only state dict",
+                "drop --select",
+            )
+        self._raws: list[Any] = []
+        self._zips: dict[Path, Any] = {}  # each rank file's storage layout
+        try:
+            self._read(save)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self, save: MegatronSave) -> None:
+        ranks = _rank_files(save.folder)
+        tp = 1 + max(r.tp for r in ranks)
+        pp = 1 + max(r.pp for r in ranks)
+        roots = {(r.tp, r.pp): self._scan(r.file) for r in ranks}
+        args = _args(roots[0, 0][0], ranks[0].file)
+        for name, have in (("tensor", tp), ("pipeline", pp)):
+            said = args.get(f"{name}_model_parallel_size")
+            if isinstance(said, int) and said != have:
+                raise FormatError(
+                    f"{save.folder} has {have} {name}-parallel rank folders, but its args say "
+                    f"{name}_model_parallel_size {said}",
+                    "copy every rank's folder of the save",
+                )
+        pieces: dict[str, list[tuple[int, str, TensorStub, Path]]] = {}
+        offset, left_out = 0, []
+        for stage in range(pp):
+            models = {t: _model(roots[t, stage][0], ranks[0].file) for t in range(tp)}
+            layers = 0
+            for key in models[0]:
+                found = _LAYER.fullmatch(key)
+                if found is not None:
+                    layers = max(layers, int(found[1]) + 1)
+            for t, model in models.items():
+                if list(model) != list(models[0]):
+                    raise FormatError(
+                        f"{save.folder}: tensor-parallel ranks 0 and {t} of stage {stage} hold "
+                        "different keys",
+                        "the folder mixes two saves; copy it again",
+                    )
+                file = next(r.file for r in ranks if (r.tp, r.pp) == (t, stage))
+                for key, value in model.items():
+                    if key.endswith(_EXTRA_STATE):
+                        if t == 0 and stage == 0:
+                            left_out.append(key)
+                        continue
+                    if not isinstance(value, TensorStub):
+                        raise FormatError(
+                            f"{file}: '{key}' is not a tensor ({type(value).__name__})",
+                            "is this a Megatron model's state dict?",
+                        )
+                    found = _LAYER.fullmatch(key)
+                    name = (
+                        key
+                        if found is None
+                        else f"decoder.layers.{int(found[1]) + offset}.{found[2]}"
+                    )
+                    pieces.setdefault(name, []).append((t, key, value, file))
+            offset += layers
+        swiglu = bool(args.get("swiglu"))
+        for name, parts in pieces.items():
+            self._tensors[name] = self._merge(name, parts, tp, swiglu)
+        self.selected = "model"
+        self.selected_reason = f"{save.reason}; {tp} tensor x {pp} pipeline-parallel ranks merged"
+        if left_out:
+            self.selected_reason += f"; {len(left_out)} _extra_state entries left out"
+        self.extras = {
+            "iteration": roots[0, 0][0].get("iteration"),
+            "checkpoint_version": roots[0, 0][0].get("checkpoint_version"),
+            "args": args,
+        }
+
+    def _scan(self, file: Path) -> tuple[dict[str, Any], Any]:
+        scan, layout, raw, _ = scan_torch_file(file)
+        self._raws.append(raw)
+        self._zips[file] = layout
+        if not isinstance(scan.root, dict):
+            raise FormatError(f"{file} is not a Megatron checkpoint (its top level is no dict)")
+        return scan.root, layout
+
+    def _merge(
+        self, name: str, parts: list[tuple[int, str, TensorStub, Path]], tp: int, swiglu: bool
+    ) -> ChunkedTensor:
+        """One tensor from its ranks' pieces, by the rule its key's ending names."""
+        first = parts[0][2]
+        if len(parts) != tp:
+            raise FormatError(f"{self.path}: '{name}' is held by {len(parts)} of {tp} ranks")
+        for _, _, stub, file in parts:
+            if stub.dtype != first.dtype or len(stub.shape) != len(first.shape):
+                raise FormatError(f"{file}: '{name}' differs from rank 0's in dtype or rank")
+        spans = [self._span(stub, file, name) for _, _, stub, file in parts]
+        shape = list(first.shape)
+        chunks: list[tuple[tuple[int, ...], tuple[int, ...], tuple[Path, int, int]]] = []
+        if name.endswith(_SAME) or tp == 1:
+            for (_, _, stub, file), span in zip(parts[1:], spans[1:], strict=True):
+                if stub.shape != first.shape or not _same(spans[0], span):
+                    raise FormatError(
+                        f"{file}: '{name}' differs from rank 0's, though Megatron keeps it the "
+                        "same on every tensor-parallel rank",
+                        "the folder mixes two saves; copy it again",
+                    )
+            chunks.append(((0,) * len(shape), tuple(shape), spans[0]))
+        elif name.endswith(_COLUMNS) or name.endswith(_ROWS):
+            dim = 0 if name.endswith(_COLUMNS) else 1
+            if any(
+                s.shape[:dim] + s.shape[dim + 1 :] != first.shape[:dim] + first.shape[dim + 1 :]
+                for _, _, s, _ in parts
+            ):
+                raise FormatError(
+                    f"{self.path}: the ranks' pieces of '{name}' differ beyond dim {dim}"
+                )
+            glu = swiglu and name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"))
+            shape[dim] = sum(s.shape[dim] for _, _, s, _ in parts)
+            at = 0
+            for (_, _, stub, _), (path, start, length) in zip(parts, spans, strict=True):
+                size = stub.shape[dim]
+                if glu:  # [gate_r; up_r]: gate rows join the gates, up rows the ups
+                    if size % 2:
+                        raise FormatError(f"{self.path}: '{name}' has an odd row count for SwiGLU")
+                    half, nbytes = size // 2, length // 2
+                    rest = tuple(stub.shape[1:])
+                    chunks.append(
+                        ((at // 2,) + (0,) * len(rest), (half, *rest), (path, start, nbytes))
+                    )
+                    up_at = shape[0] // 2 + at // 2
+                    chunks.append(
+                        ((up_at,) + (0,) * len(rest), (half, *rest), (path, start + nbytes, nbytes))
+                    )
+                else:
+                    offsets = [0] * len(shape)
+                    offsets[dim] = at
+                    chunks.append((tuple(offsets), tuple(stub.shape), (path, start, length)))
+                at += size
+        else:
+            raise FormatError(
+                f"{self.path}: '{name}' is not a key ckptkit knows how Megatron splits across "
+                "tensor-parallel ranks",
+                "convert a save with one tensor-parallel rank, or report the key",
+            )
+        tensor = ChunkedTensor(name, first.dtype, tuple(shape), [])
+        for box, sizes, (path, start, length) in chunks:
+            chunk = Chunk(box, sizes, path, start, length)
+            tensor.chunks.append(chunk)
+            self._layouts[chunk] = (path, start, length)
+        check_cover(self.path, tensor)
+        return tensor
+
+    def _span(self, stub: TensorStub, file: Path, name: str) -> tuple[Path, int, int]:
+        """Where a rank's tensor lies in its file."""
+        layout = self._zips[file]
+        layout.locate_storages()
+        base = layout.data_offset(stub.storage)
+        start, end = stub.byte_range()
+        if base is None or not stub.is_contiguous or end > stub.storage.nbytes:
+            raise FormatError(
+                f"{file}: '{name}' does not lie whole and in order in its storage",
+                "is the file damaged? copy it again",
+            )
+        return file, base + start, stub.nbytes
+
+    def files(self) -> list[Location]:
+        return sorted({c.file for t in self._tensors.values() for c in t.chunks}, key=str)
+
+    def close(self) -> None:
+        super().close()
+        for raw in self._raws:
+            raw.close()
+        self._raws = []
+
+
+def _rank_files(folder: Location) -> list[_Rank]:
+    """Every rank's file of a legacy save, checked complete: tensor x pipeline ranks."""
+    ranks: dict[tuple[int, int], Path] = {}
+    for entry in local_path(folder).iterdir():
+        found = _RANK_DIR.fullmatch(entry.name)
+        if found is None or not entry.is_dir():
+            continue
+        if found[3] is not None:
+            raise FormatError(
+                f"{entry} is an expert-parallel rank's folder, which ckptkit does not merge yet",
+                "convert a save made without expert parallelism",
+            )
+        tp, pp = int(found[1]), int(found[2] or 0)
+        if tp >= _MOST_RANKS or pp >= _MOST_RANKS:
+            raise FormatError(f"{entry}: more than {_MOST_RANKS} ranks")
+        file = next((entry / n for n in _RANK_FILES if (entry / n).is_file()), None)
+        if file is None:
+            raise FormatError(
+                f"{entry} holds no {' or '.join(_RANK_FILES)}", "copy that rank's folder again"
+            )
+        ranks[tp, pp] = file
+    tps = 1 + max(t for t, _ in ranks)
+    pps = 1 + max(p for _, p in ranks)
+    staged = any(_RANK_DIR.fullmatch(p.parent.name)[2] is not None for p in ranks.values())  # type: ignore[index]
+    for t in range(tps):
+        for p in range(pps):
+            if (t, p) not in ranks:
+                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if staged else "")
+                raise FormatError(f"{folder} lacks {name}", "copy every rank's folder of the save")
+    return [_Rank(t, p, f) for (t, p), f in sorted(ranks.items())]
+
+
+def _args(root: dict[str, Any], file: Path) -> dict[str, Any]:
+    """The run's ``args`` Namespace as plain values (read as data, never imported)."""
+    args = root.get("args")
+    if not isinstance(args, Opaque) or not args.global_name.endswith("Namespace"):
+        raise FormatError(
+            f"{file} has no args (Megatron saves its arguments beside the model)",
+            "is this a Megatron checkpoint?",
+        )
+    return {k: jsonable(v) for k, v in fields(args).items() if not k.startswith("__")}
+
+
+def _model(root: dict[str, Any], file: Path) -> dict[str, Any]:
+    model = root.get("model")
+    if model is None and "model0" in root:
+        raise FormatError(
+            f"{file} holds virtual pipeline stages (model0, model1, ...), which ckptkit does not "
+            "merge yet",
+            "convert a save made without --num-layers-per-virtual-pipeline-stage",
+        )
+    if not isinstance(model, dict):
+        raise FormatError(f"{file} has no model state dict", "is this a Megatron checkpoint?")
+    return model
+
+
+def _same(a: tuple[Path, int, int], b: tuple[Path, int, int]) -> bool:
+    """Two ranks' copies of a tensor hold the same bytes."""
+    if a[2] != b[2]:
+        return False
+    with open(a[0], "rb") as fa, open(b[0], "rb") as fb:
+        return same_bytes(fa.fileno(), a[1], fb.fileno(), b[1], a[2])

@@ -1,0 +1,170 @@
+"""Megatron-LM saves written by megatron-core 0.16.1 itself (fixtures/megatron, made by
+fixtures/make_megatron.py: the same model at TP=1, TP=2 and PP=2, resharded by Megatron's own
+dist_checkpointing): a legacy save's ranks merge into the TP=1 model bit for bit, without torch;
+a torch_dist save reads as DCP; one rank's file, a missing rank, a tracker naming nothing, a
+rank whose copy differs and a key no rule knows are refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import FIXTURE_DIR, ROOT, one_error
+from safetensors.torch import load_file
+
+import ckptkit
+from ckptkit.errors import FormatError
+from ckptkit.formats.base.tensors import bit_equal
+
+MEGATRON = FIXTURE_DIR / "megatron"
+SAVES = ["gqa-swiglu/tp1", "gqa-swiglu/tp2", "gqa-swiglu/pp2", "mha-gelu/tp1", "mha-gelu/tp2"]
+
+
+def reference(save: str) -> dict[str, torch.Tensor]:
+    """The TP=1 model's state dict, as megatron-core's model.state_dict() gave it."""
+    return load_file(MEGATRON / save.split("/")[0] / "reference.safetensors")
+
+
+@pytest.mark.parametrize("save", SAVES)
+def test_a_legacy_save_merges_into_the_tp1_model_bit_for_bit(tmp_path, save):
+    report = ckptkit.convert(MEGATRON / save / "legacy", tmp_path / "out.safetensors")
+    ours, theirs = load_file(tmp_path / "out.safetensors"), reference(save)
+    assert sorted(ours) == sorted(theirs)
+    assert [k for k in theirs if not bit_equal(ours[k], theirs[k])] == []
+    assert report.verified and report.through_torch == 0
+    tp, pp = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}[save.split("/")[1]]
+    assert report.selected_reason.startswith(
+        f"iter_0000010, named by latest_checkpointed_iteration.txt; {tp} tensor x {pp} "
+        "pipeline-parallel ranks merged; "
+    )
+    assert "_extra_state entries left out" in report.selected_reason
+
+
+def test_the_merge_is_checked_and_written_from_views(tmp_path):
+    """TP=2's row-parallel weights (linear_proj, linear_fc2) are joined by columns: written from
+    views of the two ranks' files; the args travel in the output's metadata."""
+    save = MEGATRON / "gqa-swiglu" / "tp2" / "legacy"
+    with ckptkit.open_source(save) as source:
+        assert source.byte_pieces("decoder.layers.0.self_attention.linear_proj.weight") is None
+        laid = source.laid_out("decoder.layers.0.self_attention.linear_proj.weight")
+        assert laid is not None and len(laid.spans) == 2  # a column block from each rank
+        # SwiGLU: each rank's [gate_r; up_r] joins as [gate; up]: four row ranges
+        assert len(source.byte_pieces("decoder.layers.1.mlp.linear_fc1.weight")) == 4
+        args = source.extras["args"]
+        assert (args["tensor_model_parallel_size"], args["num_query_groups"]) == (2, 2)
+    report = ckptkit.convert(save / "iter_0000010", tmp_path / "out.safetensors")
+    assert report.selected_reason.startswith("iter_0000010, the iteration folder given")
+
+
+def test_a_real_process_merges_without_torch(tmp_path):
+    code = (
+        "import sys; from ckptkit.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))"
+    )
+    save = MEGATRON / "mha-gelu" / "tp2" / "legacy"
+    done = subprocess.run(
+        [sys.executable, "-c", code, "convert", str(save), "out.safetensors", "--json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    *document, imported = done.stdout.strip().splitlines()
+    assert imported == "False"
+    assert json.loads("\n".join(document))["verified"]
+
+
+@pytest.mark.parametrize("save", ["gqa-swiglu/tp2", "gqa-swiglu/pp2", "mha-gelu/tp2"])
+def test_a_torch_dist_save_reads_as_dcp_with_its_layers_stacked(save):
+    """Megatron's torch_dist: DCP with its save plan cached in .metadata (read as data), the
+    layers stacked on a first dim, the norms under TransformerEngine's names."""
+    theirs = reference(save)
+    with ckptkit.open_source(MEGATRON / save / "torch_dist") as source:
+        assert "named by latest_checkpointed_iteration.txt" in source.selected_reason
+        qkv = source.load("decoder.layers.self_attention.linear_qkv.weight")
+        norm = source.load("decoder.layers.self_attention.linear_qkv.layer_norm_weight")
+    for layer in range(2):
+        assert bit_equal(
+            qkv[layer], theirs[f"decoder.layers.{layer}.self_attention.linear_qkv.weight"]
+        )
+        assert bit_equal(norm[layer], theirs[f"decoder.layers.{layer}.input_layernorm.weight"])
+
+
+def copy_save(tmp_path, save="gqa-swiglu/tp2"):
+    folder = tmp_path / "save"
+    shutil.copytree(MEGATRON / save / "legacy", folder)
+    return folder
+
+
+def rank_file(folder, rank="mp_rank_01"):
+    return folder / "iter_0000010" / rank / "model_optim_rng.pt"
+
+
+def resave(path, change):
+    """A rank file loaded with torch, changed, and saved again (a hostile copy)."""
+    state = torch.load(path, weights_only=False)
+    change(state)
+    torch.save(state, path)
+
+
+def test_refusals_name_the_file_and_the_fix(run, tmp_path):
+    folder = copy_save(tmp_path)
+    one_error(
+        run("convert", rank_file(folder), "x.safetensors"),
+        "is one rank's file of a Megatron save (2 rank folders in iter_0000010)",
+        "convert the save's folder",
+    )
+    (folder / "latest_checkpointed_iteration.txt").write_text("20")
+    one_error(run("inspect", folder), "names iteration 20, but iter_0000020 is not there")
+    (folder / "latest_checkpointed_iteration.txt").write_text("ten\n")
+    one_error(run("inspect", folder), "says 'ten', not an iteration number")
+    (folder / "latest_checkpointed_iteration.txt").write_text("10")
+    shutil.rmtree(folder / "iter_0000010" / "mp_rank_01")
+    shutil.copytree(
+        MEGATRON / "gqa-swiglu/tp2/legacy/iter_0000010/mp_rank_01",
+        folder / "iter_0000010" / "mp_rank_02",
+    )
+    one_error(run("convert", folder, "x.safetensors"), "lacks mp_rank_01", "copy every rank")
+    assert sorted(os.listdir(tmp_path)) == ["save"]
+
+
+def test_a_rank_whose_copy_differs_is_refused(tmp_path):
+    folder = copy_save(tmp_path)
+    key = "decoder.layers.1.pre_mlp_layernorm.weight"
+    resave(rank_file(folder), lambda s: s["model"][key].add_(1.0))
+    with pytest.raises(FormatError, match=f"'{key}' differs from rank 0's"):
+        ckptkit.open_source(folder)
+
+
+def test_a_key_no_rule_knows_and_a_wrong_rank_count_are_refused(tmp_path):
+    folder = copy_save(tmp_path)
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        resave(
+            rank_file(folder, rank),
+            lambda s: s["model"].update({"decoder.layers.0.mlp.odd.weight": torch.ones(2)}),
+        )
+    with pytest.raises(
+        FormatError, match="'decoder.layers.0.mlp.odd.weight' is not a key ckptkit knows"
+    ):
+        ckptkit.open_source(folder)
+    folder = copy_save(tmp_path / "b")
+    resave(
+        rank_file(folder, "mp_rank_00"),
+        lambda s: setattr(s["args"], "tensor_model_parallel_size", 4),
+    )
+    with pytest.raises(FormatError, match="has 2 tensor-parallel rank folders, but its args say"):
+        ckptkit.open_source(folder)
+
+
+def test_inspect_shows_the_merged_model_and_the_args(run):
+    shown = run("inspect", MEGATRON / "gqa-swiglu" / "pp2" / "legacy", "--json")
+    assert shown.exit_code == 0, shown.output
+    document = json.loads(shown.output)
+    assert document["format"] == "megatron" and document["tensor_count"] == 15
+    assert document["extras"]["args"]["pipeline_model_parallel_size"] == 2
+    assert document["extras"]["iteration"] == 10
