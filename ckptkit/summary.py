@@ -254,7 +254,17 @@ def _mapping(path: Location, entries: list[tuple[str, TensorInfo]]) -> dict[str,
     one of several model-parallel rank files (a local file's folder listed to find out)."""
     from ckptkit.mapping.recognise import model_parallel, packs_for
 
-    found = packs_for((key for key, _ in entries), path.name)
+    def fits(pack: str) -> bool:  # the whole mapping plans on it: its checks, its requires
+        from ckptkit.errors import CkptkitError
+        from ckptkit.mapping.source import MapOptions, map_plan
+
+        try:
+            map_plan(path, MapOptions(mapping=pack))
+        except CkptkitError:
+            return False
+        return True
+
+    found = packs_for((key for key, _ in entries), path.name, fits)
     rank_file = None
     if is_local(path) and not path.is_dir():
         recognised = model_parallel(path.parent)

@@ -319,11 +319,9 @@ def _open_folder(path: Location, options: OpenOptions, opener: Opener) -> Source
 
         return MegatronSource(megatron, select=select)
     if megatron is not None:  # Megatron's torch_dist: DCP, its layers stacked
-        from ckptkit.formats.folders.dcp import DCPSource
+        from ckptkit.formats.folders.megatron import MegatronDistSource
 
-        dist = DCPSource(megatron.folder, select=select, ema=ema)
-        dist.selected_reason = f"{megatron.reason}; {dist.selected_reason}"
-        return dist
+        return MegatronDistSource(megatron, select=select)
     dcp = find_dcp(path)
     if dcp is not None:  # torch.distributed.checkpoint (FSDP, Lightning's FSDP strategy)
         from ckptkit.formats.folders.dcp import DCPSource

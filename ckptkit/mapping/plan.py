@@ -194,7 +194,7 @@ def variables(
             )
         names[side.ranks] = ranks
     functions = {
-        "get": config_getter(config, side.config),
+        "get": config_getter(config, side.config or side.settings),
         "shape": shape_getter(tensors, "the source"),
         "count": lambda text: _count(text, tensors, names),
     }
@@ -207,7 +207,8 @@ def variables(
             raise MappingError(
                 f"{mapping.origin}: this {side.name} checkpoint fails the mapping's check "
                 f"'{check}' ({values})",
-                f"is {side.config or 'its config'} that of these weights? (--set corrects one)",
+                f"is {side.config or side.settings or 'its config'} that of these weights? "
+                "(--set corrects one)",
             )
     taken = []
     for name, expr in mapping.defaults.items():

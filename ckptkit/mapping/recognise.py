@@ -4,7 +4,7 @@ says of a checkpoint in a model family's own names (``tok_embeddings.weight``,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ckptkit.errors import MappingError
@@ -16,11 +16,14 @@ from ckptkit.storage.location import Location
 __all__ = ["Recognised", "packs_for", "model_parallel"]
 
 
-def packs_for(keys: Iterable[str], name: str) -> list[str]:
+def packs_for(
+    keys: Iterable[str], name: str, fits: Callable[[str], bool] | None = None
+) -> list[str]:
     """The shipped packs whose source side reads these keys (every key is some rule's) from a
     checkpoint called ``name``. A side that names its files (Meta's ``consolidated.NN.pth``)
     is a candidate only for a file so named, and such packs, where any fits, are the answer
-    alone: the file's name says which family wrote it."""
+    alone: the file's name says which family wrote it. Where several remain, those that
+    ``fits`` (the whole mapping plans on the checkpoint) are kept, if any."""
     keys = list(keys)
     if not keys:
         return []
@@ -35,7 +38,10 @@ def packs_for(keys: Iterable[str], name: str) -> list[str]:
             unnamed.append(pack)
         elif side.file == name or (side.files is not None and _matches(side.files, name)):
             named.append(pack)
-    return named or unnamed
+    found = named or unnamed
+    if fits is not None and len(found) > 1:
+        return [pack for pack in found if fits(pack)] or found
+    return found
 
 
 def _matches(pattern: Pattern, key: str) -> bool:

@@ -311,7 +311,7 @@ def open_mapped(
     side = mapping.source
     sources = _open_side(where, side, read)
     try:
-        config = _config(where, side)
+        config = _config(where, side) if side.settings is None else _settings(sources[0], side)
         ranked = side.files is not None
         keys = SourceKeys([dict(s.entries()) for s in sources], ranked)
 
@@ -456,6 +456,23 @@ def _config(where: Location, side: Side) -> dict[str, Any] | None:
     return document
 
 
+def _settings(source: Source, side: Side) -> dict[str, Any]:
+    """What the checkpoint records of its own settings (``side.settings``: Megatron's args).
+
+    Raises:
+        MappingError: the checkpoint records none.
+    """
+    assert side.settings is not None
+    found = source.extras.get(side.settings)
+    if not isinstance(found, dict):
+        raise MappingError(
+            f"{source.path} records no {side.settings}, which the mapping reads as the "
+            f"{side.name} side's settings",
+            f"is this a {side.name} checkpoint?",
+        )
+    return found
+
+
 def render_document(
     template: MappingType[str, Any],
     names: MappingType[str, Value],
@@ -469,7 +486,7 @@ def render_document(
     anything else is written as it is."""
 
     functions = {
-        "get": config_getter(config, source.config),
+        "get": config_getter(config, source.config or source.settings),
         "shape": shape_getter(targets, "the target"),
     }
 

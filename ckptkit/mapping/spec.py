@@ -48,8 +48,8 @@ PACKS = Path(__file__).parent / "packs"
 _LARGEST_FILE = 1 << 20  # bytes: a mapping is written by hand
 _MOST_RULES = 10_000
 _TOP = {"name", "summary", "from", "to", "sides", "rules", "defaults"}
-_SIDE = {"file", "files", "ranks", "config", "vars", "checks", "write"}
-_RULE = {"from", "to", "ops", "optional", "note"}
+_SIDE = {"file", "files", "ranks", "config", "settings", "vars", "checks", "write"}
+_RULE = {"from", "to", "ops", "optional", "one_way", "note"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ class Side:
     files: Pattern | None = None  # one file per rank, named so (Meta's consolidated.NN.pth)
     ranks: str | None = None  # the variable counting them
     config: str | None = None  # the document beside the weights that get() reads
+    # ...or the settings the checkpoint records itself, which get() reads instead (Megatron's
+    # "args", which the reader keeps among the checkpoint's extras)
+    settings: str | None = None
     vars: dict[str, Expr] = field(default_factory=dict)  # read when this side is the source
     # ...then these must hold: its config and its weights agree (a params.json of another model)
     checks: tuple[Expr, ...] = ()
@@ -77,6 +80,9 @@ class Rule:
     ops: tuple[OpCall, ...]
     optional: bool = False  # matching no key is fine (a bias some models have)
     note: str = ""
+    # Read forward only: another name some sources give what an earlier rule reads (the
+    # reversed mapping writes that rule's names)
+    one_way: bool = False
 
     @property
     def name(self) -> str:
@@ -108,14 +114,15 @@ class Mapping:
 
     def reversed(self) -> Mapping:
         """The mapping the other way: each rule's targets read, its ops undone in reverse order.
-        A rule that drops its keys makes nothing back (their bytes are gone).
+        A rule that drops its keys makes nothing back (their bytes are gone), nor does a
+        ``one_way`` rule (another rule writes its target's keys back).
 
         Raises:
             MappingError: an op whose inverse needs an argument the file does not give.
         """
         rules = []
         for rule in self.rules:
-            if any(op.name == "drop" for op in rule.ops):
+            if rule.one_way or any(op.name == "drop" for op in rule.ops):
                 continue
             ops = []
             for op in reversed(rule.ops):
@@ -254,6 +261,14 @@ def _side(name: str, raw: Any, origin: str) -> Side:
     config = raw.get("config")
     if config is not None and not _plain_name(config):
         raise MappingError(f"{where}.config names a file in the checkpoint's folder")
+    settings = raw.get("settings")
+    if settings is not None and (
+        config is not None or not isinstance(settings, str) or not settings.isidentifier()
+    ):
+        raise MappingError(
+            f"{where}.settings names what the checkpoint records of its settings (args), "
+            "instead of a config file"
+        )
     raw_vars = raw.get("vars", {})
     write = raw.get("write")
     if not isinstance(raw_vars, dict) or (write is not None and not isinstance(write, dict)):
@@ -271,6 +286,7 @@ def _side(name: str, raw: Any, origin: str) -> Side:
         files=files,
         ranks=ranks,
         config=config,
+        settings=settings,
         vars={k: parse_expr(v, f"{where}.vars.{k}") for k, v in raw_vars.items()},
         checks=tuple(parse_expr(c, f"{where}.checks") for c in checks),
         write=write,
@@ -330,9 +346,10 @@ def _rule(number: int, raw: Any, origin: str) -> Rule:
     if not drops and not targets:
         raise MappingError(f"{where} has no 'to'", "name the target keys, or drop(reason)")
     optional, note = raw.get("optional", False), raw.get("note", "")
-    if not isinstance(optional, bool) or not isinstance(note, str):
-        raise MappingError(f"{where}: 'optional' is true or false, 'note' a text")
-    rule = Rule(number, sources, targets, ops, optional, note)
+    one_way = raw.get("one_way", False)
+    if not isinstance(optional, bool) or not isinstance(one_way, bool) or not isinstance(note, str):
+        raise MappingError(f"{where}: 'optional' and 'one_way' are true or false, 'note' a text")
+    rule = Rule(number, sources, targets, ops, optional, note, one_way)
     over = rule.over
     captured = set().union(*(p.captures for p in sources))
     written = set().union(*(p.captures for p in targets)) if targets else set()

@@ -36,13 +36,21 @@ from typing import Any
 from ckptkit.errors import FormatError, SelectError
 from ckptkit.formats.files.torchfile import scan_torch_file
 from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, check_cover
+from ckptkit.formats.folders.dcp import DCPSource
 from ckptkit.formats.pickles.machine import Opaque, fields
 from ckptkit.formats.pickles.unpickler import TensorStub
 from ckptkit.meta import jsonable
 from ckptkit.storage.bytecopy import same_bytes
 from ckptkit.storage.location import Location, local_path
 
-__all__ = ["LATEST", "MegatronSave", "MegatronSource", "find_megatron", "megatron_rank_refusal"]
+__all__ = [
+    "LATEST",
+    "MegatronSave",
+    "MegatronSource",
+    "MegatronDistSource",
+    "find_megatron",
+    "megatron_rank_refusal",
+]
 
 LATEST = "latest_checkpointed_iteration.txt"
 _ITERATION = re.compile(r"iter_(\d{7,12})|release")
@@ -391,3 +399,75 @@ def _same(a: tuple[Path, int, int], b: tuple[Path, int, int]) -> bool:
         return False
     with open(a[0], "rb") as fa, open(b[0], "rb") as fb:
         return same_bytes(fa.fileno(), a[1], fb.fileno(), b[1], a[2])
+
+
+class MegatronDistSource(DCPSource):
+    """A torch_dist save (Megatron's ``dist_checkpointing``): DCP whose full tensors are the
+    TP=1 model's, with a transformer block's layers stacked on a first dim (one chunk per layer
+    or more) under ``decoder.layers.NAME``. Read as one tensor per layer,
+    ``decoder.layers.I.NAME``, as a legacy save names them; ``common.pt`` gives the args. Its
+    ``_extra_state`` values are left out, named."""
+
+    def __init__(self, save: MegatronSave, *, select: str | None = None) -> None:
+        if select not in (None, "model"):
+            raise SelectError(
+                f"{save.folder} is a Megatron save; its model is its only state dict",
+                "drop --select",
+            )
+        super().__init__(save.folder)
+        self.format = "megatron torch_dist"
+        try:
+            self._unstack(save)
+        except BaseException:
+            self.close()
+            raise
+
+    def _unstack(self, save: MegatronSave) -> None:
+        common = save.folder / "common.pt"
+        scan, _, raw, _ = scan_torch_file(common)
+        raw.close()
+        root = scan.root if isinstance(scan.root, dict) else {}
+        args = _args(root, Path(str(common)))
+        layers = args.get("num_layers")
+        if not isinstance(layers, int) or layers < 1:
+            raise FormatError(f"{common}: args.num_layers is {layers!r}, not a layer count")
+        tensors: dict[str, ChunkedTensor] = {}
+        for key, tensor in self._tensors.items():
+            if not key.startswith("decoder.layers.") or key[len("decoder.layers.")].isdigit():
+                tensors[key] = tensor
+                continue
+            if not tensor.shape or tensor.shape[0] != layers:
+                raise FormatError(
+                    f"{save.folder}: '{key}' stacks {tensor.shape[:1]} layers, not num_layers "
+                    f"{layers}",
+                    "is common.pt that of this save?",
+                )
+            for layer in range(layers):
+                name = f"decoder.layers.{layer}.{key[len('decoder.layers.') :]}"
+                tensors[name] = ChunkedTensor(name, tensor.dtype, tensor.shape[1:], [])
+            for chunk in tensor.chunks:
+                path, start, length = self._piece(tensor, chunk)
+                per_layer = length // chunk.sizes[0] if chunk.sizes[0] else 0
+                for j in range(chunk.sizes[0]):
+                    name = f"decoder.layers.{chunk.offsets[0] + j}.{key[len('decoder.layers.') :]}"
+                    piece = (path, start + j * per_layer, per_layer)
+                    part = Chunk(chunk.offsets[1:], chunk.sizes[1:], path, piece[1], per_layer)
+                    self._layouts[part] = piece
+                    tensors[name].chunks.append(part)
+        for tensor in tensors.values():
+            check_cover(self.path, tensor)
+        self._tensors = tensors
+        extra = [k for k in self.extras if _EXTRA_STATE in k]
+        for key in extra:
+            del self.extras[key]
+        self.selected = "model"
+        self.selected_reason = f"{save.reason}; its layers unstacked" + (
+            f"; {len(extra)} _extra_state entries left out" if extra else ""
+        )
+        self.extras.update(
+            {
+                "iteration": root.get("iteration"),
+                "checkpoint_version": root.get("checkpoint_version"),
+            }
+        )
+        self.extras["args"] = args

@@ -1,0 +1,100 @@
+"""The megatron-llama and megatron-gpt2 packs on megatron-core 0.16.1's own saves
+(fixtures/megatron): every layout (TP=1, TP=2, PP=2; legacy and torch_dist) maps to the same
+Hugging Face folder, whose model computes megatron-core's own logits; mapped back it is the
+TP=1 model in Megatron's names, bit for bit (the vocabulary's padding rows, cut on the way out,
+come back as zeros); a pack given the other family's model is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import FIXTURE_DIR, one_error
+from safetensors.torch import load_file
+
+import ckptkit
+from ckptkit.formats.base.tensors import bit_equal
+
+MEGATRON = FIXTURE_DIR / "megatron"
+CASES = [
+    ("megatron-llama", "gqa-swiglu", layout, kind)
+    for layout in ("tp1", "tp2", "pp2")
+    for kind in ("legacy", "torch_dist")
+] + [
+    ("megatron-gpt2", "mha-gelu", layout, kind)
+    for layout in ("tp1", "tp2")
+    for kind in ("legacy", "torch_dist")
+]
+IDS = [f"{shape}-{layout}-{kind}" for _, shape, layout, kind in CASES]
+VOCAB = 100  # the tokenizer's; Megatron pads the embedding to 128 rows
+
+
+@pytest.mark.parametrize(("pack", "shape", "layout", "kind"), CASES, ids=IDS)
+def test_every_layout_maps_to_a_model_that_computes_megatrons_logits(
+    tmp_path, pack, shape, layout, kind
+):
+    from transformers import AutoModelForCausalLM
+
+    report = ckptkit.convert(MEGATRON / shape / layout / kind, tmp_path / "hf", mapping=pack)
+    assert report.verified and report.mapping["accounted_bytes"] == report.mapping["source_bytes"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    reference = load_file(MEGATRON / shape / "logits.safetensors")  # megatron-core's forward
+    with torch.no_grad():
+        logits = model(reference["tokens"]).logits
+    assert logits.shape[-1] == VOCAB
+    worst = (logits - reference["logits"][..., :VOCAB]).abs().max().item()
+    assert worst < 1e-5, worst  # measured 9e-8: float rounding
+    if (layout, kind) != ("tp1", "legacy"):  # every layout gives the very same folder
+        first = tmp_path / "first"
+        ckptkit.convert(MEGATRON / shape / "tp1" / "legacy", first, mapping=pack)
+        ours, theirs = (
+            load_file(tmp_path / "hf" / "model.safetensors"),
+            load_file(first / "model.safetensors"),
+        )
+        assert sorted(ours) == sorted(theirs) and all(bit_equal(ours[k], theirs[k]) for k in ours)
+        assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads(
+            (first / "config.json").read_text()
+        )
+
+
+@pytest.mark.parametrize(
+    ("pack", "shape"), [("megatron-llama", "gqa-swiglu"), ("megatron-gpt2", "mha-gelu")]
+)
+def test_mapped_back_it_is_the_tp1_model_in_megatrons_names(tmp_path, pack, shape):
+    ckptkit.convert(MEGATRON / shape / "tp2" / "legacy", tmp_path / "hf", mapping=pack)
+    report = ckptkit.convert(
+        tmp_path / "hf", tmp_path / "back.safetensors", mapping=pack, reverse=True
+    )
+    back, reference = (
+        load_file(tmp_path / "back.safetensors"),
+        load_file(MEGATRON / shape / "reference.safetensors"),
+    )
+    assert sorted(back) == sorted(reference)
+    padded = [
+        k for k in reference if k in ("embedding.word_embeddings.weight", "output_layer.weight")
+    ]
+    for key in reference:
+        if key in padded:  # the rows past the vocabulary were cut: they come back as zeros
+            assert bit_equal(back[key][:VOCAB], reference[key][:VOCAB])
+            assert not back[key][VOCAB:].any()
+        else:
+            assert bit_equal(back[key], reference[key]), key
+    assert report.mapping["defaults_taken"] == ["padded"]  # 128 from the vocabulary, said
+
+
+def test_the_cli_names_the_pack_and_refuses_the_other_family(run, tmp_path):
+    shown = run("inspect", MEGATRON / "mha-gelu" / "tp2" / "legacy")
+    assert "which megatron-gpt2 maps" in shown.output, shown.output
+    # both packs' names cover a Llama-like model's keys: the one whose mapping plans is named
+    shown = run("inspect", MEGATRON / "gqa-swiglu" / "pp2" / "torch_dist")
+    assert "which megatron-llama maps:" in shown.output, shown.output
+    one_error(
+        run("convert", MEGATRON / "mha-gelu" / "tp2" / "legacy", "hf", "--map", "megatron-llama"),
+        "no rule of megatron-llama",
+        "embedding.position_embeddings.weight",
+    )
+    one_error(
+        run("convert", MEGATRON / "gqa-swiglu" / "tp2" / "legacy", "hf", "--map", "megatron-gpt2"),
+        "embedding.position_embeddings.weight) of megatron-gpt2 takes no key",
+    )
