@@ -79,20 +79,32 @@ def test_a_real_process_merges_without_torch(tmp_path):
     assert json.loads("\n".join(document))["verified"]
 
 
-@pytest.mark.parametrize("save", ["gqa-swiglu/tp2", "gqa-swiglu/pp2", "mha-gelu/tp2"])
-def test_a_torch_dist_save_reads_as_dcp_with_its_layers_stacked(save):
+@pytest.mark.parametrize("save", SAVES)
+def test_a_torch_dist_save_reads_as_one_tensor_per_layer(tmp_path, save):
     """Megatron's torch_dist: DCP with its save plan cached in .metadata (read as data), the
-    layers stacked on a first dim, the norms under TransformerEngine's names."""
+    TP=1 tensors whatever the parallelism, a block's layers stacked on a first dim and read
+    one per layer, the norms under TransformerEngine's names; common.pt's args."""
     theirs = reference(save)
+    te_names = {
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+        "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    }
+    report = ckptkit.convert(MEGATRON / save / "torch_dist", tmp_path / "out.safetensors")
+    assert report.verified and report.through_torch == 0
+    assert "its layers unstacked; " in report.selected_reason
+    ours = load_file(tmp_path / "out.safetensors")
+    renamed = {}
+    for key, tensor in ours.items():
+        layer, _, rest = key.removeprefix("decoder.layers.").partition(".")
+        if key.startswith("decoder.layers.") and rest in te_names:
+            key = f"decoder.layers.{layer}.{te_names[rest]}"
+        renamed[key] = tensor
+    assert sorted(renamed) == sorted(theirs)
+    assert [k for k in theirs if not bit_equal(renamed[k], theirs[k])] == []
     with ckptkit.open_source(MEGATRON / save / "torch_dist") as source:
-        assert "named by latest_checkpointed_iteration.txt" in source.selected_reason
-        qkv = source.load("decoder.layers.self_attention.linear_qkv.weight")
-        norm = source.load("decoder.layers.self_attention.linear_qkv.layer_norm_weight")
-    for layer in range(2):
-        assert bit_equal(
-            qkv[layer], theirs[f"decoder.layers.{layer}.self_attention.linear_qkv.weight"]
-        )
-        assert bit_equal(norm[layer], theirs[f"decoder.layers.{layer}.input_layernorm.weight"])
+        assert source.extras["args"]["num_layers"] == 2 and source.extras["iteration"] == 10
 
 
 def copy_save(tmp_path, save="gqa-swiglu/tp2"):

@@ -191,6 +191,13 @@ class MegatronSource(ChunkedSource):
                     f"{name}_model_parallel_size {said}",
                     "copy every rank's folder of the save",
                 )
+        groups = args.get("num_query_groups") if args.get("group_query_attention") else None
+        if isinstance(groups, int) and groups % tp:
+            raise FormatError(
+                f"{save.folder}: {groups} query groups over {tp} tensor-parallel ranks split a "
+                "group's keys and values across ranks, which ckptkit does not merge yet",
+                "convert a save whose tensor-parallel size divides num_query_groups",
+            )
         pieces: dict[str, list[tuple[int, str, TensorStub, Path]]] = {}
         offset, left_out = 0, []
         for stage in range(pp):
