@@ -20,6 +20,8 @@ RUNS = [
     ("adapters.py",),
     ("scale.py",),
     ("remote.py",),
+    ("mapping.py",),
+    ("megatron.py",),
 ]
 
 
@@ -159,3 +161,21 @@ def test_remote_bench_quick_runs_and_reports_every_way(quick):
         ways = results[part]["ways"].values()
         assert all(r["wall_s"] > 0 and r["peak_rss_bytes"] > 0 for r in ways)
     assert all(results["files"][kind]["tensors"] > 100 for kind in kinds)
+
+
+@pytest.mark.slow
+def test_mapping_and_megatron_benches_quick_run_and_check_their_outputs(quick):
+    """The mapped conversions' benches: every way measured, and ckptkit's output checked bit
+    for bit against the other way's (transformers' converter when installed, the
+    whole-state-dict merge of a Megatron save)."""
+    mapping = quick("mapping.py")
+    ways = mapping["convert"]
+    assert "ckptkit convert --map llama-meta (verified)" in ways
+    assert all(r["wall_s"] > 0 for r in ways.values())
+    if mapping["bit_for_bit"] is not None:  # transformers 4.46.3 at --transformers
+        assert mapping["bit_for_bit"]["bit_equal"] == mapping["bit_for_bit"]["tensors"]
+    megatron = quick("megatron.py")
+    assert len(megatron["convert"]) == 5
+    assert all(r["wall_s"] > 0 for r in megatron["convert"].values())
+    assert megatron["bit_for_bit"]["whole_state_dict"]["equal"]
+    assert megatron["bit_for_bit"]["tp1_model"]["equal"]
