@@ -194,15 +194,17 @@ def variables(
             )
         names[side.ranks] = ranks
     functions = {
-        "get": config_getter(config, side.config or side.settings),
+        "get": config_getter(config, side.config or _settings_name(side)),
         "shape": shape_getter(tensors, "the source"),
         "count": lambda text: _count(text, tensors, names),
     }
     for name, expr in side.vars.items():
         if name not in names:
             names[name] = expr.evaluate(names, functions)
-    for check in side.checks:
+    for i, check in enumerate(side.checks):
         if not check.evaluate(names, functions):
+            if i in side.says:
+                raise MappingError(f"{mapping.origin}: {side.says[i]}")
             values = ", ".join(f"{n} = {names[n]}" for n in sorted(check.names()) if n in names)
             raise MappingError(
                 f"{mapping.origin}: this {side.name} checkpoint fails the mapping's check "
@@ -216,6 +218,10 @@ def variables(
             names[name] = expr.evaluate(names, functions)
             taken.append(name)
     return names, taken
+
+
+def _settings_name(side: Any) -> str | None:
+    return f"the checkpoint's {side.settings}" if side.settings else None
 
 
 def shape_getter(tensors: MappingType[str, TensorInfo], what: str) -> Callable[..., Value]:
@@ -255,7 +261,10 @@ def config_getter(config: MappingType[str, Any] | None, where: str | None) -> Ca
             if not isinstance(node, dict) or part not in node or node[part] is None:
                 if default:
                     return default[0]
-                raise MappingError(f"{where} has no field '{path}'")
+                raise MappingError(
+                    f"{where} has no field '{path}'",
+                    "give the variable that reads it with --set NAME=VALUE",
+                )
             node = node[part]
         if not isinstance(node, int | float | str | bool | list) or (
             isinstance(node, float) and not math.isfinite(node)

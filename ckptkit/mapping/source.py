@@ -486,7 +486,10 @@ def render_document(
     anything else is written as it is."""
 
     functions = {
-        "get": config_getter(config, source.config or source.settings),
+        "get": config_getter(
+            config,
+            source.config or (f"the checkpoint's {source.settings}" if source.settings else None),
+        ),
         "shape": shape_getter(targets, "the target"),
     }
 

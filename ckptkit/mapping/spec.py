@@ -67,6 +67,8 @@ class Side:
     vars: dict[str, Expr] = field(default_factory=dict)  # read when this side is the source
     # ...then these must hold: its config and its weights agree (a params.json of another model)
     checks: tuple[Expr, ...] = ()
+    # ...and what to say when one fails, where the file says (its check's index -> text)
+    says: dict[int, str] = field(default_factory=dict)
     write: dict[str, Any] | None = None  # the config document written when it is the target
 
 
@@ -280,6 +282,12 @@ def _side(name: str, raw: Any, origin: str) -> Side:
     checks = raw.get("checks", [])
     if not isinstance(checks, list):
         raise MappingError(f"{where}.checks is a list of expressions that must hold")
+    says: dict[int, str] = {}
+    for i, check in enumerate(checks):  # "expr", or {check = "expr", message = "why not"}
+        if isinstance(check, dict):
+            if set(check) != {"check", "message"} or not isinstance(check["message"], str):
+                raise MappingError(f"{where}.checks: a table is {{check = ..., message = ...}}")
+            checks[i], says[i] = check["check"], check["message"]
     return Side(
         name=name,
         file=file,
@@ -289,6 +297,7 @@ def _side(name: str, raw: Any, origin: str) -> Side:
         settings=settings,
         vars={k: parse_expr(v, f"{where}.vars.{k}") for k, v in raw_vars.items()},
         checks=tuple(parse_expr(c, f"{where}.checks") for c in checks),
+        says=says,
         write=write,
     )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,3 +181,135 @@ def test_inspect_shows_the_merged_model_and_the_args(run):
     assert document["format"] == "megatron" and document["tensor_count"] == 15
     assert document["extras"]["args"]["pipeline_model_parallel_size"] == 2
     assert document["extras"]["iteration"] == 10
+
+
+def test_pipeline_stages_laid_out_alike_are_not_taken_for_ties(tmp_path):
+    """Four stages whose two middle files hold the same keys at the same offsets (every rank
+    file is named model_optim_rng.pt): each layer is its own stage's, never another's."""
+    pp2 = MEGATRON / "gqa-swiglu" / "pp2" / "legacy" / "iter_0000010"
+    first = torch.load(pp2 / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=False)
+    last = torch.load(pp2 / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=False)
+    middle = {k: v for k, v in last["model"].items() if k.startswith("decoder.layers.")}
+    stages = [
+        first,
+        {**last, "model": dict(middle)},
+        {**last, "model": {k: v + 1 for k, v in middle.items() if v is not None}},
+        last,
+    ]
+    for state in (*stages[1:3],):
+        for key in [k for k in middle if middle[k] is None]:
+            state["model"][key] = None
+    folder = tmp_path / "pp4" / "iter_0000010"
+    for stage, state in enumerate(stages):
+        state = {**state, "args": first["args"]}
+        state["args"].pipeline_model_parallel_size, state["args"].num_layers = 4, 4
+        (folder / f"mp_rank_00_{stage:03d}").mkdir(parents=True)
+        torch.save(state, folder / f"mp_rank_00_{stage:03d}" / "model_optim_rng.pt")
+    report = ckptkit.convert(folder, tmp_path / "out.safetensors")
+    out = load_file(tmp_path / "out.safetensors")
+    assert len(out) == 2 + 4 * 6 + 1 and report.verified
+    for layer, state in ((1, stages[1]), (2, stages[2])):
+        for key, value in state["model"].items():
+            if value is not None:
+                global_key = key.replace("decoder.layers.0.", f"decoder.layers.{layer}.")
+                assert bit_equal(out[global_key], value), global_key
+
+
+def hostile(tmp_path, change):
+    folder = copy_save(tmp_path)
+    change(folder / "iter_0000010")
+    with pytest.raises(FormatError) as raised:
+        ckptkit.open_source(folder)
+    return raised.value.message
+
+
+def test_rank_folders_that_cannot_be_one_save_are_refused(tmp_path):
+    """Each rank named once, in one naming, its own file: anything else would join slices
+    wrongly and still look whole."""
+
+    def twice(it):
+        shutil.copytree(it / "mp_rank_01", it / "mp_rank_001")
+
+    assert "names tensor rank 1, pipeline stage 0 twice" in hostile(tmp_path / "a", twice)
+
+    def mixed(it):
+        shutil.copytree(it / "mp_rank_01", it / "mp_rank_02_000")
+
+    assert "mixes rank folders with and without a pipeline stage" in hostile(tmp_path / "b", mixed)
+
+    def linked(it):
+        shutil.rmtree(it / "mp_rank_01")
+        (it / "mp_rank_01").symlink_to(it / "mp_rank_00")
+
+    assert "is the very file" in hostile(tmp_path / "c", linked)
+
+    def copied(it):
+        shutil.rmtree(it / "mp_rank_01")
+        shutil.copytree(it / "mp_rank_00", it / "mp_rank_01")
+
+    assert "holds rank 0's slice of the word embeddings" in hostile(tmp_path / "d", copied)
+
+    def stray(it):
+        (it / "mp_rank_x").mkdir()
+
+    assert "is not a rank folder's name Megatron writes" in hostile(tmp_path / "e", stray)
+
+
+def test_rank_files_megatron_would_not_write_are_refused(tmp_path):
+    key = "decoder.layers.0.self_attention.linear_qkv.weight"
+    cases = {
+        "uneven": (
+            lambda s: s["model"].update({key: s["model"][key][:16]}),
+            "differ in size along dim 0",
+        ),
+        "gap": (
+            lambda s: s["model"].update(
+                {
+                    k.replace("layers.1.", "layers.5."): s["model"].pop(k)
+                    for k in [k for k in s["model"] if "layers.1." in k]
+                }
+            ),
+            "numbers its layers [0, 5]",
+        ),
+        "key": (lambda s: s["model"].update({3: s["model"][key]}), "has a key that is no name"),
+        "layers": (
+            lambda s: setattr(s["args"], "num_layers", 7),
+            "hold 2 layers, but its args say num_layers 7",
+        ),
+    }
+    for name, (change, needle) in cases.items():
+        folder = copy_save(tmp_path / name)
+        for rank in ("mp_rank_01",) if name == "uneven" else ("mp_rank_00", "mp_rank_01"):
+            resave(rank_file(folder, rank), change)
+        with pytest.raises(FormatError, match=re.escape(needle)):
+            ckptkit.open_source(folder)
+
+
+def test_a_tracker_is_read_as_a_number_never_whole(tmp_path):
+    folder = copy_save(tmp_path)
+    with open(folder / "latest_checkpointed_iteration.txt", "wb") as f:
+        f.truncate(20 * 1024**3)  # sparse: 20 GB of zeros
+    with pytest.raises(FormatError, match="not an iteration number"):
+        ckptkit.open_source(folder)
+    (folder / "latest_checkpointed_iteration.txt").unlink()
+    (folder / "latest_checkpointed_iteration.txt").mkdir()
+    with pytest.raises(FormatError, match="latest_checkpointed_iteration.txt is not a file"):
+        ckptkit.open_source(folder)
+
+
+@pytest.mark.parametrize("also", ["decoder.layers.0.x", "decoder.layers."])
+def test_a_torch_dist_save_with_a_layer_named_twice_is_refused(tmp_path, also):
+    """A stacked tensor and a layer's own of the same name (or a key that names no layer):
+    one would overwrite the other."""
+    import argparse
+
+    import torch.distributed.checkpoint as dcp
+    from helpers import single_process_dcp
+
+    folder = tmp_path / "iter_0000001"
+    state = {"decoder.layers.x": torch.ones(2, 3), also: torch.zeros(3)}
+    with single_process_dcp():
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    torch.save({"args": argparse.Namespace(num_layers=2), "iteration": 1}, folder / "common.pt")
+    with pytest.raises(FormatError, match="both stacked and on its own|named 'decoder.layers.'"):
+        ckptkit.open_source(folder)

@@ -91,10 +91,34 @@ def test_the_cli_names_the_pack_and_refuses_the_other_family(run, tmp_path):
     assert "which megatron-llama maps:" in shown.output, shown.output
     one_error(
         run("convert", MEGATRON / "mha-gelu" / "tp2" / "legacy", "hf", "--map", "megatron-llama"),
-        "no rule of megatron-llama",
-        "embedding.position_embeddings.weight",
+        "megatron-llama: this model lacks SwiGLU, RMSNorm or rotary positions",
+        "--map megatron-gpt2",
     )
     one_error(
         run("convert", MEGATRON / "gqa-swiglu" / "tp2" / "legacy", "hf", "--map", "megatron-gpt2"),
-        "embedding.position_embeddings.weight) of megatron-gpt2 takes no key",
+        "megatron-gpt2: this model has SwiGLU or grouped-query attention",
+        "--map megatron-llama",
     )
+
+
+def test_args_that_do_not_fit_the_weights_are_refused(run, tmp_path):
+    """The config is written from the args: a feed-forward size the weights do not have, or no
+    vocab_size (Megatron leaves it unset with a Hugging Face tokenizer), is refused, and
+    --set gives the missing one."""
+    import shutil
+
+    save = tmp_path / "save"
+    shutil.copytree(MEGATRON / "gqa-swiglu" / "tp1" / "legacy", save)
+    rank = save / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(rank, weights_only=False)
+    state["args"].ffn_hidden_size, state["args"].vocab_size = 999, None
+    torch.save(state, rank)
+    one_error(run("convert", save, "hf", "--map", "megatron-llama"), "fails the mapping's check")
+    state["args"].ffn_hidden_size = 64
+    torch.save(state, rank)
+    one_error(
+        run("convert", save, "hf", "--map", "megatron-llama"), "'0 < vocab <= padded'", "vocab = 0"
+    )
+    done = run("convert", save, "hf", "--map", "megatron-llama", "--set", "vocab=100")
+    assert done.exit_code == 0, done.output
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 100

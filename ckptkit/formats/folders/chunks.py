@@ -162,7 +162,9 @@ class ChunkedSource(Source):
 def identity(tensor: ChunkedTensor) -> str:
     """The storage identity of a chunked tensor: its chunks' records (two keys over the same
     records are one tensor)."""
-    return "chunks:" + (";".join(f"{c.file.name}@{c.start}" for c in tensor.chunks) or tensor.fqn)
+    # The whole path: rank files of one save share their names (Megatron's model_optim_rng.pt
+    # in every mp_rank_* folder), and tensors at one offset of two of them are not one.
+    return "chunks:" + (";".join(f"{c.file}@{c.start}" for c in tensor.chunks) or tensor.fqn)
 
 
 def contiguous_start(shape: tuple[int, ...], chunk: Chunk) -> int | None:

@@ -57,7 +57,9 @@ _ITERATION = re.compile(r"iter_(\d{7,12})|release")
 _RANK_DIR = re.compile(r"mp_rank_(\d{2,4})(?:_(\d{3}))?(?:_(\d{3}))?")
 _RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
 _MOST_RANKS = 4096
-_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_MOST_TRACKER = 64  # bytes of latest_checkpointed_iteration.txt: an iteration number
+_MOST_LAYERS = 1_000_000
+_LAYER = re.compile(r"decoder\.layers\.(\d{1,7})\.(.+)")
 
 # How megatron-core's layers cut a tensor across tensor-parallel ranks, by the key's ending.
 _COLUMNS = (
@@ -101,15 +103,23 @@ def find_megatron(path: Location) -> MegatronSave | None:
     """
     if not path.is_dir():
         return None
-    if (path / LATEST).is_file():
-        text = (path / LATEST).read_bytes()[:64].decode("ascii", "replace").strip()
+    tracker = local_path(path) / LATEST
+    if tracker.is_symlink() or tracker.exists():
+        if not tracker.is_file():
+            raise FormatError(
+                f"{tracker} is not a file", "name an iteration folder (iter_NNNNNNN) instead"
+            )
+        with open(tracker, "rb") as f:  # a tracker is a number: never read whole
+            data = f.read(_MOST_TRACKER + 1)
+        text = data.decode("ascii", "replace").strip()
         if text == "release":
             name = "release"
-        elif text.isdigit() and len(text) <= 12:
+        elif len(data) <= _MOST_TRACKER and text.isascii() and text.isdigit() and len(text) <= 12:
             name = f"iter_{int(text):07d}"
         else:
+            shown = "nothing" if not text else f"'{text[:20]}'"
             raise FormatError(
-                f"{path / LATEST} says '{text[:20]}', not an iteration number",
+                f"{tracker} says {shown}, not an iteration number",
                 "name an iteration folder (iter_NNNNNNN) instead",
             )
         folder = path / name
@@ -120,7 +130,11 @@ def find_megatron(path: Location) -> MegatronSave | None:
             )
         found = _kind(folder)
         if found is None:
-            raise FormatError(f"{folder} holds neither mp_rank_* folders nor a torch_dist save")
+            raise FormatError(
+                f"{folder} holds neither mp_rank_* folders nor a torch_dist save (.metadata "
+                "and common.pt)",
+                "copy that iteration's folder whole",
+            )
         reason = f"{folder.name}, named by {LATEST}"
         return MegatronSave(folder, reason, found)
     found = _kind(path)
@@ -181,32 +195,16 @@ class MegatronSource(ChunkedSource):
         ranks = _rank_files(save.folder)
         tp = 1 + max(r.tp for r in ranks)
         pp = 1 + max(r.pp for r in ranks)
-        roots = {(r.tp, r.pp): self._scan(r.file) for r in ranks}
-        args = _args(roots[0, 0][0], ranks[0].file)
-        for name, have in (("tensor", tp), ("pipeline", pp)):
-            said = args.get(f"{name}_model_parallel_size")
-            if isinstance(said, int) and said != have:
-                raise FormatError(
-                    f"{save.folder} has {have} {name}-parallel rank folders, but its args say "
-                    f"{name}_model_parallel_size {said}",
-                    "copy every rank's folder of the save",
-                )
-        groups = args.get("num_query_groups") if args.get("group_query_attention") else None
-        if isinstance(groups, int) and groups % tp:
-            raise FormatError(
-                f"{save.folder}: {groups} query groups over {tp} tensor-parallel ranks split a "
-                "group's keys and values across ranks, which ckptkit does not merge yet",
-                "convert a save whose tensor-parallel size divides num_query_groups",
-            )
+        files = {(r.tp, r.pp): r.file for r in ranks}
+        roots = {(r.tp, r.pp): self._scan(r.file)[0] for r in ranks}
+        args = _args(roots[0, 0], ranks[0].file)
+        _check_args(save.folder, args, tp, pp)
         pieces: dict[str, list[tuple[int, str, TensorStub, Path]]] = {}
-        offset, left_out = 0, []
+        stage_of: dict[str, int] = {}
+        offset, left_out = 0, 0
         for stage in range(pp):
-            models = {t: _model(roots[t, stage][0], ranks[0].file) for t in range(tp)}
-            layers = 0
-            for key in models[0]:
-                found = _LAYER.fullmatch(key)
-                if found is not None:
-                    layers = max(layers, int(found[1]) + 1)
+            models = {t: _model(roots[t, stage], files[t, stage]) for t in range(tp)}
+            layers = _layers(models[0], files[0, stage])
             for t, model in models.items():
                 if list(model) != list(models[0]):
                     raise FormatError(
@@ -214,11 +212,10 @@ class MegatronSource(ChunkedSource):
                         "different keys",
                         "the folder mixes two saves; copy it again",
                     )
-                file = next(r.file for r in ranks if (r.tp, r.pp) == (t, stage))
+                file = files[t, stage]
                 for key, value in model.items():
                     if key.endswith(_EXTRA_STATE):
-                        if t == 0 and stage == 0:
-                            left_out.append(key)
+                        left_out += t == 0
                         continue
                     if not isinstance(value, TensorStub):
                         raise FormatError(
@@ -231,20 +228,36 @@ class MegatronSource(ChunkedSource):
                         if found is None
                         else f"decoder.layers.{int(found[1]) + offset}.{found[2]}"
                     )
+                    if stage_of.setdefault(name, stage) != stage:
+                        raise FormatError(
+                            f"{save.folder}: pipeline stages {stage_of[name]} and {stage} both "
+                            f"hold '{name}'",
+                            "the folder mixes two saves; copy it again",
+                        )
                     pieces.setdefault(name, []).append((t, key, value, file))
             offset += layers
+        said = args.get("num_layers")
+        if isinstance(said, int) and not isinstance(said, bool) and said != offset:
+            raise FormatError(
+                f"{save.folder}'s stages hold {offset} layers, but its args say num_layers {said}",
+                "copy every rank's folder of the save",
+            )
         swiglu = bool(args.get("swiglu"))
         for name, parts in pieces.items():
             self._tensors[name] = self._merge(name, parts, tp, swiglu)
+        self._check_not_copies(pieces.get("embedding.word_embeddings.weight"))
         self.selected = "model"
         self.selected_reason = f"{save.reason}; {tp} tensor x {pp} pipeline-parallel ranks merged"
         if left_out:
-            self.selected_reason += f"; {len(left_out)} _extra_state entries left out"
-        self.extras = {
-            "iteration": roots[0, 0][0].get("iteration"),
-            "checkpoint_version": roots[0, 0][0].get("checkpoint_version"),
-            "args": args,
-        }
+            self.selected_reason += f"; {left_out} _extra_state entries left out"
+        root = roots[0, 0]
+        self.extras = jsonable(
+            {
+                "iteration": root.get("iteration"),
+                "checkpoint_version": root.get("checkpoint_version"),
+            }
+        )
+        self.extras["args"] = args
 
     def _scan(self, file: Path) -> tuple[dict[str, Any], Any]:
         scan, layout, raw, _ = scan_torch_file(file)
@@ -278,6 +291,18 @@ class MegatronSource(ChunkedSource):
             chunks.append(((0,) * len(shape), tuple(shape), spans[0]))
         elif name.endswith(_COLUMNS) or name.endswith(_ROWS):
             dim = 0 if name.endswith(_COLUMNS) else 1
+            if len(first.shape) <= dim:
+                raise FormatError(
+                    f"{parts[0][3]}: '{name}' has {len(first.shape)} dims, but Megatron splits it "
+                    f"along dim {dim}",
+                    "is this a Megatron model's state dict?",
+                )
+            if any(s.shape[dim] != first.shape[dim] for _, _, s, _ in parts):
+                raise FormatError(
+                    f"{self.path}: the ranks' pieces of '{name}' differ in size along dim {dim} "
+                    f"({[s.shape[dim] for _, _, s, _ in parts]}); Megatron splits it evenly",
+                    "the folder mixes two saves; copy it again",
+                )
             if any(
                 s.shape[:dim] + s.shape[dim + 1 :] != first.shape[:dim] + first.shape[dim + 1 :]
                 for _, _, s, _ in parts
@@ -321,6 +346,21 @@ class MegatronSource(ChunkedSource):
         check_cover(self.path, tensor)
         return tensor
 
+    def _check_not_copies(self, parts: list[tuple[int, str, TensorStub, Path]] | None) -> None:
+        """No rank's slice of the word embeddings (random at initialisation, never equal across
+        ranks) is rank 0's: a rank folder copied from another would join one slice twice."""
+        if parts is None or len(parts) < 2:
+            return
+        name = "embedding.word_embeddings.weight"
+        first = self._span(parts[0][2], parts[0][3], name)
+        for rank, (_, _, stub, file) in enumerate(parts[1:], 1):
+            if stub.nbytes and _same(first, self._span(stub, file, name)):
+                raise FormatError(
+                    f"{file} holds rank 0's slice of the word embeddings: a copy of rank 0's "
+                    f"file, not rank {rank}'s",
+                    "copy every rank's folder of the save",
+                )
+
     def _span(self, stub: TensorStub, file: Path, name: str) -> tuple[Path, int, int]:
         """Where a rank's tensor lies in its file."""
         layout = self._zips[file]
@@ -345,46 +385,102 @@ class MegatronSource(ChunkedSource):
 
 
 def _rank_files(folder: Location) -> list[_Rank]:
-    """Every rank's file of a legacy save, checked complete: tensor x pipeline ranks."""
+    """Every rank's file of a legacy save, checked complete: tensor x pipeline ranks, each
+    named once, in one naming, each its own file."""
     ranks: dict[tuple[int, int], Path] = {}
-    for entry in local_path(folder).iterdir():
-        found = _RANK_DIR.fullmatch(entry.name)
-        if found is None or not entry.is_dir():
+    staged: set[bool] = set()
+    for entry in sorted(local_path(folder).iterdir()):
+        if not entry.name.startswith("mp_rank_"):
             continue
+        found = _RANK_DIR.fullmatch(entry.name)
+        if found is None:
+            raise FormatError(
+                f"{entry} is not a rank folder's name Megatron writes (mp_rank_TT, mp_rank_TT_PPP)",
+                "move it out of the save's folder",
+            )
         if found[3] is not None:
             raise FormatError(
                 f"{entry} is an expert-parallel rank's folder, which ckptkit does not merge yet",
                 "convert a save made without expert parallelism",
             )
         tp, pp = int(found[1]), int(found[2] or 0)
+        staged.add(found[2] is not None)
         if tp >= _MOST_RANKS or pp >= _MOST_RANKS:
             raise FormatError(f"{entry}: more than {_MOST_RANKS} ranks")
+        if (tp, pp) in ranks:
+            raise FormatError(
+                f"{folder} names tensor rank {tp}, pipeline stage {pp} twice "
+                f"({ranks[tp, pp].parent.name} and {entry.name})",
+                "the folder mixes two saves; copy it again",
+            )
         file = next((entry / n for n in _RANK_FILES if (entry / n).is_file()), None)
         if file is None:
             raise FormatError(
                 f"{entry} holds no {' or '.join(_RANK_FILES)}", "copy that rank's folder again"
             )
         ranks[tp, pp] = file
+    if len(staged) > 1:
+        raise FormatError(
+            f"{folder} mixes rank folders with and without a pipeline stage (mp_rank_TT and "
+            "mp_rank_TT_PPP)",
+            "the folder mixes two saves; copy it again",
+        )
     tps = 1 + max(t for t, _ in ranks)
     pps = 1 + max(p for _, p in ranks)
-    staged = any(_RANK_DIR.fullmatch(p.parent.name)[2] is not None for p in ranks.values())  # type: ignore[index]
     for t in range(tps):
         for p in range(pps):
             if (t, p) not in ranks:
-                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if staged else "")
+                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if True in staged else "")
                 raise FormatError(f"{folder} lacks {name}", "copy every rank's folder of the save")
+    seen: dict[Path, Path] = {}
+    for file in ranks.values():  # a rank linked to another's file is not that rank
+        real = file.resolve()
+        if real in seen:
+            raise FormatError(
+                f"{file} is the very file {seen[real]} is: each rank has its own",
+                "copy every rank's folder of the save",
+            )
+        seen[real] = file
     return [_Rank(t, p, f) for (t, p), f in sorted(ranks.items())]
 
 
 def _args(root: dict[str, Any], file: Path) -> dict[str, Any]:
-    """The run's ``args`` Namespace as plain values (read as data, never imported)."""
+    """The run's ``args`` Namespace as plain values (read as data, never imported; bounded
+    as a whole, for a hostile file's)."""
     args = root.get("args")
     if not isinstance(args, Opaque) or not args.global_name.endswith("Namespace"):
         raise FormatError(
             f"{file} has no args (Megatron saves its arguments beside the model)",
             "is this a Megatron checkpoint?",
         )
-    return {k: jsonable(v) for k, v in fields(args).items() if not k.startswith("__")}
+    values = fields(args)
+    found = jsonable(
+        {k: v for k, v in values.items() if isinstance(k, str) and not k.startswith("__")}
+    )
+    assert isinstance(found, dict)
+    return found
+
+
+def _check_args(folder: Location, args: dict[str, Any], tp: int, pp: int) -> None:
+    """The args agree with the rank folders, where they say how many ranks there were."""
+    for name, have in (("tensor", tp), ("pipeline", pp)):
+        key = f"{name}_model_parallel_size"
+        if key not in args or args[key] is None:
+            continue
+        said = args[key]
+        if isinstance(said, bool) or not isinstance(said, int) or said != have:
+            raise FormatError(
+                f"{folder} has {have} {name}-parallel rank folders, but its args say "
+                f"{key} {said!r}",
+                "copy every rank's folder of the save",
+            )
+    groups = args.get("num_query_groups") if args.get("group_query_attention") else None
+    if isinstance(groups, int) and groups % tp:
+        raise FormatError(
+            f"{folder}: {groups} query groups over {tp} tensor-parallel ranks split a group's "
+            "keys and values across ranks, which ckptkit does not merge yet",
+            "convert a save whose tensor-parallel size divides num_query_groups",
+        )
 
 
 def _model(root: dict[str, Any], file: Path) -> dict[str, Any]:
@@ -397,7 +493,35 @@ def _model(root: dict[str, Any], file: Path) -> dict[str, Any]:
         )
     if not isinstance(model, dict):
         raise FormatError(f"{file} has no model state dict", "is this a Megatron checkpoint?")
+    bad = next((k for k in model if not isinstance(k, str)), None)
+    if bad is not None:
+        raise FormatError(
+            f"{file}: the model state dict has a key that is no name ({type(bad).__name__})",
+            "is this a Megatron model's state dict?",
+        )
     return model
+
+
+def _layers(model: dict[str, Any], file: Path) -> int:
+    """How many layers a stage holds: numbered 0 to n - 1, as megatron-core numbers them."""
+    numbers = set()
+    for key in model:
+        found = _LAYER.fullmatch(key)
+        if found is not None:
+            numbers.add(int(found[1]))
+        elif key.startswith("decoder.layers."):
+            raise FormatError(
+                f"{file}: '{key[:80]}' is not a layer's key Megatron writes",
+                "is this a Megatron model's state dict?",
+            )
+    if numbers != set(range(len(numbers))):
+        shown = sorted(numbers)[:8]
+        raise FormatError(
+            f"{file} numbers its layers {shown}{' ...' if len(numbers) > 8 else ''}, not 0 to "
+            f"{len(numbers) - 1}",
+            "is this a Megatron model's state dict?",
+        )
+    return len(numbers)
 
 
 def _same(a: tuple[Path, int, int], b: tuple[Path, int, int]) -> bool:
@@ -439,10 +563,22 @@ class MegatronDistSource(DCPSource):
         if not isinstance(layers, int) or layers < 1:
             raise FormatError(f"{common}: args.num_layers is {layers!r}, not a layer count")
         tensors: dict[str, ChunkedTensor] = {}
+
+        def add(name: str, tensor: ChunkedTensor) -> None:
+            if name in tensors:
+                raise FormatError(
+                    f"{save.folder} holds '{name}' both stacked and on its own",
+                    "the folder mixes two saves; copy it again",
+                )
+            tensors[name] = tensor
+
         for key, tensor in self._tensors.items():
-            if not key.startswith("decoder.layers.") or key[len("decoder.layers.")].isdigit():
-                tensors[key] = tensor
+            rest = key.removeprefix("decoder.layers.")
+            if rest == key or _LAYER.fullmatch(key) is not None:
+                add(key, tensor)
                 continue
+            if not rest:
+                raise FormatError(f"{save.folder} holds a tensor named 'decoder.layers.'")
             if not tensor.shape or tensor.shape[0] != layers:
                 raise FormatError(
                     f"{save.folder}: '{key}' stacks {tensor.shape[:1]} layers, not num_layers "
@@ -450,13 +586,13 @@ class MegatronDistSource(DCPSource):
                     "is common.pt that of this save?",
                 )
             for layer in range(layers):
-                name = f"decoder.layers.{layer}.{key[len('decoder.layers.') :]}"
-                tensors[name] = ChunkedTensor(name, tensor.dtype, tensor.shape[1:], [])
+                name = f"decoder.layers.{layer}.{rest}"
+                add(name, ChunkedTensor(name, tensor.dtype, tensor.shape[1:], []))
             for chunk in tensor.chunks:
                 path, start, length = self._piece(tensor, chunk)
                 per_layer = length // chunk.sizes[0] if chunk.sizes[0] else 0
                 for j in range(chunk.sizes[0]):
-                    name = f"decoder.layers.{chunk.offsets[0] + j}.{key[len('decoder.layers.') :]}"
+                    name = f"decoder.layers.{chunk.offsets[0] + j}.{rest}"
                     piece = (path, start + j * per_layer, per_layer)
                     part = Chunk(chunk.offsets[1:], chunk.sizes[1:], path, piece[1], per_layer)
                     self._layouts[part] = piece
@@ -471,10 +607,9 @@ class MegatronDistSource(DCPSource):
         self.selected_reason = f"{save.reason}; its layers unstacked" + (
             f"; {len(extra)} _extra_state entries left out" if extra else ""
         )
-        self.extras.update(
-            {
-                "iteration": root.get("iteration"),
-                "checkpoint_version": root.get("checkpoint_version"),
-            }
-        )
+        recorded = {
+            "iteration": root.get("iteration"),
+            "checkpoint_version": root.get("checkpoint_version"),
+        }
+        self.extras.update(jsonable(recorded))
         self.extras["args"] = args
