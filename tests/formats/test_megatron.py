@@ -313,3 +313,21 @@ def test_a_torch_dist_save_with_a_layer_named_twice_is_refused(tmp_path, also):
     torch.save({"args": argparse.Namespace(num_layers=2), "iteration": 1}, folder / "common.pt")
     with pytest.raises(FormatError, match="both stacked and on its own|named 'decoder.layers.'"):
         ckptkit.open_source(folder)
+
+
+def test_an_iteration_folder_of_any_name_converts_and_a_run_without_tracker_says_so(tmp_path, run):
+    renamed = tmp_path / "mysave"
+    shutil.copytree(MEGATRON / "gqa-swiglu" / "tp2" / "legacy" / "iter_0000010", renamed)
+    report = ckptkit.convert(renamed, tmp_path / "out.safetensors")
+    assert report.selected_reason.startswith("mysave, the iteration folder given")
+    one_error(
+        run("convert", renamed / "mp_rank_00" / "model_optim_rng.pt", "x.safetensors"),
+        f"convert the save's folder, {renamed}",
+    )
+    folder = copy_save(tmp_path / "run")
+    (folder / "latest_checkpointed_iteration.txt").unlink()
+    one_error(
+        run("inspect", folder),
+        "holds Megatron iterations (iter_0000010) but no latest_checkpointed_iteration.txt",
+        "iter_0000010",
+    )

@@ -138,9 +138,16 @@ def find_megatron(path: Location) -> MegatronSave | None:
         reason = f"{folder.name}, named by {LATEST}"
         return MegatronSave(folder, reason, found)
     found = _kind(path)
-    if found is None or _ITERATION.fullmatch(path.name) is None:
-        return None
-    return MegatronSave(path, f"{path.name}, the iteration folder given", found)
+    if found is not None:
+        return MegatronSave(path, f"{path.name}, the iteration folder given", found)
+    saved = sorted(p.name for p in local_path(path).iterdir() if _ITERATION.fullmatch(p.name))
+    if saved and any(_kind(path / name) for name in saved):
+        raise FormatError(
+            f"{path} holds Megatron iterations ({', '.join(saved[-3:])}) but no {LATEST} to "
+            "say which is the latest",
+            f"name an iteration's folder, e.g. {path / saved[-1]}",
+        )
+    return None
 
 
 def megatron_rank_refusal(file: Location) -> FormatError | None:
@@ -159,6 +166,8 @@ def megatron_rank_refusal(file: Location) -> FormatError | None:
 
 
 def _kind(folder: Location) -> str | None:
+    if not folder.is_dir():
+        return None
     if (folder / ".metadata").is_file() and (folder / "common.pt").is_file():
         return "torch_dist"
     if any(_RANK_DIR.fullmatch(p.name) for p in folder.iterdir() if p.is_dir()):
