@@ -48,7 +48,7 @@ from ckptkit.formats.folders.layouts import (
     model_parallel_files,
     model_parallel_refusal,
 )
-from ckptkit.formats.folders.megatron import find_megatron, megatron_rank_refusal
+from ckptkit.formats.folders.megatron import LATEST, find_megatron, megatron_rank_refusal
 from ckptkit.formats.folders.rank_files import find_rank_files
 from ckptkit.formats.folders.runs import run_checkpoint, step_checkpoint, trainer_checkpoint
 from ckptkit.storage.location import (
@@ -313,6 +313,11 @@ def _open_folder(path: Location, options: OpenOptions, opener: Opener) -> Source
         diffusers = _open_diffusers(path, options, opener)
         if diffusers is not None:
             return diffusers
+    if not is_local(path) and (path / LATEST).is_file():
+        raise FormatError(
+            f"{path} is a Megatron save at a URL, which ckptkit reads from a local disk for now",
+            "copy it to a local disk first",
+        )
     megatron = find_megatron(path) if is_local(path) else None
     if megatron is not None and megatron.kind == "legacy":  # Megatron-LM's mp_rank_* files
         from ckptkit.formats.folders.megatron import MegatronSource

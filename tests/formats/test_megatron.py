@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import servers
 import torch
 from helpers import FIXTURE_DIR, ROOT, one_error
 from safetensors.torch import load_file
@@ -22,6 +23,7 @@ import ckptkit
 from ckptkit.errors import FormatError
 from ckptkit.formats.base.tensors import bit_equal
 
+s3_server, s3, s3_env = servers.s3_server, servers.s3, servers.s3_env
 MEGATRON = FIXTURE_DIR / "megatron"
 SAVES = ["gqa-swiglu/tp1", "gqa-swiglu/tp2", "gqa-swiglu/pp2", "mha-gelu/tp1", "mha-gelu/tp2"]
 
@@ -330,4 +332,35 @@ def test_an_iteration_folder_of_any_name_converts_and_a_run_without_tracker_says
         run("inspect", folder),
         "holds Megatron iterations (iter_0000010) but no latest_checkpointed_iteration.txt",
         "iter_0000010",
+    )
+
+
+def test_a_merge_spreads_its_shards_over_parts(tmp_path):
+    """--part I/N over a Megatron save: each process writes its shards, --finish the index;
+    the files are those one process writes."""
+    from ckptkit.spread import finish
+
+    save = MEGATRON / "mha-gelu" / "tp2" / "legacy"
+    whole = tmp_path / "whole" / "model.safetensors"
+    whole.parent.mkdir()
+    ckptkit.convert(save, whole, max_shard_size="60kB")
+    spread = tmp_path / "spread" / "model.safetensors"
+    spread.parent.mkdir()
+    for index in range(3):
+        ckptkit.convert(save, spread, max_shard_size="60kB", part=f"{index + 1}/3")
+    finish(spread)
+    shards = sorted(p.name for p in whole.parent.iterdir())
+    assert len(shards) > 2 and shards == sorted(p.name for p in spread.parent.iterdir())
+    for name in shards:
+        assert (whole.parent / name).read_bytes() == (spread.parent / name).read_bytes(), name
+
+
+def test_a_save_at_a_url_is_refused_for_now(s3_env, run):
+    s3_env.bucket("runs")
+    s3_env.fs.put(
+        str(MEGATRON / "gqa-swiglu" / "tp2" / "legacy") + "/", "runs/save/", recursive=True
+    )
+    s3_env.fs.invalidate_cache()
+    one_error(
+        run("inspect", "s3://runs/save"), "is a Megatron save at a URL", "copy it to a local disk"
     )
