@@ -313,7 +313,7 @@ def _open_folder(path: Location, options: OpenOptions, opener: Opener) -> Source
         diffusers = _open_diffusers(path, options, opener)
         if diffusers is not None:
             return diffusers
-    if not is_local(path) and (path / LATEST).is_file():
+    if not is_local(path) and not _is_glob(path) and (path / LATEST).is_file():
         raise FormatError(
             f"{path} is a Megatron save at a URL, which ckptkit reads from a local disk for now",
             "copy it to a local disk first",
