@@ -15,6 +15,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -240,6 +241,13 @@ _READ_OPTIONS = [
     ),
     set_option,
     click.option(
+        "--config-from",
+        metavar="FOLDER",
+        type=click.Path(exists=True, file_okay=False, path_type=Path),
+        help="With --map: take the target's config (config.json) from this model folder as it "
+        "is, with its tokenizer files, and check the weights against it.",
+    ),
+    click.option(
         "--workers",
         type=click.IntRange(1, 64),
         default=8,
@@ -275,6 +283,7 @@ def read_options(command: Callable[..., Any]) -> Callable[..., Any]:
         reverse: bool,
         check_roundtrip: bool,
         sets: tuple[str, ...],
+        config_from: Path | None,
         workers: int,
         **kwargs: Any,
     ) -> Any:
@@ -282,8 +291,10 @@ def read_options(command: Callable[..., Any]) -> Callable[..., Any]:
         from ckptkit.convert import ReadOptions
         from ckptkit.mapping.source import MapOptions, parse_sets
 
-        if mapping is None and (reverse or sets or check_roundtrip):
-            raise click.UsageError("--reverse, --set and --check-roundtrip go with --map NAME|FILE")
+        if mapping is None and (reverse or sets or check_roundtrip or config_from):
+            raise click.UsageError(
+                "--reverse, --set, --check-roundtrip and --config-from go with --map NAME|FILE"
+            )
 
         merge = AdapterOptions(
             tuple(parse_adapter_arg(a) for a in adapters),
@@ -307,6 +318,7 @@ def read_options(command: Callable[..., Any]) -> Callable[..., Any]:
                 reverse=reverse,
                 sets=parse_sets(sets),
                 check_roundtrip=check_roundtrip,
+                config_from=config_from,
             ),
             workers=workers,
         )

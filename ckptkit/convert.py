@@ -79,6 +79,7 @@ def convert(
     reverse: bool = False,
     sets: Mapping[str, int | float | str] | None = None,
     check_roundtrip: bool = False,
+    config_from: str | Path | None = None,
 ) -> ConvertReport:
     """Convert a checkpoint's state dict to safetensors, a plain ``.pt`` state dict or a DCP
     folder. This is the keyword front of :func:`convert_checkpoint` (the one function allowed
@@ -135,6 +136,9 @@ def convert(
             see docs/mapping.md.
         reverse: with ``mapping``, map the other way.
         sets: with ``mapping``, its variables (``{"tp": 2}``).
+        config_from: with ``mapping``, a model folder whose config document the target takes
+            as it is (its variables read from it, the weights checked against it), with its
+            tokenizer files.
         check_roundtrip: with ``mapping``, map each group back as it streams and compare it
             with the source bit for bit.
 
@@ -168,6 +172,7 @@ def convert(
                 reverse=reverse,
                 sets=dict(sets or {}),
                 check_roundtrip=check_roundtrip,
+                config_from=None if config_from is None else Path(config_from),
             ),
             workers=workers,
         ),

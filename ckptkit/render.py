@@ -149,6 +149,11 @@ def mapping_lines(mapping: dict[str, Any]) -> list[str]:
             f"{plural(roundtrip['groups'], 'group')} ({copied} renamed, copied as bytes; "
             f"{roundtrip['dropped']} dropped)"
         )
+    if mapping.get("config_from"):
+        lines.append(
+            f"Config   taken from {mapping['config_from']} (--config-from), with its tokenizer "
+            "files; the weights checked against it"
+        )
     variables = mapping["variables"]
     for name in mapping["defaults_taken"]:
         value = variables[name]
@@ -261,7 +266,9 @@ def _written_lines(report: Any) -> list[str]:
             "without torch"
         )
     if report.copied_files:
-        lines.append(f"Copied   {', '.join(report.copied_files)} from the model folder")
+        config_from = (report.mapping or {}).get("config_from")  # --config-from's folder
+        whence = config_from or "the model folder"
+        lines.append(f"Copied   {', '.join(report.copied_files)} from {whence}")
     if report.made_files:
         lines.append(f"Made     {', '.join(report.made_files)} from the mapping")
     check = report.output_check

@@ -111,6 +111,7 @@ def make_plan(
     shards = [[by_key[k] for k in shard] for shard in plan_shards(units, shard_limit)]
     if folder is not None and shard_limit is None and source.folder is not None:
         shards = shards_as_in(source, items) or shards
+    beside = source.folder or source.config_folder  # its config, tokenizer...
     return Plan(
         src=src,
         dst=dst,
@@ -126,7 +127,7 @@ def make_plan(
         allow_overflow=output.allow_overflow,
         special=frozenset(old for old, info in entries.items() if info.kind != "dense"),
         folder=folder,
-        copies=folder_files(source.folder) if folder is not None and source.folder else [],
+        copies=folder_files(beside) if folder is not None and beside is not None else [],
         documents=dict(source.documents) if folder is not None else {},
     )
 

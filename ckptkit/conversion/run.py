@@ -155,13 +155,14 @@ def _placed(
 ) -> tuple[Path, Path | None]:
     """The weights file's path in a model folder output (named as the source library names
     it), and the model folder, if the output is one."""
+    beside = source.folder or source.config_folder  # the model folder whose files go along
     if folder is not None:
-        if source.folder is None and not source.documents:
+        if beside is None and not source.documents:
             output_format(dst)  # the error that names the suffixes
         return folder / weights_name(source), folder
     if into is not None:
         dst = into / weights_name(source)
-        made = source.folder is not None or source.documents
+        made = beside is not None or source.documents
         if made and writer_class(fmt).model_folder:
             return dst, into  # a model folder written into one: its config files too
     return dst, None

@@ -125,6 +125,7 @@ class MapPlan:
     source_bytes: int
     target_ranks: int | None = None
     followed: list[str] = field(default_factory=list)  # variables taken from defaults, said so
+    config_from: str | None = None  # the folder the target's config was taken from, said so
 
     @property
     def accounted(self) -> int:
@@ -167,6 +168,7 @@ class MapPlan:
             "variables": {k: v for k, v in self.names.items() if not k.endswith("_count")},
             "defaults_taken": list(self.followed),
             "target_ranks": self.target_ranks,
+            "config_from": self.config_from,
         }
 
 

@@ -61,6 +61,9 @@ class MapOptions:
     reverse: bool = False
     sets: MappingType[str, Value] = field(default_factory=dict)
     check_roundtrip: bool = False  # each group mapped back in the stream, compared bit for bit
+    # A model folder whose config document the target takes as it is (its variables read from
+    # it, so the weights are checked against it), and whose tokenizer files go beside it.
+    config_from: Path | None = None
 
     def load(self) -> Mapping:
         mapping = load_mapping(self.mapping)
@@ -315,8 +318,11 @@ def open_mapped(
         ranked = side.files is not None
         keys = SourceKeys([dict(s.entries()) for s in sources], ranked)
 
+        sets = dict(options.sets)
+        if options.config_from is not None:
+            sets = {**_target_settings(mapping, options.config_from), **sets}  # --set wins
         names, taken = variables(
-            mapping, options.sets, config, keys.ranks[0], len(sources) if ranked else None
+            mapping, sets, config, keys.ranks[0], len(sources) if ranked else None
         )
         target_ranks = None
         if mapping.target.ranks is not None:
@@ -330,7 +336,10 @@ def open_mapped(
         first = sources[0]  # where the state dict was, and what was left out beside it
         mapped.selected, mapped.selected_reason = first.selected, first.selected_reason
         mapped.extras, mapped.dropped = first.extras, first.dropped
-        if mapping.target.write is not None:
+        if options.config_from is not None:  # its config and tokenizer files, copied
+            mapped.config_folder = options.config_from
+            plan.config_from = str(options.config_from)
+        elif mapping.target.write is not None:
             targets = {t.key: t.info for t in plan.targets}
             recorded = _Recording(names)  # a default its document reads only when written
             document = render_document(mapping.target.write, recorded, config, side, targets)
@@ -454,6 +463,35 @@ def _config(where: Location, side: Side) -> dict[str, Any] | None:
     if not isinstance(document, dict):
         raise FormatError(f"{path} is not a JSON object")
     return document
+
+
+def _target_settings(mapping: Mapping, folder: Path) -> dict[str, Value]:
+    """``--config-from``: the target side's variables read from the folder's config document
+    (those that read only it: the rest come from the source as usual).
+
+    Raises:
+        UsageError: the mapping writes no config document, or the folder has none.
+    """
+    write = mapping.target.write
+    if write is None:
+        raise UsageError(
+            f"--config-from takes the target's config, and {mapping.origin} writes none",
+            "drop --config-from",
+        )
+    path = folder / str(write["file"])
+    if not path.is_file():
+        raise UsageError(f"--config-from {folder} has no {write['file']}", "name a model folder")
+    document = read_json(path, "config")
+    if not isinstance(document, dict):
+        raise FormatError(f"{path} is not a JSON object")
+    functions = {"get": config_getter(document, str(path))}
+    found: dict[str, Value] = {}
+    for name, expr in mapping.target.vars.items():
+        try:
+            found[name] = expr.evaluate(found, functions)
+        except MappingError:  # reads a tensor's shape, or what the document lacks
+            continue  # the source's then
+    return found
 
 
 def _settings(source: Source, side: Side) -> dict[str, Any]:

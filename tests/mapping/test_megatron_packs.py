@@ -122,3 +122,43 @@ def test_args_that_do_not_fit_the_weights_are_refused(run, tmp_path):
     done = run("convert", save, "hf", "--map", "megatron-llama", "--set", "vocab=100")
     assert done.exit_code == 0, done.output
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 100
+
+
+def test_config_from_a_model_folder_is_taken_as_it_is_and_checked(run, tmp_path):
+    """--config-from: the config.json (and tokenizer files) of a model folder go with the
+    weights, its numbers read as the mapping's (Megatron with a Hugging Face tokenizer leaves
+    vocab_size unset: the config gives it), and weights that do not fit it are refused."""
+    import shutil
+
+    save = tmp_path / "save"
+    shutil.copytree(MEGATRON / "gqa-swiglu" / "tp2" / "legacy", save)
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        path = save / "iter_0000010" / rank / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=False)
+        state["args"].vocab_size = None
+        torch.save(state, path)
+    given = tmp_path / "given"
+    ckptkit.convert(MEGATRON / "gqa-swiglu" / "tp1" / "legacy", given, mapping="megatron-llama")
+    config = json.loads((given / "config.json").read_text())
+    config["bos_token_id"] = 1  # a field the mapping does not write: it must survive
+    (given / "config.json").write_text(json.dumps(config))
+    (given / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+    done = run("convert", save, "hf", "--map", "megatron-llama", "--config-from", given)
+    assert done.exit_code == 0, done.output
+    assert f"Config   taken from {given} (--config-from)" in done.output
+    assert f"Copied   config.json, tokenizer.json from {given}" in done.output
+    assert (tmp_path / "hf" / "config.json").read_text() == (given / "config.json").read_text()
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    ours, theirs = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(given / "model.safetensors"),
+    )
+    assert all(bit_equal(ours[k], theirs[k]) for k in theirs)
+    config["hidden_size"] = 64  # another model's config
+    (given / "config.json").write_text(json.dumps(config))
+    one_error(
+        run("convert", save, "hf2", "--map", "megatron-llama", "--config-from", given),
+        "fails the mapping's check",
+        "dim = 64",
+    )
+    one_error(run("convert", save, "hf3", "--config-from", given), "go with --map")

@@ -87,6 +87,9 @@ class Source(ABC):
     # The model folder the weights came from (save_pretrained's), whose other files (config,
     # tokenizer) a folder output copies.
     folder: Location | None = None
+    # A model folder whose other files (config, tokenizer) a folder output copies, though the
+    # weights come from elsewhere (a mapping's --config-from); ``folder`` takes precedence.
+    config_folder: Location | None = None
     # The weights file name a folder output takes, as the source's library names it
     # (diffusers' diffusion_pytorch_model.safetensors); None: transformers' model.safetensors.
     weights_name: str | None = None
