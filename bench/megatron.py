@@ -47,7 +47,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import python, run_ways, table  # noqa: E402
+from run import python, ratio_line, run_ways, table  # noqa: E402
 
 # The save for params argv[1] in argv[2] tensor-parallel ranks, in folder argv[3]; info.json
 # last (a half-made folder lacks it). Its own process, so that this one never imports torch.
@@ -258,11 +258,6 @@ def main() -> None:
         print(json.dumps(results, indent=2))
         return
     report(results, repeat)
-
-
-def ratio_line(name: str, value: float, at_most: float) -> str:
-    met = "met" if value <= at_most else "MISSED"
-    return f"{name}: {value:.2f}x (target: at most {at_most:g}x: {met})"
 
 
 def report(results: dict, repeat: int) -> None:

@@ -263,6 +263,12 @@ def run_ways(
     }
 
 
+def ratio_line(name: str, value: float, at_most: float) -> str:
+    """A ratio against its target, and whether it is met."""
+    met = "met" if value <= at_most else "MISSED"
+    return f"{name}: {value:.2f}x (target: at most {at_most:g}x: {met})"
+
+
 def table(title: str, results: dict[str, dict[str, float]], base: str) -> str:
     ref = results[base]["wall_s"]
     lines = [
