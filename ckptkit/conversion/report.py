@@ -44,6 +44,7 @@ class ConvertReport:
     files: list[str] = field(default_factory=list)
     copied: int = 0
     through_torch: int = 0
+    made: int = 0  # of the copied: made from views of their ranges (checked by CRC-32)
     overflowed: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
     # How tied tensors were written: "once" (safetensors: the others named in the metadata, as
@@ -88,6 +89,7 @@ class ConvertReport:
             "files": self.files,
             "copied_as_bytes": self.copied,
             "through_torch": self.through_torch,
+            "made_from_ranges": self.made,
             "aliases": self.aliases,
             "ties": self.ties,
             "dropped": [part.to_dict() for part in self.dropped],

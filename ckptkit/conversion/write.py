@@ -92,6 +92,7 @@ def write(
             _write_files(writer, copier, plan, header, files, verify)
         report.verified = verify
         report.copied, report.through_torch = copier.copied, copier.through_torch
+        report.made = copier.made
         report.overflowed = list(copier.overflowed)
     finally:
         copier.close()

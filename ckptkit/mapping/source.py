@@ -484,14 +484,33 @@ def _target_settings(mapping: Mapping, folder: Path) -> dict[str, Value]:
     document = read_json(path, "config")
     if not isinstance(document, dict):
         raise FormatError(f"{path} is not a JSON object")
-    functions = {"get": config_getter(document, str(path))}
+    getter = config_getter(document, str(path))
     found: dict[str, Value] = {}
+    read: list[bool] = []  # each get() of the variable: whether the document held the field
+
+    def get(field: Any, *default: Value) -> Value:
+        read.append(_holds(document, str(field)))
+        return getter(field, *default)
+
     for name, expr in mapping.target.vars.items():
+        read.clear()
         try:
-            found[name] = expr.evaluate(found, functions)
+            value = expr.evaluate(found, {"get": get})
         except MappingError:  # reads a tensor's shape, or what the document lacks
             continue  # the source's then
+        if read and all(read):  # read from the document: never a constant or a default
+            found[name] = value
     return found
+
+
+def _holds(document: MappingType[str, Any], path: str) -> bool:
+    """Whether a config document has a value at a dotted path."""
+    node: Any = document
+    for part in path.split("."):
+        if not isinstance(node, dict) or node.get(part) is None:
+            return False
+        node = node[part]
+    return True
 
 
 def _settings(source: Source, side: Side) -> dict[str, Any]:

@@ -219,10 +219,9 @@ class MappedRange:
 
 
 class MappedFiles:
-    """Files opened once to map ranges of (:class:`MappedRange`), closed together."""
-
-    def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
+    """Ranges of files mapped (:class:`MappedRange`). Each file is opened for its mapping
+    alone: the mapping holds a descriptor of its own, and a save of thousands of rank files
+    must not hold one more per file."""
 
     def map(self, path: Path, offset: int, count: int) -> MappedRange:
         """Bytes ``offset`` to ``offset + count`` of ``path``, mapped.
@@ -231,21 +230,20 @@ class MappedFiles:
             FormatError: the range runs past the end of the file (mapped, it would crash the
                 process on access).
         """
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        fd = self._fds[path]
-        if offset < 0 or count < 0 or offset + count > os.fstat(fd).st_size:
-            raise FormatError(
-                f"{path}: a tensor's bytes ({offset} to {offset + count}) run past the end of "
-                "the file",
-                "the file is cut short: copy it again",
-            )
-        return MappedRange(fd, offset, count)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if offset < 0 or count < 0 or offset + count > os.fstat(fd).st_size:
+                raise FormatError(
+                    f"{path}: a tensor's bytes ({offset} to {offset + count}) run past the end "
+                    "of the file",
+                    "the file is cut short: copy it again",
+                )
+            return MappedRange(fd, offset, count)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        """Nothing stays open between mappings (kept so a holder can close what it owns)."""
 
 
 def release_pages(fd: int, offset: int, count: int) -> None:

@@ -249,7 +249,9 @@ def test_rank_folders_that_cannot_be_one_save_are_refused(tmp_path):
         shutil.rmtree(it / "mp_rank_01")
         shutil.copytree(it / "mp_rank_00", it / "mp_rank_01")
 
-    assert "holds rank 0's slice of the word embeddings" in hostile(tmp_path / "d", copied)
+    assert "'embedding.word_embeddings.weight' that tensor-parallel rank 0 holds" in hostile(
+        tmp_path / "d", copied
+    )
 
     def stray(it):
         (it / "mp_rank_x").mkdir()
@@ -364,3 +366,24 @@ def test_a_save_at_a_url_is_refused_for_now(s3_env, run):
     one_error(
         run("inspect", "s3://runs/save"), "is a Megatron save at a URL", "copy it to a local disk"
     )
+
+
+def test_pipeline_stages_of_another_order_or_save_are_refused(tmp_path):
+    """Stage folders swapped (the embeddings on the last stage), or one stage from another
+    iteration's save: never joined into a model."""
+    folder = tmp_path / "swapped"
+    shutil.copytree(MEGATRON / "gqa-swiglu" / "pp2" / "legacy", folder)
+    it = folder / "iter_0000010"
+    (it / "mp_rank_00_000").rename(it / "x")
+    (it / "mp_rank_00_001").rename(it / "mp_rank_00_000")
+    (it / "x").rename(it / "mp_rank_00_001")
+    with pytest.raises(FormatError, match="is on pipeline stage 0 of 2, where Megatron never"):
+        ckptkit.open_source(folder)
+    folder = tmp_path / "mixed"
+    shutil.copytree(MEGATRON / "gqa-swiglu" / "pp2" / "legacy", folder)
+    resave(
+        folder / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt",
+        lambda s: s.update(iteration=20),
+    )
+    with pytest.raises(FormatError, match="is of iteration 20, rank 0's of 10"):
+        ckptkit.open_source(folder)

@@ -113,7 +113,9 @@ def test_args_that_do_not_fit_the_weights_are_refused(run, tmp_path):
     state = torch.load(rank, weights_only=False)
     state["args"].ffn_hidden_size, state["args"].vocab_size = 999, None
     torch.save(state, rank)
-    one_error(run("convert", save, "hf", "--map", "megatron-llama"), "fails the mapping's check")
+    one_error(
+        run("convert", save, "hf", "--map", "megatron-llama"), "but args say ffn_hidden_size 999"
+    )
     state["args"].ffn_hidden_size = 64
     torch.save(state, rank)
     one_error(
@@ -162,3 +164,22 @@ def test_config_from_a_model_folder_is_taken_as_it_is_and_checked(run, tmp_path)
         "dim = 64",
     )
     one_error(run("convert", save, "hf3", "--config-from", given), "go with --map")
+
+
+def test_config_from_never_overrides_what_the_source_says_with_a_constant(run, tmp_path):
+    """The Hugging Face side's constants and defaults (interleaved = False) are not the given
+    config's: a Megatron run with interleaved rotary pairs is still refused."""
+    import shutil
+
+    save = tmp_path / "save"
+    shutil.copytree(MEGATRON / "gqa-swiglu" / "tp1" / "legacy", save)
+    path = save / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["args"].rotary_interleaved = True
+    torch.save(state, path)
+    given = tmp_path / "given"
+    ckptkit.convert(MEGATRON / "gqa-swiglu" / "tp1" / "legacy", given, mapping="megatron-llama")
+    one_error(
+        run("convert", save, "hf", "--map", "megatron-llama", "--config-from", given),
+        "rotary_interleaved rotates pairs",
+    )

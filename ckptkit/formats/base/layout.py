@@ -122,7 +122,7 @@ def concat(values: list[Layout], dim: int, groups: int) -> Layout:
 
 
 def split(t: Layout, dim: int, sizes: Sequence[int], groups: int) -> list[Layout]:
-    """:func:`_concat` undone: one layout per size (each joining its piece of every group)."""
+    """:func:`concat` undone: one layout per size (each joining its piece of every group)."""
     outer, unit = t._row(dim)
     outer *= groups
     row = sum(sizes) * unit  # one group's bytes of one slice before dim
@@ -184,7 +184,7 @@ def rope(t: Layout, heads: int, *, forward: bool) -> Layout:
 
 # Past this many runs a tensor's boxes are pieced together through torch instead (a chunking
 # that cuts the last dims finely would make a piece of every few elements).
-MOST_RUNS = 1 << 20
+MOST_RUNS = 1 << 16
 
 
 def from_boxes(

@@ -4,7 +4,8 @@ tensor, and reading the full tensor from them.
 A chunk is a box of the full tensor (offsets and sizes per dimension) whose bytes lie
 contiguously somewhere in a file. A chunk that is one contiguous byte range of the full tensor
 (a row shard: FSDP's, nearly always) is copied as it lies, without torch; chunks of any other
-layout are placed as bytes through torch, one tensor at a time. Readers of sharded formats
+layout (column shards) are written from views of their ranges (``layout.from_boxes``), and
+through torch only when they cut a tensor into very many pieces. Readers of sharded formats
 (DCP folders, per-rank ``torch.save`` files) build :class:`ChunkedTensor` records and subclass
 :class:`ChunkedSource`.
 """

@@ -20,7 +20,10 @@ optimizer), each a ``torch.save`` of ``{"args": Namespace, "iteration", "checkpo
 - a pipeline stage numbers its layers from 0: each is moved past the layers of the stages
   before it;
 - ``_extra_state`` entries (TransformerEngine's FP8 state, None without it) are left out,
-  named. A key no rule knows is refused by name.
+  named. With tensor parallelism a key no rule knows is refused by name (with one rank,
+  every key is taken as it is).
+- the ranks' files are one save's: the same iteration, each rank's own slice (a copied or
+  linked rank folder is refused), each stage's tensors where Megatron puts them.
 
 The merged tensors are chunks of their full tensors (``chunks.py``), so a row-parallel
 weight is written from views of its ranks' columns and the rest is copied as it lies.
@@ -208,6 +211,14 @@ class MegatronSource(ChunkedSource):
         roots = {(r.tp, r.pp): self._scan(r.file)[0] for r in ranks}
         args = _args(roots[0, 0], ranks[0].file)
         _check_args(save.folder, args, tp, pp)
+        for key in ("iteration", "checkpoint_version"):  # one save's files, not two saves'
+            for at, root in roots.items():
+                if jsonable(root.get(key)) != jsonable(roots[0, 0].get(key)):
+                    raise FormatError(
+                        f"{files[at]} is of {key} {jsonable(root.get(key))!r}, rank 0's of "
+                        f"{jsonable(roots[0, 0].get(key))!r}",
+                        "the folder mixes two saves; copy it again",
+                    )
         pieces: dict[str, list[tuple[int, str, TensorStub, Path]]] = {}
         stage_of: dict[str, int] = {}
         offset, left_out = 0, 0
@@ -237,6 +248,12 @@ class MegatronSource(ChunkedSource):
                         if found is None
                         else f"decoder.layers.{int(found[1]) + offset}.{found[2]}"
                     )
+                    if not _on_its_stage(name, stage, pp):
+                        raise FormatError(
+                            f"{file}: '{name}' is on pipeline stage {stage} of {pp}, where "
+                            "Megatron never puts it",
+                            "the rank folders are misnamed or mixed: copy the save again",
+                        )
                     if stage_of.setdefault(name, stage) != stage:
                         raise FormatError(
                             f"{save.folder}: pipeline stages {stage_of[name]} and {stage} both "
@@ -254,7 +271,14 @@ class MegatronSource(ChunkedSource):
         swiglu = bool(args.get("swiglu"))
         for name, parts in pieces.items():
             self._tensors[name] = self._merge(name, parts, tp, swiglu)
-        self._check_not_copies(pieces.get("embedding.word_embeddings.weight"))
+        _check_mlp(save.folder, self._tensors, args)
+        for stage in range(pp):  # each stage's first split weight: never the same on two ranks
+            split = [n for n, at in stage_of.items() if at == stage and n.endswith(_SPLIT_WEIGHTS)]
+            if split and tp > 1:
+                self._check_not_copies(split[0], pieces[split[0]])
+        for raw in self._raws:  # every span is known: the files are opened again to copy
+            raw.close()
+        self._raws, self._zips = [], {}
         self.selected = "model"
         self.selected_reason = f"{save.reason}; {tp} tensor x {pp} pipeline-parallel ranks merged"
         if left_out:
@@ -355,18 +379,16 @@ class MegatronSource(ChunkedSource):
         check_cover(self.path, tensor)
         return tensor
 
-    def _check_not_copies(self, parts: list[tuple[int, str, TensorStub, Path]] | None) -> None:
-        """No rank's slice of the word embeddings (random at initialisation, never equal across
-        ranks) is rank 0's: a rank folder copied from another would join one slice twice."""
-        if parts is None or len(parts) < 2:
-            return
-        name = "embedding.word_embeddings.weight"
+    def _check_not_copies(self, name: str, parts: list[tuple[int, str, TensorStub, Path]]) -> None:
+        """A split weight (random at initialisation, never equal across ranks) whose slice on
+        a rank is rank 0's: that rank's folder is a copy of another's, whose slices would be
+        joined twice."""
         first = self._span(parts[0][2], parts[0][3], name)
         for rank, (_, _, stub, file) in enumerate(parts[1:], 1):
             if stub.nbytes and _same(first, self._span(stub, file, name)):
                 raise FormatError(
-                    f"{file} holds rank 0's slice of the word embeddings: a copy of rank 0's "
-                    f"file, not rank {rank}'s",
+                    f"{file} holds the slice of '{name}' that tensor-parallel rank 0 holds: a "
+                    f"copy of another rank's file, not rank {rank}'s",
                     "copy every rank's folder of the save",
                 )
 
@@ -531,6 +553,38 @@ def _layers(model: dict[str, Any], file: Path) -> int:
             "is this a Megatron model's state dict?",
         )
     return len(numbers)
+
+
+_SPLIT_WEIGHTS = tuple(k for k in (*_COLUMNS, *_ROWS) if k.endswith("weight"))
+_FIRST_STAGE = ("embedding.",)
+_LAST_STAGE = ("decoder.final_layernorm.", "output_layer.")
+
+
+def _on_its_stage(name: str, stage: int, stages: int) -> bool:
+    """Megatron keeps the embeddings on the first pipeline stage and the final norm and the
+    output layer on the last: a stage holding another's is a misnamed or swapped folder."""
+    if name.startswith(_FIRST_STAGE):
+        return stage == 0
+    if name.startswith(_LAST_STAGE):
+        return stage == stages - 1
+    return True
+
+
+def _check_mlp(folder: Location, tensors: dict[str, ChunkedTensor], args: dict[str, Any]) -> None:
+    """A SwiGLU run's linear_fc1 holds gate and up (twice ffn_hidden_size rows), another's
+    ffn_hidden_size rows: the rule that joined them matches the weights."""
+    ffn = args.get("ffn_hidden_size")
+    if isinstance(ffn, bool) or not isinstance(ffn, int):
+        return
+    rows = 2 * ffn if args.get("swiglu") else ffn
+    for name, tensor in tensors.items():
+        if name.endswith("mlp.linear_fc1.weight") and tensor.shape[0] != rows:
+            raise FormatError(
+                f"{folder}: '{name}' has {tensor.shape[0]} rows, but args say "
+                f"ffn_hidden_size {ffn} {'with' if args.get('swiglu') else 'without'} SwiGLU "
+                f"({rows} rows)",
+                "is the first rank's args file that of these weights?",
+            )
 
 
 def _same(a: tuple[Path, int, int], b: tuple[Path, int, int]) -> bool:

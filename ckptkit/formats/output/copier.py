@@ -87,6 +87,7 @@ class Copier:
     progress: Callable[[int], None] = lambda nbytes: None
     copied: int = 0
     through_torch: int = 0
+    made: int = 0  # of the copied: made from views of their ranges, checked by CRC-32
     overflowed: list[str] = field(default_factory=list)
     _files: RangeReader = field(default_factory=RangeReader)
     _checker: ThreadPoolExecutor | None = None
@@ -281,6 +282,7 @@ class Copier:
                 # Checked by the CRC-32 of its bytes as made: the source is not read again.
                 self._written(spec.key, dst, start, spec.nbytes, crc if verify else None)
                 self.copied += 1
+                self.made += 1
             else:
                 start = os.lseek(fd, 0, os.SEEK_CUR)
                 overflowed, crc = False, 0
