@@ -37,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import measure, python, run_ways, table  # noqa: E402
+from run import measure, python, run_once, run_ways, table  # noqa: E402
 
 # Builds each missing model folder of argv[1] (a JSON list of [spec, folder]): base/, adapter/,
 # and for a bf16 base adapter-bf16/ (the same adapter stored in bf16), then info.json, last.
@@ -294,12 +294,6 @@ def merge_ways(info: dict, folder: Path, cli: bool) -> dict[str, list[str]]:
         "cp -r of the base, then sync": ["sh", "-c", f"cp -r '{base}' '{cp}' && sync '{cp}'/*"],
         "import torch (alone)": python("import torch"),
     }
-
-
-def run_once(argv: list[str]) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{' '.join(argv)[:200]} failed:\n{done.stderr[-4000:]}")
 
 
 def correctness(info: dict, fp32: dict, folder: Path, cli: bool) -> dict:

@@ -37,7 +37,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -45,7 +44,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import python, ratio_line, run_ways, table  # noqa: E402
+from run import python, ratio_line, run_once, run_ways, table  # noqa: E402
 
 FIXTURE = HERE.parent / "fixtures" / "make_mapping.py"
 
@@ -159,9 +158,7 @@ def make(root: Path, params: dict, tp: int) -> dict:
     if not (folder / "info.json").is_file():
         shutil.rmtree(folder, ignore_errors=True)  # a half-made one
         argv = python(MAKE) + [json.dumps(params), str(tp), str(folder), str(FIXTURE)]
-        made = subprocess.run(argv, capture_output=True, text=True)
-        if made.returncode:
-            raise SystemExit(f"making the Meta folder failed:\n{made.stderr[-4000:]}")
+        run_once(argv, "making the Meta folder")
     info = json.loads((folder / "info.json").read_text())
     info["folder"] = str(folder)
     info["inputs"] = [str(p) for p in sorted(folder.iterdir()) if p.name != "info.json"]
@@ -186,12 +183,6 @@ def converter_argv(transformers: Path, info: dict, out: Path) -> list[str]:
         *python(CONVERTER),
         *(str(out), info["folder"], str(info["params"]["vocab_size"]), str(info["tp"])),
     ]
-
-
-def run_once(argv: list[str]) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{' '.join(argv)[:200]} failed:\n{done.stderr[-4000:]}")
 
 
 def main() -> None:
@@ -249,14 +240,10 @@ def main() -> None:
         results["bit_for_bit"] = None
         if converter:
             run_once(converter_argv(args.transformers, info, ref_converter))
-            compared = subprocess.run(
-                python(COMPARE) + [str(ref_ckptkit), str(ref_converter)],
-                capture_output=True,
-                text=True,
+            compared = run_once(
+                python(COMPARE) + [str(ref_ckptkit), str(ref_converter)], "comparing the outputs"
             )
-            if compared.returncode:
-                raise SystemExit(f"comparing the outputs failed:\n{compared.stderr[-4000:]}")
-            results["bit_for_bit"] = json.loads(compared.stdout)
+            results["bit_for_bit"] = json.loads(compared)
     if args.json:
         print(json.dumps(results, indent=2))
         return

@@ -39,7 +39,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -47,7 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import python, ratio_line, run_ways, table  # noqa: E402
+from run import python, ratio_line, run_once, run_ways, table  # noqa: E402
 
 # The save for params argv[1] in argv[2] tensor-parallel ranks, in folder argv[3]; info.json
 # last (a half-made folder lacks it). Its own process, so that this one never imports torch.
@@ -183,13 +182,8 @@ def make(root: Path, params: dict, tp: int) -> dict:
     if not (folder / "info.json").is_file():
         shutil.rmtree(folder, ignore_errors=True)  # a half-made one
         folder.mkdir(parents=True)
-        made = subprocess.run(
-            python(MAKE) + [json.dumps(params), str(tp), str(folder)],
-            capture_output=True,
-            text=True,
-        )
-        if made.returncode:
-            raise SystemExit(f"making the Megatron save failed:\n{made.stderr[-4000:]}")
+        argv = python(MAKE) + [json.dumps(params), str(tp), str(folder)]
+        run_once(argv, "making the Megatron save")
     info = json.loads((folder / "info.json").read_text())
     info["folder"] = str(folder)
     info["whole"] = str(folder.parent / (folder.name + "-whole.safetensors"))
@@ -199,12 +193,6 @@ def make(root: Path, params: dict, tp: int) -> dict:
 
 def ckptkit_argv(save: str, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "ckptkit", "convert", save, str(out), *extra, "--force", "-q"]
-
-
-def run_once(argv: list[str]) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{' '.join(argv)[:200]} failed:\n{done.stderr[-4000:]}")
 
 
 def main() -> None:
@@ -247,12 +235,8 @@ def main() -> None:
         run_once(python(WHOLE) + [info["folder"], str(whole)])
         checks = {}
         for name, other in (("whole_state_dict", whole), ("tp1_model", Path(info["whole"]))):
-            done = subprocess.run(
-                python(COMPARE) + [str(ref), str(other)], capture_output=True, text=True
-            )
-            if done.returncode:
-                raise SystemExit(f"comparing the outputs failed:\n{done.stderr[-4000:]}")
-            checks[name] = json.loads(done.stdout)
+            compared = run_once(python(COMPARE) + [str(ref), str(other)], "comparing the outputs")
+            checks[name] = json.loads(compared)
         results["bit_for_bit"] = checks
     if args.json:
         print(json.dumps(results, indent=2))

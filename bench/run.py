@@ -263,6 +263,15 @@ def run_ways(
     }
 
 
+def run_once(argv: list[str], what: str | None = None) -> str:
+    """Run a helper process to its end (untimed: making, comparing); its stdout. A failure
+    ends the bench, naming ``what`` failed (default: the command) and its stderr."""
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{what or ' '.join(argv)[:200]} failed:\n{done.stderr[-4000:]}")
+    return done.stdout
+
+
 def ratio_line(name: str, value: float, at_most: float) -> str:
     """A ratio against its target, and whether it is met."""
     met = "met" if value <= at_most else "MISSED"

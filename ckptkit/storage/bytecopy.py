@@ -33,7 +33,7 @@ __all__ = [
     "write_all_of",
     "zeros",
     "MappedRange",
-    "MappedFiles",
+    "map_range",
 ]
 
 T = TypeVar("T")
@@ -218,32 +218,26 @@ class MappedRange:
                 self._window.close()
 
 
-class MappedFiles:
-    """Ranges of files mapped (:class:`MappedRange`). Each file is opened for its mapping
-    alone: the mapping holds a descriptor of its own, and a save of thousands of rank files
-    must not hold one more per file."""
+def map_range(path: Path, offset: int, count: int) -> MappedRange:
+    """Bytes ``offset`` to ``offset + count`` of ``path``, mapped. The file is open for the
+    mapping alone (the mapping holds a descriptor of its own): a save of thousands of rank
+    files holds none between mappings.
 
-    def map(self, path: Path, offset: int, count: int) -> MappedRange:
-        """Bytes ``offset`` to ``offset + count`` of ``path``, mapped.
-
-        Raises:
-            FormatError: the range runs past the end of the file (mapped, it would crash the
-                process on access).
-        """
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if offset < 0 or count < 0 or offset + count > os.fstat(fd).st_size:
-                raise FormatError(
-                    f"{path}: a tensor's bytes ({offset} to {offset + count}) run past the end "
-                    "of the file",
-                    "the file is cut short: copy it again",
-                )
-            return MappedRange(fd, offset, count)
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        """Nothing stays open between mappings (kept so a holder can close what it owns)."""
+    Raises:
+        FormatError: the range runs past the end of the file (mapped, it would crash the
+            process on access).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if offset < 0 or count < 0 or offset + count > os.fstat(fd).st_size:
+            raise FormatError(
+                f"{path}: a tensor's bytes ({offset} to {offset + count}) run past the end of "
+                "the file",
+                "the file is cut short: copy it again",
+            )
+        return MappedRange(fd, offset, count)
+    finally:
+        os.close(fd)
 
 
 def release_pages(fd: int, offset: int, count: int) -> None:

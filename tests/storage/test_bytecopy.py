@@ -158,15 +158,11 @@ def test_a_mapped_range_is_the_files_bytes_there(tmp_path_factory, data, draw):
     path.write_bytes(data)
     start = draw.draw(st.integers(0, len(data)))
     count = draw.draw(st.integers(0, len(data) - start))
-    files = bytecopy.MappedFiles()
-    try:
-        mapped = files.map(path, start, count)
-        assert bytes(mapped.view) == data[start : start + count]
-        mapped.close()
-        with pytest.raises(FormatError, match="run past the end of the file"):
-            files.map(path, start, len(data) - start + 1)
-    finally:
-        files.close()
+    mapped = bytecopy.map_range(path, start, count)
+    assert bytes(mapped.view) == data[start : start + count]
+    mapped.close()
+    with pytest.raises(FormatError, match="run past the end of the file"):
+        bytecopy.map_range(path, start, len(data) - start + 1)
 
 
 def test_write_all_of_finishes_a_short_writev(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptkit.formats.base.layout import ZEROS, Layout
-from ckptkit.storage.bytecopy import MappedFiles, MappedRange, zeros
+from ckptkit.storage.bytecopy import MappedRange, map_range, zeros
 
 __all__ = ["Laid", "Span", "SpanViews"]
 
@@ -28,14 +28,13 @@ class SpanViews:
     """The mapped ranges of one set of spans (a tensor's, or a mapping group's) at a time."""
 
     def __init__(self) -> None:
-        self._files = MappedFiles()
         self._ranges: list[MappedRange] = []
 
     def map(self, spans: list[Span]) -> None:
         """Map ``spans`` (slot i is ``spans[i]``), releasing those mapped before."""
         self.release()
         for path, offset, count in spans:
-            self._ranges.append(self._files.map(path, offset, count))
+            self._ranges.append(map_range(path, offset, count))
 
     def views(self, layout: Layout) -> list[memoryview]:
         """The layout's bytes as views of the mapped ranges (and of zeros, where it pads)."""
@@ -58,4 +57,3 @@ class SpanViews:
 
     def close(self) -> None:
         self.release()
-        self._files.close()
