@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ckptkit.errors import CkptkitError, UsageError
+from ckptkit.formats.folders.megatron_ranks import MOST_PARALLEL
 from ckptkit.formats.output.writers import TO_FORMATS
 from ckptkit.meta import DISTRIBUTION
 
@@ -450,7 +451,20 @@ def cli() -> None:
 @click.option(
     "--to",
     type=click.Choice(list(TO_FORMATS)),  # what the writers declare (formats/output/writers.py)
-    help="Output format (default: DST's suffix); dcp writes a torch.distributed.checkpoint folder.",
+    help="Output format (default: DST's suffix); dcp writes a torch.distributed.checkpoint "
+    "folder, megatron a legacy Megatron-LM save (mp_rank_* files; --tp, --pp).",
+)
+@click.option(
+    "--tp",
+    "tensor_parallel",
+    type=click.IntRange(1, MOST_PARALLEL),
+    help="With --to megatron: the tensor-parallel size to cut the model into (default 1).",
+)
+@click.option(
+    "--pp",
+    "pipeline_parallel",
+    type=click.IntRange(1, MOST_PARALLEL),
+    help="With --to megatron: the pipeline stages to deal the layers to (default 1).",
 )
 @click.option(
     "--check-outputs",
@@ -508,6 +522,7 @@ def convert(
     ckptkit convert base-model/ merged/ --adapter style.safetensors:0.8 --adapter fix/
     ckptkit convert s3://bucket/run/model.pt model.safetensors --workers 16
     ckptkit convert big/ out/model.safetensors --max-shard-size 5GB --part 3/8
+    ckptkit convert megatron-run/ resharded/ --to megatron --tp 4 --pp 2
     ckptkit convert --finish out/model.safetensors
     torchrun --nproc-per-node 4 -m ckptkit convert big/ out/model.safetensors --max-shard-size 5GB
     """

@@ -62,6 +62,8 @@ def convert(
     max_shard_size: int | str | None = None,
     keep_tied_copies: bool = False,
     to: str | None = None,
+    tensor_parallel: int | None = None,
+    pipeline_parallel: int | None = None,
     dry_run: bool = False,
     force: bool = False,
     verify: bool = True,
@@ -108,7 +110,10 @@ def convert(
         max_shard_size: split safetensors output into shards of at most this many bytes
             (``"5GB"``, ``"2GiB"`` or an int), with a Hugging Face style index.
         to: the output format: ``safetensors``, ``pt``, or ``dcp`` (a folder that
-            ``torch.distributed.checkpoint.load`` reads, into a plain or a sharded model).
+            ``torch.distributed.checkpoint.load`` reads, into a plain or a sharded model),
+            ``megatron`` (a legacy Megatron-LM save, its model cut into rank files).
+        tensor_parallel: with ``to="megatron"``, the tensor-parallel size (default 1).
+        pipeline_parallel: with ``to="megatron"``, the pipeline stages (default 1).
         keep_tied_copies: write every name of a tied group to safetensors (by default one
             tensor is written and the others are named in the metadata, as
             ``safetensors.torch.save_model`` does; ``.pt`` output keeps one shared storage).
@@ -186,7 +191,14 @@ def convert(
             None if match_to is None else str(match_to),
         ),
         output=OutputOptions(
-            to, dtype, tuple(keep_dtype), allow_overflow, max_shard_size, keep_tied_copies
+            to,
+            dtype,
+            tuple(keep_dtype),
+            allow_overflow,
+            max_shard_size,
+            keep_tied_copies,
+            tensor_parallel,
+            pipeline_parallel,
         ),
         dry_run=dry_run,
         force=force,

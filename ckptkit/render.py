@@ -208,7 +208,18 @@ def _plan_lines(report: Any) -> list[str]:
             f"Packed   {plural(len(report.made_contiguous), 'non-contiguous tensor')} made "
             "contiguous"
         )
-    if report.extras and report.output_format in ("safetensors", "dcp"):
+    if report.megatron is not None:
+        cut = report.megatron
+        changed = ", ".join(f"{k} {v}" for k, v in cut["args_set"].items())
+        lines.append(
+            f"Cut      into {cut['tensor_parallel']} tensor x {cut['pipeline_parallel']} "
+            f"pipeline-parallel ranks; args set: {changed}"
+        )
+        lines.append(
+            f"Kept     {', '.join(report.extras)} beside each rank's model; no optimizer or RNG "
+            "state (resume with --no-load-optim --no-load-rng, or --finetune)"
+        )
+    elif report.extras and report.output_format in ("safetensors", "dcp"):
         lines.append(f"Kept     {', '.join(report.extras)} in the metadata")
     elif report.extras:
         lines.append(
@@ -234,6 +245,11 @@ def _written_lines(report: Any) -> list[str]:
         )
     elif report.cast:
         checked = "verified: read back equal to the cast values"
+    elif report.made and report.megatron is not None:
+        checked = (
+            "verified: read back, copied tensors bit-exact against the source and those cut "
+            "from views of its files by the CRC-32 of the bytes written"
+        )
     elif report.made:  # joined from chunks: checked by the CRC-32 of what was written
         checked = (
             "verified: read back, copied tensors bit-exact against the source and those joined "
@@ -261,6 +277,12 @@ def _written_lines(report: Any) -> list[str]:
             f"{report.files[0][: -len(names[0]) - 1]}, "
             f"{checked}"
         )
+    elif report.megatron is not None:  # iter_N/mp_rank_TT_PPP/model_optim_rng.pt each
+        folders = [f.rsplit("/", 2) for f in report.files]
+        shown = folders[0][1] if len(folders) == 1 else f"{folders[0][1]} ... {folders[-1][1]}"
+        lines.append(
+            f"Wrote    {plural(len(folders), 'rank file')} ({shown}) in {folders[0][0]}, {checked}"
+        )
     elif len(report.files) > 1:
         lines.append(f"Wrote    {len(report.files) - 1} shards and {report.files[-1]}, {checked}")
     else:
@@ -274,7 +296,10 @@ def _written_lines(report: Any) -> list[str]:
         config_from = (report.mapping or {}).get("config_from")  # --config-from's folder
         whence = config_from or "the model folder"
         lines.append(f"Copied   {', '.join(report.copied_files)} from {whence}")
-    if report.made_files:
+    if report.made_files and report.megatron is not None:
+        iteration = report.megatron["iteration"]
+        lines.append(f"Made     {', '.join(report.made_files)}, naming iteration {iteration}")
+    elif report.made_files:
         lines.append(f"Made     {', '.join(report.made_files)} from the mapping")
     check = report.output_check
     if check and check["worst"]:

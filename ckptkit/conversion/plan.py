@@ -18,6 +18,7 @@ from ckptkit.formats.folders.layouts import (
     model_parallel_name,
     model_parallel_refusal,
 )
+from ckptkit.formats.folders.megatron_ranks import MegatronRanks
 from ckptkit.formats.open import open_source
 from ckptkit.formats.output.copier import Item
 from ckptkit.formats.output.plan import parse_size, plan_shards, shard_paths
@@ -132,9 +133,10 @@ def make_plan(
     )
 
 
-def per_rank(plan: Plan, source: MappedSource, folder: Path) -> Plan:
-    """A mapping's target saved one file per rank (Meta's consolidated.NN.pth): each rank's
-    tensors, under their own keys, in its file in ``folder``."""
+def per_rank(plan: Plan, source: MappedSource | MegatronRanks, folder: Path) -> Plan:
+    """A target saved one file per rank (Meta's consolidated.NN.pth, a legacy Megatron
+    save's model_optim_rng.pt): each rank's tensors, under their own keys, in its file in
+    ``folder``."""
     names = source.rank_files
     assert names is not None
     shards: list[list[Item]] = [[] for _ in names]

@@ -4,13 +4,16 @@ its output's header carries."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptkit.conversion.plan import Plan
 from ckptkit.formats.base.source import Source
 from ckptkit.formats.base.tree import DroppedPart
 from ckptkit.keys import KeyMatch, KeyPlan, detect_wrappers
 from ckptkit.meta import TRAINING_KEY, CheckpointMeta
+
+if TYPE_CHECKING:
+    from ckptkit.mapping.source import MappedSource
 
 __all__ = ["ConvertReport", "make_report", "merge_report", "roundtrip_report", "output_header"]
 
@@ -65,6 +68,7 @@ class ConvertReport:
     made_files: list[str] = field(default_factory=list)  # ...and the config a mapping made
     mapping: dict[str, Any] | None = None  # --map: the rules that ran, what they took
     part: str | None = None  # "I/N": this process wrote that share of the shards
+    megatron: dict[str, Any] | None = None  # --to megatron: the sizes cut to, the args set
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary (the schema of ``ckptkit convert --json``)."""
@@ -105,13 +109,13 @@ class ConvertReport:
             "made_files": self.made_files,
             "mapping": self.mapping,
             "part": self.part,
+            "megatron": self.megatron,
         }
 
 
 def make_report(source: Source, plan: Plan, dry_run: bool) -> ConvertReport:
     """The report of a plan, before anything is written."""
     from ckptkit.adapters.merged import MergedSource
-    from ckptkit.mapping.source import MappedSource
 
     items, entries = plan.items, plan.entries
     rewritten = plan.keys.added or plan.keys.removed or plan.match is not None
@@ -156,9 +160,19 @@ def make_report(source: Source, plan: Plan, dry_run: bool) -> ConvertReport:
             }
             for a in source.adapters
         ]
-    if isinstance(source, MappedSource):
-        report.mapping = source.plan.describe()
+    mapped = _mapped(source)
+    if mapped is not None:
+        report.mapping = mapped.plan.describe()
     return report
+
+
+def _mapped(source: Source) -> MappedSource | None:
+    """The mapping a conversion read through, if any (under a Megatron save's cut too)."""
+    from ckptkit.formats.folders.megatron_ranks import MegatronRanks
+    from ckptkit.mapping.source import MappedSource
+
+    inner = source.inner if isinstance(source, MegatronRanks) else source
+    return inner if isinstance(inner, MappedSource) else None
 
 
 def merge_report(source: Source, report: ConvertReport, check_outputs: bool) -> None:
@@ -181,15 +195,14 @@ def merge_report(source: Source, report: ConvertReport, check_outputs: bool) -> 
 def roundtrip_report(source: Source, report: ConvertReport) -> None:
     """``--check-roundtrip``: how many groups were mapped back bit-equal in the stream (those a
     rule only renames are copied as bytes, their inverse the identity)."""
-    from ckptkit.mapping.source import MappedSource
-
-    if not isinstance(source, MappedSource) or not source.check_roundtrip:
+    mapped = _mapped(source)
+    if mapped is None or not mapped.check_roundtrip:
         return
     assert report.mapping is not None
-    groups = source.plan.groups
+    groups = mapped.plan.groups
     report.mapping["roundtrip"] = {
         "groups": len(groups),
-        "mapped_back": len(source.roundtrips),
+        "mapped_back": len(mapped.roundtrips),
         "dropped": sum(1 for g in groups if g.inverse_steps() is None),
     }
 

@@ -5,6 +5,8 @@ and does not ask which."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
@@ -33,6 +35,7 @@ from ckptkit.conversion.report import (
 from ckptkit.conversion.write import outputs_of, parent_folders, write, write_agreed
 from ckptkit.errors import UsageError
 from ckptkit.formats.base.source import Source
+from ckptkit.formats.folders.megatron_ranks import MegatronRanks, parallel_sizes
 from ckptkit.formats.output import output_format
 from ckptkit.formats.output.plan import stale_names
 from ckptkit.formats.output.writers import TO_FORMATS, writer_class
@@ -74,6 +77,12 @@ def _saved_whole(output: OutputOptions) -> bool:
 def _convert(src: Location, dst: Path, target: Destination, job: Job) -> ConvertReport:
     """The conversion at the local path ``dst`` (the output itself, or its staged copy)."""
     read, output, part = job.read, job.output, job.part
+    if output.to == "megatron" and (dst.exists() or dst.suffix):
+        raise UsageError(
+            f"{dst}: a Megatron save is written as a new folder (its tracker and iteration "
+            "folder inside)",
+            "give the name of a folder that does not exist yet",
+        )
     into = dst if dst.is_dir() and not _saved_whole(output) else None
     if into is not None:  # a model folder: save_pretrained's names (the source's, once open)
         dst = into / "model.safetensors"
@@ -82,23 +91,27 @@ def _convert(src: Location, dst: Path, target: Destination, job: Job) -> Convert
     fmt = "safetensors" if folder else output_format(dst, output.to)
     keys = replace(job.keys, renames=tuple(job.keys.rename_rules()))  # a bad rule fails first
     dtype, limit = cast_target(output.dtype), shard_limit(output, fmt)
-    with _opened(src, read) as source:
+    with _opened(src, read) as opened, _cut(opened, output) as source:
         refuse_unconvertible(source, src, job.check_outputs)
-        ranks = source.rank_files if isinstance(source, MappedSource) else None
-        if ranks is not None:  # a mapping's target saved one file per rank: a folder of them
+        ranks = source.rank_files if isinstance(source, (MappedSource, MegatronRanks)) else None
+        if ranks is not None:  # saved one file per rank (a mapping's target, Megatron's)
             folder = _rank_folder(dst, into, ranks, output)
             dst, fmt = folder / ranks[0], output_format(Path(ranks[0]))
+            if isinstance(source, MegatronRanks):
+                fmt = "megatron"
         else:
             dst, folder = _placed(source, dst, fmt, into, folder)
         plan = make_plan(source, src, dst, fmt, keys, output, dtype, limit, folder)
         if ranks is not None:
-            assert isinstance(source, MappedSource) and folder is not None
+            assert isinstance(source, (MappedSource, MegatronRanks)) and folder is not None
             plan = per_rank(plan, source, folder)
         if folder is not None and folder is into:
             plan.into = True
             plan.copies = copies_into(plan, job.force)
             plan.documents = documents_into(plan)
         report = make_report(source, plan, job.dry_run)
+        if isinstance(source, MegatronRanks):
+            report.megatron = source.describe()
         whole = plan
         if part is not None:
             plan = part_of(plan, part)
@@ -132,8 +145,30 @@ def _opened(src: Location, read: ReadOptions) -> AbstractContextManager[Source]:
     return open_mapped(src, read.mapping, read)
 
 
+@contextlib.contextmanager
+def _cut(source: Source, output: OutputOptions) -> Iterator[Source]:
+    """The source, cut into a legacy Megatron save's rank files for ``--to megatron``."""
+    if output.to != "megatron":
+        if output.tensor_parallel is not None or output.pipeline_parallel is not None:
+            raise UsageError(
+                "--tp and --pp say how a Megatron save is cut across ranks",
+                "add --to megatron, or leave them out",
+            )
+        yield source
+        return
+    tp, pp = parallel_sizes(output.tensor_parallel, output.pipeline_parallel)
+    ranks = MegatronRanks(source, tp, pp)
+    try:
+        yield ranks
+    finally:
+        ranks.close()
+
+
 def _rank_folder(dst: Path, into: Path | None, ranks: list[str], output: OutputOptions) -> Path:
-    """The folder a target saved per rank goes to: DST itself, new or existing."""
+    """The folder a target saved per rank goes to: DST itself, new or existing (a Megatron
+    save: new, its iteration folders and tracker its own)."""
+    if output.to == "megatron":  # a new folder (checked before the source was opened)
+        return dst
     if output.to is not None or output.max_shard_size is not None:
         raise UsageError(
             f"the mapping's target is {len(ranks)} file(s) named like {ranks[0]}, one per rank: "

@@ -322,11 +322,11 @@ def _open_folder(path: Location, options: OpenOptions, opener: Opener) -> Source
     if megatron is not None and megatron.kind == "legacy":  # Megatron-LM's mp_rank_* files
         from ckptkit.formats.folders.megatron import MegatronSource
 
-        return MegatronSource(megatron, select=select)
+        return MegatronSource(megatron, select=select, allowed=options.allow_globals)
     if megatron is not None:  # Megatron's torch_dist: DCP, its layers stacked
         from ckptkit.formats.folders.megatron import MegatronDistSource
 
-        return MegatronDistSource(megatron, select=select)
+        return MegatronDistSource(megatron, select=select, allowed=options.allow_globals)
     dcp = find_dcp(path)
     if dcp is not None:  # torch.distributed.checkpoint (FSDP, Lightning's FSDP strategy)
         from ckptkit.formats.folders.dcp import DCPSource

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, MappingError, UsageError
-from ckptkit.formats.base.laid import Span, SpanViews
+from ckptkit.formats.base.laid import Laid, Span, SpanViews
 from ckptkit.formats.base.layout import Layout
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.open import OpenOptions, open_source
@@ -89,6 +89,10 @@ def parse_sets(items: list[str] | tuple[str, ...]) -> dict[str, Value]:
     return sets
 
 
+# A group moved as bytes: each output's layout, over its inputs' file ranges.
+_Moved = tuple[dict[tuple[int | None, str], Layout], list[Span]]
+
+
 class MappedSource(Source):
     """The target's tensors, each made from its group of source tensors."""
 
@@ -107,7 +111,7 @@ class MappedSource(Source):
         self._made: tuple[int, dict[tuple[int | None, str], torch.Tensor]] | None = None
         # The group being moved as bytes (made_pieces): its outputs' layouts and the mapped
         # ranges of its inputs.
-        self._moved: tuple[int, dict[tuple[int | None, str], Layout] | None] | None = None
+        self._moved: tuple[int, _Moved | None] | None = None
         self._views = SpanViews()
         self.check_roundtrip = False
         self.roundtrips: set[int] = set()  # groups mapped back and found bit-equal
@@ -160,6 +164,13 @@ class MappedSource(Source):
         zeros) whose concatenation is its bytes; None when an op computes (``cast``,
         ``transpose``), a source tensor does not lie in local files as it is, or
         ``--check-roundtrip`` maps the group back through torch."""
+        laid = self.laid_out(key)
+        return None if laid is None else self._views.views(laid.layout)
+
+    def laid_out(self, key: str) -> Laid | None:
+        """A tensor whose group only moves bytes, as its group's input ranges and a layout
+        over them (what a legacy Megatron save's ranks are cut from); None as for
+        :meth:`made_pieces`."""
         if self.check_roundtrip:
             return None
         target = self._targets[key]
@@ -167,12 +178,13 @@ class MappedSource(Source):
             self._moved = None
             self._views.release()  # the previous group's mappings go first
             self._moved = (target.group, self._move(target.group))
-        layouts = self._moved[1]
-        if layouts is None:
+        moved = self._moved[1]
+        if moved is None:
             return None
-        return self._views.views(layouts[(target.rank, target.key)])
+        layouts, spans = moved
+        return Laid(spans, layouts[(target.rank, target.key)])
 
-    def _move(self, index: int) -> dict[tuple[int | None, str], Layout] | None:
+    def _move(self, index: int) -> _Moved | None:
         """One group's outputs as layouts of its inputs' file ranges, those ranges mapped;
         ``same``'s rank copies compared."""
         group = self.plan.groups[index]
@@ -200,7 +212,7 @@ class MappedSource(Source):
         flat: list[Layout] = []
         for value in values:
             flat += value if isinstance(value, list) else [value]
-        return dict(zip(group.outputs, flat, strict=True))
+        return dict(zip(group.outputs, flat, strict=True)), spans
 
     def load(self, key: str) -> torch.Tensor:
         target = self._targets[key]
@@ -343,7 +355,11 @@ def open_mapped(
             targets = {t.key: t.info for t in plan.targets}
             recorded = _Recording(names)  # a default its document reads only when written
             document = render_document(mapping.target.write, recorded, config, side, targets)
-            mapped.documents[str(mapping.target.write["file"])] = document
+            settings = mapping.target.settings
+            if settings is not None:  # recorded in the checkpoint itself (Megatron's args)
+                mapped.extras = {**mapped.extras, settings: json.loads(document)}
+            else:
+                mapped.documents[str(mapping.target.write["file"])] = document
             reads |= recorded.read
         plan.followed = [name for name in taken if name in reads]  # said in the report
         yield mapped

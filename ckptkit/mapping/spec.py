@@ -275,7 +275,12 @@ def _side(name: str, raw: Any, origin: str) -> Side:
     write = raw.get("write")
     if not isinstance(raw_vars, dict) or (write is not None and not isinstance(write, dict)):
         raise MappingError(f"{where}: 'vars' and 'write' are tables")
-    if write is not None and not _plain_name(write.get("file")):
+    if write is not None and settings is not None and "file" in write:
+        raise MappingError(
+            f"{where}.write is the {settings} the checkpoint records itself (settings = "
+            f"'{settings}'): it names no file"
+        )
+    if write is not None and settings is None and not _plain_name(write.get("file")):
         raise MappingError(f"{where}.write names its 'file' (config.json, params.json...)")
     if write is not None:
         _check_document(write, f"{where}.write", 0)

@@ -210,7 +210,9 @@ class _LocalFiles:
     def path(self, out: Path) -> Path:
         if self.folder is None:
             return self.temps[out]
-        return self.tmp / out.relative_to(self.folder)
+        path = self.tmp / out.relative_to(self.folder)
+        path.parent.mkdir(parents=True, exist_ok=True)  # a file in a subfolder (Megatron's)
+        return path
 
     def stream(self, out: Path) -> Stream | None:
         return None
@@ -313,6 +315,7 @@ class _UrlFiles:
         self.streaming = PART if uploads.deferred else None
 
     def path(self, out: Path) -> Path:
+        out.parent.mkdir(parents=True, exist_ok=True)  # a file in a subfolder (Megatron's)
         return out  # staged where it was planned
 
     def stream(self, out: Path) -> Stream | None:

@@ -80,7 +80,10 @@ def test_mapped_back_it_is_the_tp1_model_in_megatrons_names(tmp_path, pack, shap
             assert not back[key][VOCAB:].any()
         else:
             assert bit_equal(back[key], reference[key]), key
-    assert report.mapping["defaults_taken"] == ["padded"]  # 128 from the vocabulary, said
+    assert report.mapping["defaults_taken"] == [
+        "divisible",
+        "padded",
+    ]  # 128 from the vocabulary, said
 
 
 def test_the_cli_names_the_pack_and_refuses_the_other_family(run, tmp_path):

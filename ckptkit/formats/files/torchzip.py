@@ -251,6 +251,36 @@ def state_pickle(
     return bytes(writer.out), storages
 
 
+def wrapped_pickle(
+    root: dict[str, Any], at: str, entries: list[TensorSpec | tuple[str, Any]]
+) -> tuple[bytes, dict[str, StorageRecord]]:
+    """The pickle of ``root`` (a dict of plain values and the pickle writer's, in order) with
+    a state dict at ``root[at]``: ``entries`` in order, tensors (specs, each its own storage)
+    and other values (a Megatron module's ``_extra_state`` None), as ``torch.save`` writes a
+    training checkpoint; and each tensor key's storage record."""
+    storages: dict[str, StorageRecord] = {}
+    writer = _Writer()
+    writer.out += b"}("  # EMPTY_DICT, MARK: each entry, then SETITEMS
+    for name, value in root.items():
+        writer.save(name)
+        if name != at:
+            writer.save(value)
+            continue
+        writer.save(Call(Ref("collections", "OrderedDict")))
+        writer.out += b"(" if entries else b""
+        for entry in entries:
+            if isinstance(entry, TensorSpec):
+                storages[entry.key] = StorageRecord(str(len(storages)), entry.dtype, entry.nbytes)
+                writer.save(entry.key)
+                writer.save(tensor_record(storages[entry.key], entry.dtype, tuple(entry.shape)))
+            else:
+                writer.save(entry[0])
+                writer.save(entry[1])
+        writer.out += b"u" if entries else b""
+    writer.out += b"u."
+    return bytes(writer.out), storages
+
+
 def begin_archive(fd: int, pickle_bytes: bytes, *, zip64: bool = False) -> ArchiveWriter:
     """An archive with torch's leading records written: the pickle and the format records."""
     archive = ArchiveWriter(fd, zip64=zip64)

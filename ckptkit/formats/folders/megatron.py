@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptkit.errors import FormatError, SelectError
+from ckptkit.errors import FormatError, SelectError, UnsafeCheckpointError
 from ckptkit.formats.files.torchfile import scan_torch_file
 from ckptkit.formats.folders.chunks import Chunk, ChunkedSource, ChunkedTensor, check_cover
 from ckptkit.formats.folders.dcp import DCPSource
@@ -62,10 +62,10 @@ _RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
 _MOST_RANKS = 4096
 _MOST_TRACKER = 64  # bytes of latest_checkpointed_iteration.txt: an iteration number
 _MOST_LAYERS = 1_000_000
-_LAYER = re.compile(r"decoder\.layers\.(\d{1,7})\.(.+)")
+LAYER = re.compile(r"decoder\.layers\.(\d{1,7})\.(.+)")
 
 # How megatron-core's layers cut a tensor across tensor-parallel ranks, by the key's ending.
-_COLUMNS = (
+COLUMNS = (
     "embedding.word_embeddings.weight",
     "output_layer.weight",
     "self_attention.linear_qkv.weight",
@@ -73,8 +73,8 @@ _COLUMNS = (
     "mlp.linear_fc1.weight",
     "mlp.linear_fc1.bias",
 )
-_ROWS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
-_SAME = (
+ROWS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+SAME = (
     "layernorm.weight",
     "layernorm.bias",
     "layer_norm_weight",  # TransformerEngine's norm fused into the next linear
@@ -85,7 +85,7 @@ _SAME = (
     "q_layernorm.weight",
     "k_layernorm.weight",
 )
-_EXTRA_STATE = "._extra_state"
+EXTRA_STATE = "._extra_state"
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,23 @@ def megatron_rank_refusal(file: Location) -> FormatError | None:
     )
 
 
+# megatron-core's enums (ModelType, AttnBackend), which Megatron-LM keeps in its args: read as
+# data (an enum's member looked up by its value), and written back as they are.
+MEGATRON_ENUM = re.compile(r"megatron\.core\.(?:[a-z_]+\.)*enums\.[A-Za-z_]\w*")
+
+
+def megatron_scan(file: Path, allowed: tuple[str, ...]) -> tuple[Any, Any, Any, Any]:
+    """A Megatron file read statically, its args' megatron-core enums admitted beside
+    ``allowed`` (--allow-global); any other global outside torch's safe set is refused."""
+    try:
+        return scan_torch_file(file, allowed)
+    except UnsafeCheckpointError as exc:
+        enums = tuple(g for g in exc.globals if MEGATRON_ENUM.fullmatch(g))
+        if not enums:
+            raise
+    return scan_torch_file(file, (*allowed, *enums))
+
+
 def _kind(folder: Location) -> str | None:
     if not folder.is_dir():
         return None
@@ -188,8 +205,11 @@ class _Rank:
 class MegatronSource(ChunkedSource):
     """A legacy Megatron save: its ranks' shards merged into one rank's tensors."""
 
-    def __init__(self, save: MegatronSave, *, select: str | None = None) -> None:
+    def __init__(
+        self, save: MegatronSave, *, select: str | None = None, allowed: tuple[str, ...] = ()
+    ) -> None:
         super().__init__(save.folder, "megatron")
+        self._allowed = allowed
         if select not in (None, "model"):
             raise SelectError(
                 f"{save.folder} is a Megatron save; its model is its only state dict",
@@ -197,6 +217,10 @@ class MegatronSource(ChunkedSource):
             )
         self._raws: list[Any] = []
         self._zips: dict[Path, Any] = {}  # each rank file's storage layout
+        # What a legacy save of it needs again (megatron_ranks.py): the args as the pickle
+        # gave them, and the _extra_state entries left out, by their merged names.
+        self.args_object: Any = None
+        self.extra_states: list[str] = []
         try:
             self._read(save)
         except BaseException:
@@ -221,7 +245,7 @@ class MegatronSource(ChunkedSource):
                     )
         pieces: dict[str, list[tuple[int, str, TensorStub, Path]]] = {}
         stage_of: dict[str, int] = {}
-        offset, left_out = 0, 0
+        offset = 0
         for stage in range(pp):
             models = {t: _model(roots[t, stage], files[t, stage]) for t in range(tp)}
             layers = _layers(models[0], files[0, stage])
@@ -234,15 +258,21 @@ class MegatronSource(ChunkedSource):
                     )
                 file = files[t, stage]
                 for key, value in model.items():
-                    if key.endswith(_EXTRA_STATE):
-                        left_out += t == 0
+                    if key.endswith(EXTRA_STATE):
+                        if t == 0:
+                            found = LAYER.fullmatch(key)
+                            self.extra_states.append(
+                                key
+                                if found is None
+                                else f"decoder.layers.{int(found[1]) + offset}.{found[2]}"
+                            )
                         continue
                     if not isinstance(value, TensorStub):
                         raise FormatError(
                             f"{file}: '{key}' is not a tensor ({type(value).__name__})",
                             "is this a Megatron model's state dict?",
                         )
-                    found = _LAYER.fullmatch(key)
+                    found = LAYER.fullmatch(key)
                     name = (
                         key
                         if found is None
@@ -269,8 +299,11 @@ class MegatronSource(ChunkedSource):
                 "copy every rank's folder of the save",
             )
         swiglu = bool(args.get("swiglu"))
+        tied_copy = _tied_copy(args, pp, pieces)
         for name, parts in pieces.items():
             self._tensors[name] = self._merge(name, parts, tp, swiglu)
+        if tied_copy:
+            self._drop_tied_copy(save.folder)
         _check_mlp(save.folder, self._tensors, args)
         for stage in range(pp):  # each stage's first split weight: never the same on two ranks
             split = [n for n, at in stage_of.items() if at == stage and n.endswith(_SPLIT_WEIGHTS)]
@@ -281,19 +314,40 @@ class MegatronSource(ChunkedSource):
         self._raws, self._zips = [], {}
         self.selected = "model"
         self.selected_reason = f"{save.reason}; {tp} tensor x {pp} pipeline-parallel ranks merged"
-        if left_out:
-            self.selected_reason += f"; {left_out} _extra_state entries left out"
+        if tied_copy:
+            self.selected_reason += (
+                "; the last stage's output_layer.weight, the tied embedding's copy, checked "
+                "equal and left out"
+            )
+        if self.extra_states:
+            self.selected_reason += f"; {len(self.extra_states)} _extra_state entries left out"
         root = roots[0, 0]
-        self.extras = jsonable(
-            {
-                "iteration": root.get("iteration"),
-                "checkpoint_version": root.get("checkpoint_version"),
-            }
-        )
+        self.extras = jsonable({key: root.get(key) for key in _RECORDED if key in root})
         self.extras["args"] = args
+        self.args_object = root["args"]
+
+    def _drop_tied_copy(self, folder: Location) -> None:
+        """With tied embeddings and pipeline stages, Megatron's last stage holds the
+        embedding's copy as ``output_layer.weight`` (kept equal by the embedding group's
+        all-reduce): checked equal to the embedding, then left out, as one stage holds it."""
+        copy = self._tensors.pop("output_layer.weight")
+        embedding = self._tensors.get("embedding.word_embeddings.weight")
+        spans = [[self._layouts[c] for c in t.chunks] for t in (copy, embedding) if t]
+        if (
+            embedding is None
+            or copy.shape != embedding.shape
+            or copy.dtype != embedding.dtype
+            or len(spans[0]) != len(spans[1])
+            or not all(_same(a, b) for a, b in zip(*spans, strict=True))
+        ):
+            raise FormatError(
+                f"{folder}: the last stage's output_layer.weight differs from the embedding, "
+                "though the args tie them (untie_embeddings_and_output_weights is unset)",
+                "the folder mixes two saves; copy it again",
+            )
 
     def _scan(self, file: Path) -> tuple[dict[str, Any], Any]:
-        scan, layout, raw, _ = scan_torch_file(file)
+        scan, layout, raw, _ = megatron_scan(file, self._allowed)
         self._raws.append(raw)
         self._zips[file] = layout
         if not isinstance(scan.root, dict):
@@ -313,7 +367,7 @@ class MegatronSource(ChunkedSource):
         spans = [self._span(stub, file, name) for _, _, stub, file in parts]
         shape = list(first.shape)
         chunks: list[tuple[tuple[int, ...], tuple[int, ...], tuple[Path, int, int]]] = []
-        if name.endswith(_SAME) or tp == 1:
+        if name.endswith(SAME) or tp == 1:
             for (_, _, stub, file), span in zip(parts[1:], spans[1:], strict=True):
                 if stub.shape != first.shape or not _same(spans[0], span):
                     raise FormatError(
@@ -322,8 +376,8 @@ class MegatronSource(ChunkedSource):
                         "the folder mixes two saves; copy it again",
                     )
             chunks.append(((0,) * len(shape), tuple(shape), spans[0]))
-        elif name.endswith(_COLUMNS) or name.endswith(_ROWS):
-            dim = 0 if name.endswith(_COLUMNS) else 1
+        elif name.endswith(COLUMNS) or name.endswith(ROWS):
+            dim = 0 if name.endswith(COLUMNS) else 1
             if len(first.shape) <= dim:
                 raise FormatError(
                     f"{parts[0][3]}: '{name}' has {len(first.shape)} dims, but Megatron splits it "
@@ -537,7 +591,7 @@ def _layers(model: dict[str, Any], file: Path) -> int:
     """How many layers a stage holds: numbered 0 to n - 1, as megatron-core numbers them."""
     numbers = set()
     for key in model:
-        found = _LAYER.fullmatch(key)
+        found = LAYER.fullmatch(key)
         if found is not None:
             numbers.add(int(found[1]))
         elif key.startswith("decoder.layers."):
@@ -555,7 +609,17 @@ def _layers(model: dict[str, Any], file: Path) -> int:
     return len(numbers)
 
 
-_SPLIT_WEIGHTS = tuple(k for k in (*_COLUMNS, *_ROWS) if k.endswith("weight"))
+# What a rank file records beside the model, kept in the metadata.
+_RECORDED = ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")
+
+
+def _tied_copy(args: dict[str, Any], pp: int, pieces: dict[str, Any]) -> bool:
+    """Whether the last stage's ``output_layer.weight`` is the tied embedding's copy."""
+    tied = not args.get("untie_embeddings_and_output_weights", False)
+    return tied and pp > 1 and "output_layer.weight" in pieces
+
+
+_SPLIT_WEIGHTS = tuple(k for k in (*COLUMNS, *ROWS) if k.endswith("weight"))
 _FIRST_STAGE = ("embedding.",)
 _LAST_STAGE = ("decoder.final_layernorm.", "output_layer.")
 
@@ -602,7 +666,9 @@ class MegatronDistSource(DCPSource):
     ``decoder.layers.I.NAME``, as a legacy save names them; ``common.pt`` gives the args. Its
     ``_extra_state`` values are left out, named."""
 
-    def __init__(self, save: MegatronSave, *, select: str | None = None) -> None:
+    def __init__(
+        self, save: MegatronSave, *, select: str | None = None, allowed: tuple[str, ...] = ()
+    ) -> None:
         if select not in (None, "model"):
             raise SelectError(
                 f"{save.folder} is a Megatron save; its model is its only state dict",
@@ -610,6 +676,9 @@ class MegatronDistSource(DCPSource):
             )
         super().__init__(save.folder)
         self.format = "megatron torch_dist"
+        self._allowed = allowed
+        self.args_object: Any = None  # the args as common.pt's pickle gave them
+        self.extra_states: list[str] = []  # DCP saves them stacked: a legacy save's are made
         try:
             self._unstack(save)
         except BaseException:
@@ -618,7 +687,7 @@ class MegatronDistSource(DCPSource):
 
     def _unstack(self, save: MegatronSave) -> None:
         common = save.folder / "common.pt"
-        scan, _, raw, _ = scan_torch_file(common)
+        scan, _, raw, _ = megatron_scan(Path(str(common)), self._allowed)
         raw.close()
         root = scan.root if isinstance(scan.root, dict) else {}
         args = _args(root, Path(str(common)))
@@ -637,7 +706,7 @@ class MegatronDistSource(DCPSource):
 
         for key, tensor in self._tensors.items():
             rest = key.removeprefix("decoder.layers.")
-            if rest == key or _LAYER.fullmatch(key) is not None:
+            if rest == key or LAYER.fullmatch(key) is not None:
                 add(key, tensor)
                 continue
             if not rest:
@@ -663,16 +732,13 @@ class MegatronDistSource(DCPSource):
         for tensor in tensors.values():
             check_cover(self.path, tensor)
         self._tensors = tensors
-        extra = [k for k in self.extras if _EXTRA_STATE in k]
+        extra = [k for k in self.extras if EXTRA_STATE in k]
         for key in extra:
             del self.extras[key]
         self.selected = "model"
         self.selected_reason = f"{save.reason}; its layers unstacked" + (
             f"; {len(extra)} _extra_state entries left out" if extra else ""
         )
-        recorded = {
-            "iteration": root.get("iteration"),
-            "checkpoint_version": root.get("checkpoint_version"),
-        }
-        self.extras.update(jsonable(recorded))
+        self.extras.update(jsonable({key: root.get(key) for key in _RECORDED if key in root}))
         self.extras["args"] = args
+        self.args_object = root["args"]

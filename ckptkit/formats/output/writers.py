@@ -145,16 +145,17 @@ class TorchWriter(_Writer):
     ties kept: an alias shares its target's storage."""
 
     format, to = "torch", "pt"
-    suffixes = (".pt", ".pth", ".bin", ".ckpt", ".tar")  # .pth.tar: torchvision's references
+    # .pth.tar: torchvision's references
+    suffixes: ClassVar[tuple[str, ...]] = (".pt", ".pth", ".bin", ".ckpt", ".tar")
     ties, keeps_special, text_keys = "shared", True, False
 
     def write(self, tmp: Path, items: list[Item]) -> None:
         """Each storage's bytes copied from the source where they lie as they must, else made
         by torch a piece at a time."""
-        from ckptkit.formats.files.torchzip import begin_archive, state_pickle
+        from ckptkit.formats.files.torchzip import begin_archive
 
         by_key = {item.spec.key: item for item in items}
-        pickled, storages = state_pickle([item.spec for item in items], self.aliases)
+        pickled, storages = self._pickled(items)
         write = self.copier.tensor_writer(by_key, tmp, self.verify_while_writing)
         unique: dict[str, Item] = {}  # each storage record, written from its first key
         for item in items:
@@ -175,12 +176,82 @@ class TorchWriter(_Writer):
         finally:
             os.close(fd)
 
+    def _pickled(self, items: list[Item]) -> tuple[bytes, dict[str, Any]]:
+        """The file's pickle, and each key's storage record."""
+        from ckptkit.formats.files.torchzip import state_pickle
+
+        return state_pickle([item.spec for item in items], self.aliases)
+
     def verify(self, tmp: Path, items: list[Item], shown: Path) -> None:
         """Read the written ``.pt`` back statically and compare it with the plan."""
         from ckptkit.formats.files.torchfile import TorchFileSource
 
         with syncing(tmp), TorchFileSource(tmp) as written:
             self.copier.compare(written, items, self.aliases, shown)
+
+
+class MegatronWriter(TorchWriter):
+    """One rank file of a legacy Megatron save (``model_optim_rng.pt``): the rank's model
+    beside the args, ``checkpoint_version`` and the iteration, as Megatron-LM's
+    ``generate_state_dict`` writes them; its source is a
+    :class:`~ckptkit.formats.folders.megatron_ranks.MegatronRanks`, which says what each rank
+    file holds. The plan's shards are the rank files."""
+
+    format, to = "megatron", "megatron"
+    suffixes: ClassVar[tuple[str, ...]] = ()  # only --to megatron names it
+
+    def _pickled(self, items: list[Item]) -> tuple[bytes, dict[str, Any]]:
+        from ckptkit.formats.files.torchzip import wrapped_pickle
+        from ckptkit.formats.folders.megatron_ranks import MegatronRanks
+
+        source = self.copier.source
+        assert isinstance(source, MegatronRanks)
+        rank, _ = source.placed(items[0].old)
+        specs = {item.old: item.spec for item in items}
+        entries: list[Any] = [
+            (key, None) if name is None else specs[name] for key, name in source.rank_models[rank]
+        ]
+        return wrapped_pickle(source.rank_root(), "model", entries)
+
+    def verify(self, tmp: Path, items: list[Item], shown: Path) -> None:
+        """Read the rank file back statically: its pickle gives what was planned (the args
+        and the rest beside the model, the model's keys, None where megatron-core keeps an
+        extra state), and every tensor's bytes are its slice of the source."""
+        from ckptkit.formats.folders.megatron import megatron_scan
+        from ckptkit.formats.pickles.unpickler import TensorStub, read_pickle
+        from ckptkit.meta import jsonable
+
+        planned = read_pickle(self._pickled(items)[0]).root
+        with syncing(tmp):
+            scan, layout, raw, _ = megatron_scan(tmp, ())
+            try:
+                root = scan.root
+                model = root.get("model") if isinstance(root, dict) else None
+                if not isinstance(model, dict) or list(root) != list(planned):
+                    raise VerificationError(f"{shown} is not the planned rank file")
+                found = jsonable({k: v for k, v in root.items() if k != "model"})
+                wanted = jsonable({k: v for k, v in planned.items() if k != "model"})
+                if found != wanted:
+                    raise metadata_differ(shown, wanted, found)
+                if list(model) != list(planned["model"]):
+                    check_keys(shown, planned["model"], model)
+                    raise VerificationError(f"{shown} holds the planned keys in another order")
+                for key, value in planned["model"].items():
+                    if value is None and model[key] is not None:
+                        raise VerificationError(f"'{key}' in {shown} is not None, as planned")
+                layout.locate_storages()
+                for item in items:
+                    stub = model[item.spec.key]
+                    if not isinstance(stub, TensorStub):
+                        raise differs(item.spec.key, shown)
+                    check_layout(shown, item.spec, stub.dtype, stub.shape)
+                    base = layout.data_offset(stub.storage)
+                    if base is None or not stub.is_contiguous:
+                        raise differs(item.spec.key, shown)
+                    self.copier.check_bytes(item, tmp, base + stub.byte_range()[0], shown)
+                    self.copier.progress(item.spec.nbytes)
+            finally:
+                raw.close()
 
 
 class TorchValuesWriter(_Writer):
@@ -317,6 +388,7 @@ WRITERS: dict[str, type[_Writer]] = {
     "torch": TorchWriter,
     "torch-values": TorchValuesWriter,
     "dcp": DCPWriter,
+    "megatron": MegatronWriter,
 }
 
 # What the command line and file names call each format, from the writers' own declarations.

@@ -1,0 +1,596 @@
+"""A model in Megatron's names, as one rank holds it (a merged save, or a Hugging Face model
+mapped back by a pack), cut into a legacy save's rank files for a chosen tensor- and
+pipeline-parallel size: what ``convert --to megatron --tp T --pp P`` writes, so that a run
+goes on over another number of GPUs.
+
+The cuts are the merge's rules (``megatron.py``) undone, as megatron-core's layers hold their
+slices:
+
+- column-parallel weights along dim 0, a SwiGLU ``linear_fc1`` as each rank's
+  ``[gate_r; up_r]``; row-parallel weights along dim 1; the rest copied to every rank;
+- the layers dealt to the stages evenly, each stage numbering its own from 0; the embedding on
+  the first stage, the final norm and the output layer on the last. With tied embeddings and
+  several stages the last one holds the embedding's copy as ``output_layer.weight``, as
+  Megatron keeps it;
+- the vocabulary padded as Megatron pads it for the new size (a multiple of
+  ``make_vocab_size_divisible_by`` x TP): zero rows added, or padding rows cut;
+- the norms under the names the run's layer spec uses (``transformer_impl``: the local spec's
+  ``input_layernorm``, TransformerEngine's ``linear_qkv.layer_norm_weight``), and the
+  ``_extra_state`` entries megatron-core's modules expect (None: no FP8 state);
+- beside the model, the args (the parallel sizes and the padded vocabulary set to the new
+  ones), ``checkpoint_version`` and the iteration, as Megatron-LM's ``generate_state_dict``
+  writes them. No optimizer or RNG state: the run resumes with ``--no-load-optim
+  --no-load-rng`` (or ``--finetune``), as from Megatron's own converter.
+
+Each cut is a layout over the source's bytes, so it is written from views of the source files,
+without torch; a source that cannot be laid out (a URL, a cast) is cut through torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.errors import FormatError, UsageError
+from ckptkit.formats.base.laid import Laid, SpanViews
+from ckptkit.formats.base.layout import MOST_RUNS, ZEROS, Layout, pad, split
+from ckptkit.formats.base.source import Source, TensorInfo
+from ckptkit.formats.folders.megatron import (
+    COLUMNS,
+    EXTRA_STATE,
+    LATEST,
+    LAYER,
+    MEGATRON_ENUM,
+    ROWS,
+    SAME,
+)
+from ckptkit.formats.pickles.machine import Global, Opaque, build_state
+from ckptkit.formats.pickles.writer import Call, New, Ref
+from ckptkit.storage.location import Location
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MegatronRanks", "RANK_FILE", "MOST_PARALLEL", "parallel_sizes"]
+
+RANK_FILE = "model_optim_rng.pt"
+MOST_PARALLEL = 4096  # ranks of either kind, as the reader bounds them
+_CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes (megatron/training/checkpointing.py)
+# Norms under TransformerEngine's names (fused into the next linear) and the local spec's.
+_TE_NORMS = {
+    "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+    "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+}
+# The layer modules whose _extra_state megatron-core's state dicts hold (None without FP8).
+_LINEARS = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+# Args a new layout makes wrong: the old stages' uneven split, virtual stages, the format.
+_RESET = {
+    "virtual_pipeline_model_parallel_size": None,
+    "decoder_first_pipeline_num_layers": None,
+    "decoder_last_pipeline_num_layers": None,
+    "num_layers_in_first_pipeline_stage": None,
+    "num_layers_in_last_pipeline_stage": None,
+    "pipeline_model_parallel_layout": None,
+    "ckpt_format": "torch",
+    "use_dist_ckpt": False,
+}
+_DTYPE_GLOBAL = re.compile(
+    r"<global torch\.(float|half|double|bfloat16|float16|float32|float64|int8|int16|int32|"
+    r"int64|uint8|bool|long|int|float8_e4m3fn|float8_e5m2)>"
+)
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """One rank's tensor: which source tensor, how it is cut, and for which rank."""
+
+    source: str
+    rule: str  # "column", "glu" (SwiGLU's [gate_r; up_r]), "row", "same"
+    rank: int  # the tensor-parallel rank
+    rows: int | None  # the vocabulary's padded rows (embedding, output layer); else None
+
+
+class MegatronRanks(Source):
+    """``inner``'s tensors (Megatron's names, one rank's) as the rank files of a legacy save
+    at ``tp`` x ``pp``; each tensor named ``rank R:KEY`` until the plan puts it in rank file R
+    under KEY (as a mapping's ranked target, ``conversion.plan.per_rank``)."""
+
+    def __init__(self, inner: Source, tp: int, pp: int) -> None:
+        super().__init__(path=inner.path, format=inner.format)
+        self.inner, self.tp, self.pp = inner, tp, pp
+        self.made_once = inner.made_once  # type: ignore[misc]  # as the tensors it cuts
+        self.selected, self.extras = inner.selected, inner.extras
+        self.dropped, self.followed = inner.dropped, inner.followed
+        args = _json_args(inner)
+        self.iteration = _iteration(inner)
+        folder = "release" if self.iteration is None else f"iter_{self.iteration:07d}"
+        self.documents = {LATEST: "release" if self.iteration is None else str(self.iteration)}
+        stages, per = _stages(inner, args, pp)
+        _check_heads(inner, args, tp)
+        rows = self._padded(inner, args)
+        swiglu = bool(args.get("swiglu"))
+        impl = args.get("transformer_impl")
+        self._cuts: dict[str, _Cut] = {}
+        self._infos_by_name: dict[str, TensorInfo] = {}
+        self.rank_files: list[str] = []
+        self.rank_models: list[list[tuple[str, str | None]]] = []  # (key, name or None)
+        for stage, keys in enumerate(stages):
+            for t in range(tp):
+                rank = len(self.rank_files)
+                name = f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else "")
+                self.rank_files.append(f"{folder}/{name}/{RANK_FILE}")
+                model: list[tuple[str, str | None]] = []
+                for source, local in keys:
+                    cut = _Cut(source, _rule(source, swiglu, tp, inner.path), t, None)
+                    if source.startswith(("embedding.word_embeddings.", "output_layer.")):
+                        cut = _Cut(source, cut.rule, t, rows)
+                    named = f"rank {rank}:{local}"
+                    self._cuts[named] = cut
+                    self._infos_by_name[named] = self._cut_info(named, cut)
+                    model.append((local, named))
+                recorded = getattr(inner, "extra_states", None)
+                layers = range(stage * per, (stage + 1) * per)
+                extra = _with_extra_states(model, recorded, stage, pp, layers, impl)
+                self.rank_models.append(extra)
+        updates: dict[str, Any] = {
+            "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": pp,
+            **({"padded_vocab_size": rows} if rows is not None else {}),
+        }
+        self.args, self.args_shown = _written_args(inner, args, updates)
+        self.selected_reason = inner.selected_reason
+        self.changed = {name: self.args_shown[name] for name in updates}
+        self._views = SpanViews()
+        self._loaded: tuple[str, torch.Tensor] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """What the cut made, for the report: the sizes, the iteration, the args set."""
+        return {
+            "tensor_parallel": self.tp,
+            "pipeline_parallel": self.pp,
+            "iteration": "release" if self.iteration is None else self.iteration,
+            "args_set": self.changed,
+        }
+
+    def rank_root(self) -> dict[str, Any]:
+        """What every rank file holds, in Megatron-LM's order, its model at ``model``."""
+        root: dict[str, Any] = {
+            "args": self.args,
+            "checkpoint_version": _CHECKPOINT_VERSION,
+            "iteration": self.iteration or 0,
+            "model": None,
+        }
+        flops = self.inner.extras.get("num_floating_point_operations_so_far")
+        if isinstance(flops, (int, float)) and not isinstance(flops, bool):
+            root["num_floating_point_operations_so_far"] = flops
+        return root
+
+    def _padded(self, inner: Source, args: dict[str, Any]) -> int | None:
+        """The embedding's rows at the new size: Megatron's ``padded_vocab_size`` for it."""
+        if "embedding.word_embeddings.weight" not in inner.keys():
+            return None
+        have = inner.info("embedding.word_embeddings.weight").shape[0]
+        divisible = _whole(args.get("make_vocab_size_divisible_by", 128), 1)
+        vocab = args.get("vocab_size")
+        multiple = divisible * self.tp
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            if have % multiple:
+                raise FormatError(
+                    f"{inner.path}: the embedding's {have} rows do not divide by "
+                    f"make_vocab_size_divisible_by x TP ({multiple}), and the args give no "
+                    "vocab_size to pad to",
+                    "record vocab_size in the args (convert with --map ... --set vocab=N), or "
+                    "choose another --tp",
+                )
+            return have
+        if vocab > have:
+            raise FormatError(
+                f"{inner.path}: the args' vocab_size {vocab} is more than the embedding's "
+                f"{have} rows",
+                "are the args those of these weights?",
+            )
+        return math.ceil(vocab / multiple) * multiple
+
+    def _cut_info(self, name: str, cut: _Cut) -> TensorInfo:
+        info = self.inner.info(cut.source)
+        shape = list(info.shape)
+        if cut.rows is not None:
+            shape[0] = cut.rows
+        if info.kind != "dense":
+            raise FormatError(
+                f"'{cut.source}' in {self.inner.path} is not a plain tensor; a Megatron save "
+                "holds plain tensors",
+                "convert it to a dense tensor in PyTorch first",
+            )
+        if cut.rule != "same":
+            dim = 1 if cut.rule == "row" else 0
+            parts = self.tp * (2 if cut.rule == "glu" else 1)
+            if len(shape) <= dim or shape[dim] % parts:
+                size = shape[dim] if len(shape) > dim else "no"
+                raise FormatError(
+                    f"'{cut.source}' in {self.inner.path} has {size} elements along dim {dim}, "
+                    f"which {self.tp} tensor-parallel ranks cannot share evenly",
+                    "choose a --tp that divides it",
+                )
+            shape[dim] //= self.tp
+        return TensorInfo(info.dtype, tuple(shape))
+
+    def entries(self) -> list[tuple[str, TensorInfo]]:
+        return list(self._infos_by_name.items())
+
+    def placed(self, name: str) -> tuple[int, str]:
+        """A tensor's rank file (its index in :attr:`rank_files`) and key there."""
+        rank, _, key = name.partition(":")
+        return int(rank.removeprefix("rank ")), key
+
+    def laid_out(self, key: str) -> Laid | None:
+        cut = self._cuts[key]
+        laid = self.inner.laid_out(cut.source)
+        if laid is None:
+            return None
+        layout = _cut_layout(laid.layout, cut, self.tp)
+        if len(layout.pieces) > MOST_RUNS:  # finer than a mapping of views should be
+            return None
+        return Laid(laid.spans, layout)
+
+    def byte_pieces(self, key: str) -> list[tuple[Location, int, int]] | None:
+        """A cut that is a few whole ranges of the source's files (rows of a column-parallel
+        weight, a copied norm): copied by the kernel."""
+        laid = self.laid_out(key)
+        if laid is None or len(laid.layout.pieces) > 8:
+            return None
+        if any(slot == ZEROS for slot, _, _ in laid.layout.pieces):
+            return None
+        return [
+            (laid.spans[slot][0], laid.spans[slot][1] + offset, length)
+            for slot, offset, length in laid.layout.pieces
+        ]
+
+    def made_pieces(self, key: str) -> list[memoryview] | None:
+        laid = self.laid_out(key)
+        if laid is None:
+            return None
+        self._views.map(laid.spans)
+        return self._views.views(laid.layout)
+
+    def load(self, key: str) -> torch.Tensor:
+        cut = self._cuts[key]
+        if self._loaded is None or self._loaded[0] != cut.source:
+            self._loaded = None  # one source tensor held at a time
+            self._loaded = (cut.source, self.inner.load(cut.source))
+        return _cut_tensor(self._loaded[1], cut, self.tp)
+
+    def files(self) -> list[Location]:
+        return self.inner.files()
+
+    def close(self) -> None:
+        self._loaded = None
+        self._views.close()
+
+
+def _json_args(inner: Source) -> dict[str, Any]:
+    """The run's args as plain values: a Megatron source's, or those a mapping made (a pack's
+    Megatron side), or those a converted file kept in its metadata."""
+    import json
+
+    args = inner.extras.get("args")
+    if args is None and "args" in inner.metadata:
+        try:
+            args = json.loads(inner.metadata["args"])
+        except ValueError:
+            args = None
+    if not isinstance(args, dict):
+        raise FormatError(
+            f"{inner.path} records no Megatron args (Megatron saves its arguments beside the "
+            "model, and a legacy save needs them)",
+            "convert a Megatron save, or a Hugging Face model with --map megatron-llama "
+            "--reverse (or megatron-gpt2), which writes them",
+        )
+    return args
+
+
+def _iteration(inner: Source) -> int | None:
+    """The iteration to save as: the source's, or None (a release) for a model from
+    elsewhere."""
+    found = inner.extras.get("iteration")
+    if isinstance(found, bool) or not isinstance(found, int) or not 0 <= found < 10**12:
+        return None
+    return found
+
+
+def _whole(value: Any, default: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return default
+    return value
+
+
+def _place(key: str) -> tuple[int, int] | None:
+    """(section, layer) of a Megatron key: the embedding 0, layers 1, the final norm 2, the
+    output layer 3; None for a key of no place Megatron's GPT model has."""
+    found = LAYER.fullmatch(key)
+    if found is not None:
+        return 1, int(found[1])
+    if key.startswith("embedding."):
+        return 0, 0
+    if key.startswith("decoder.final_layernorm."):
+        return 2, 0
+    if key.startswith("output_layer."):
+        return 3, 0
+    return None
+
+
+def _stages(
+    inner: Source, args: dict[str, Any], pp: int
+) -> tuple[list[list[tuple[str, str]]], int]:
+    """Each stage's (source key, its key on that stage: a norm under the name the run's layer
+    spec loads), in the order megatron-core's model holds them, and the layers a stage holds."""
+    impl = args.get("transformer_impl")
+    placed = []
+    for index, key in enumerate(inner.keys()):
+        where = _place(key)
+        if where is None:
+            raise FormatError(
+                f"'{key}' in {inner.path} is not a key of Megatron's GPT model (embedding, "
+                "decoder.layers.N, decoder.final_layernorm, output_layer)",
+                "convert a model in Megatron's names (--map megatron-llama --reverse)",
+            )
+        placed.append((where, _module_order(_norm_name(key, impl)), index, key))
+    placed.sort()
+    layers = sorted({layer for (section, layer), _, _, _ in placed if section == 1})
+    if layers != list(range(len(layers))):
+        raise FormatError(f"{inner.path} numbers its layers {layers[:8]}, not 0 to N - 1")
+    said = args.get("num_layers")
+    if isinstance(said, int) and not isinstance(said, bool) and said != len(layers):
+        raise FormatError(
+            f"{inner.path} holds {len(layers)} layers, but its args say num_layers {said}",
+            "are the args those of these weights?",
+        )
+    if len(layers) % pp:
+        raise FormatError(
+            f"{inner.path}'s {len(layers)} layers do not share evenly over {pp} pipeline stages",
+            "choose a --pp that divides the layer count",
+        )
+    per = len(layers) // pp
+    stages: list[list[tuple[str, str]]] = [[] for _ in range(pp)]
+    for (section, layer), _, _, key in placed:
+        local = _norm_name(key, impl)
+        if section == 1:
+            found = LAYER.fullmatch(local)
+            assert found is not None
+            stages[layer // per].append((key, f"decoder.layers.{layer % per}.{found[2]}"))
+        else:
+            stages[0 if section == 0 else pp - 1].append((key, local))
+    tied = not args.get("untie_embeddings_and_output_weights", False)
+    embedding = "embedding.word_embeddings.weight"
+    keys = inner.keys()
+    if tied and pp > 1 and "output_layer.weight" not in keys and embedding in keys:
+        stages[-1].append((embedding, "output_layer.weight"))  # the tied copy
+    return stages, per
+
+
+def _check_heads(inner: Source, args: dict[str, Any], tp: int) -> None:
+    """Megatron gives each tensor-parallel rank whole query groups (attention heads)."""
+    heads = args.get("num_attention_heads")
+    groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
+    what = "query groups" if groups is not heads else "attention heads"
+    if isinstance(groups, int) and not isinstance(groups, bool) and groups % tp:
+        raise FormatError(
+            f"{inner.path}'s {groups} {what} do not share evenly over {tp} tensor-parallel "
+            "ranks, as Megatron needs",
+            f"choose a --tp that divides {groups}",
+        )
+
+
+# Where megatron-core's modules register their parameters: a layer's, and the embedding's.
+_MODULES = (
+    "embedding.word_embeddings.",
+    "embedding.position_embeddings.",
+    "input_layernorm.",
+    "self_attention.core_attention.",
+    "self_attention.linear_proj.",
+    "self_attention.linear_qkv.",
+    "self_attention.q_layernorm.",
+    "self_attention.k_layernorm.",
+    "pre_mlp_layernorm.",
+    "mlp.linear_fc1.",
+    "mlp.linear_fc2.",
+)
+
+
+def _module_order(key: str) -> int:
+    """A key's place among its layer's modules (a model from elsewhere is put in
+    megatron-core's order; keys of one module keep theirs)."""
+    found = LAYER.fullmatch(key)
+    rest = key if found is None else found[2]
+    return next((i for i, m in enumerate(_MODULES) if rest.startswith(m)), len(_MODULES))
+
+
+def _rule(key: str, swiglu: bool, tp: int, path: Location) -> str:
+    """How megatron-core's layers cut ``key`` across tensor-parallel ranks."""
+    if key.endswith(SAME) or tp == 1:
+        return "same"
+    if key.endswith(COLUMNS):
+        glu = swiglu and key.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"))
+        return "glu" if glu else "column"
+    if key.endswith(ROWS):
+        return "row"
+    raise FormatError(
+        f"'{key}' in {path} is not a key ckptkit knows how Megatron splits across "
+        "tensor-parallel ranks",
+        "write it with --tp 1, or report the key",
+    )
+
+
+def _norm_name(key: str, impl: Any) -> str:
+    """A layer's norm under the names the run's layer spec loads: the local spec's for
+    ``transformer_impl`` local, TransformerEngine's for transformer_engine, else as it is."""
+    found = LAYER.fullmatch(key)
+    if found is None or impl not in ("local", "transformer_engine"):
+        return key
+    head, rest = key[: len(key) - len(found[2])], found[2]
+    for te, local in _TE_NORMS.items():
+        if impl == "local" and rest.startswith(te):
+            return head + local + rest.removeprefix(te)
+        if impl == "transformer_engine" and rest.startswith(local):
+            return head + te + rest.removeprefix(local)
+    return key
+
+
+def _with_extra_states(
+    model: list[tuple[str, str | None]],
+    recorded: list[str] | None,
+    stage: int,
+    pp: int,
+    layers: range,
+    impl: Any,
+) -> list[tuple[str, str | None]]:
+    """The stage's model with megatron-core's ``_extra_state`` entries (None), each after its
+    module's last tensor: those a legacy source left out (``recorded``, by their merged names;
+    ``layers`` are this stage's), or else the local spec's (each layer's linear layers and
+    the output layer's, TransformerEngine's attention too)."""
+    wanted: list[str] = []
+    if recorded:
+        for name in recorded:
+            found = LAYER.fullmatch(name)
+            if found is not None:
+                if int(found[1]) in layers:
+                    wanted.append(f"decoder.layers.{int(found[1]) - layers.start}.{found[2]}")
+            elif name.startswith("embedding.") and stage == 0:
+                wanted.append(name)
+            elif not name.startswith("embedding.") and stage == pp - 1:
+                wanted.append(name)
+    else:
+        for key, _ in model:
+            module = key.rsplit(".", 1)[0]
+            if LAYER.fullmatch(key) and module.endswith(_LINEARS):
+                wanted.append(module + EXTRA_STATE)
+                if impl == "transformer_engine" and module.endswith("self_attention.linear_qkv"):
+                    attention = module.removesuffix("linear_qkv") + "core_attention"
+                    wanted.append(attention + EXTRA_STATE)
+        if stage == pp - 1:  # even when tied (an output layer without a weight of its own)
+            wanted.append("output_layer" + EXTRA_STATE)
+    out = list(model)
+    for entry in dict.fromkeys(wanted):  # each once, in order
+        module = entry.removesuffix(EXTRA_STATE)
+        last = max(
+            (i for i, (key, _) in enumerate(out) if key.rsplit(".", 1)[0] == module),
+            default=len(out) - 1,
+        )
+        out.insert(last + 1, (entry, None))
+    return out
+
+
+def _cut_layout(layout: Layout, cut: _Cut, tp: int) -> Layout:
+    """One rank's slice of a tensor's layout (its vocabulary padded first)."""
+    if cut.rows is not None and cut.rows != layout.shape[0]:
+        have = layout.shape[0]
+        if cut.rows > have:
+            layout = pad(layout, 0, cut.rows)
+        else:
+            layout = split(layout, 0, [cut.rows, have - cut.rows], 1)[0]
+    if cut.rule == "same":
+        return layout
+    if cut.rule == "row":
+        return split(layout, 1, [layout.shape[1] // tp] * tp, 1)[cut.rank]
+    groups = 2 if cut.rule == "glu" else 1
+    return split(layout, 0, [layout.shape[0] // (tp * groups)] * tp, groups)[cut.rank]
+
+
+def _cut_tensor(tensor: torch.Tensor, cut: _Cut, tp: int) -> torch.Tensor:
+    """:func:`_cut_layout` through torch (a source whose bytes are not laid out in files)."""
+    import torch
+
+    if cut.rows is not None and cut.rows != tensor.shape[0]:
+        have = tensor.shape[0]
+        if cut.rows > have:
+            zeros = tensor.new_zeros((cut.rows - have, *tensor.shape[1:]))
+            tensor = torch.cat([tensor, zeros])
+        else:
+            tensor = tensor[: cut.rows]
+    if cut.rule == "row":
+        tensor = tensor.chunk(tp, dim=1)[cut.rank]
+    elif cut.rule == "column":
+        tensor = tensor.chunk(tp, dim=0)[cut.rank]
+    elif cut.rule == "glu":
+        gate, up = tensor.chunk(2, dim=0)
+        tensor = torch.cat([gate.chunk(tp)[cut.rank], up.chunk(tp)[cut.rank]])
+    return tensor.contiguous()
+
+
+def _written_args(
+    inner: Source, args: dict[str, Any], updates: dict[str, Any]
+) -> tuple[New, dict[str, Any]]:
+    """The args Namespace to write (as the pickle writer takes it), and what reading it back
+    gives (to verify the files). A Megatron source's are written as its pickle gave them; any
+    other's from their plain values, torch dtypes given back as torch's."""
+    raw = getattr(inner, "args_object", None)
+    state = build_state(raw.state) if isinstance(raw, Opaque) else None
+    fields: dict[str, Any] = {}
+    if isinstance(state, dict):
+        for name, value in state.items():
+            if isinstance(name, str):
+                fields[name] = _as_written(value, name, inner.path)
+    else:
+        fields = {name: _from_json(value) for name, value in args.items()}
+    shown = dict(args)
+    for name, value in {**{k: v for k, v in _RESET.items() if k in fields}, **updates}.items():
+        fields[name] = value
+        shown[name] = value
+    return New(Ref("argparse", "Namespace"), fields), shown
+
+
+def _as_written(value: Any, name: str, path: Location, depth: int = 0) -> Any:
+    """An arg's value as the pickle gave it, for the writer: plain values, torch dtypes and
+    megatron-core's enums; anything else is refused (a checkpoint ckptkit writes holds no
+    other object, which would run code where it is loaded)."""
+    if value is None or isinstance(value, (bool, int, float, str)) and depth < 16:
+        return value
+    if isinstance(value, (list, tuple)) and depth < 16:
+        items = [_as_written(v, name, path, depth + 1) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict) and depth < 16 and all(isinstance(k, str) for k in value):
+        return {k: _as_written(v, name, path, depth + 1) for k, v in value.items()}
+    if isinstance(value, Global) and _DTYPE_GLOBAL.fullmatch(repr(value)):
+        return Ref(*value.name.rsplit(".", 1))
+    if (
+        isinstance(value, Opaque)
+        and MEGATRON_ENUM.fullmatch(value.global_name)
+        and len(value.args) == 1
+        and isinstance(value.args[0], (int, str))
+        and value.state is None
+    ):
+        return Call(Ref(*value.global_name.rsplit(".", 1)), value.args)
+    raise FormatError(
+        f"{path}: args.{name} holds {repr(value)[:60]}, an object ckptkit does not write into "
+        "a checkpoint (plain values, torch dtypes and megatron-core's enums only)",
+        "convert a save whose args hold plain values, or report the arg",
+    )
+
+
+def _from_json(value: Any) -> Any:
+    """A plain value kept as text (``<global torch.bfloat16>``) given back as torch's dtype."""
+    if isinstance(value, str) and _DTYPE_GLOBAL.fullmatch(value):
+        return Ref("torch", value[len("<global torch.") : -1])
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _from_json(v) for k, v in value.items()}
+    return value
+
+
+def parallel_sizes(tp: int | None, pp: int | None) -> tuple[int, int]:
+    """``--tp`` and ``--pp`` checked: whole numbers from 1 to :data:`MOST_PARALLEL`."""
+    sizes = []
+    for flag, value in (("--tp", tp), ("--pp", pp)):
+        size = 1 if value is None else value
+        if not 1 <= size <= MOST_PARALLEL:
+            raise UsageError(f"{flag} {size} is not a parallel size", f"give 1 to {MOST_PARALLEL}")
+        sizes.append(size)
+    return sizes[0], sizes[1]
