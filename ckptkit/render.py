@@ -216,8 +216,8 @@ def _plan_lines(report: Any) -> list[str]:
             f"pipeline-parallel ranks; args set: {changed}"
         )
         lines.append(
-            f"Kept     {', '.join(report.extras)} beside each rank's model; no optimizer or RNG "
-            "state (resume with --no-load-optim --no-load-rng, or --finetune)"
+            f"Beside   each rank's model: {', '.join(cut['beside'])}; no optimizer or RNG state "
+            "(resume with --no-load-optim --no-load-rng, or --finetune)"
         )
     elif report.extras and report.output_format in ("safetensors", "dcp"):
         lines.append(f"Kept     {', '.join(report.extras)} in the metadata")
@@ -298,7 +298,8 @@ def _written_lines(report: Any) -> list[str]:
         lines.append(f"Copied   {', '.join(report.copied_files)} from {whence}")
     if report.made_files and report.megatron is not None:
         iteration = report.megatron["iteration"]
-        lines.append(f"Made     {', '.join(report.made_files)}, naming iteration {iteration}")
+        named = "the release" if iteration == "release" else f"iteration {iteration}"
+        lines.append(f"Made     {', '.join(report.made_files)}, naming {named}")
     elif report.made_files:
         lines.append(f"Made     {', '.join(report.made_files)} from the mapping")
     check = report.output_check

@@ -158,6 +158,12 @@ def test_written_from_views_without_torch_in_a_real_process(tmp_path):
             "pipeline_model_parallel_size": 2,
             "padded_vocab_size": 128,
         },
+        "beside": [
+            "args",
+            "checkpoint_version",
+            "iteration",
+            "num_floating_point_operations_so_far",
+        ],
     }
     assert [f.split("/")[-2] for f in report["files"]] == ["mp_rank_00_000", "mp_rank_00_001"]
 

@@ -157,6 +157,7 @@ class MegatronRanks(Source):
             "pipeline_parallel": self.pp,
             "iteration": "release" if self.iteration is None else self.iteration,
             "args_set": self.changed,
+            "beside": [key for key in self.rank_root() if key != "model"],
         }
 
     def rank_root(self) -> dict[str, Any]:
