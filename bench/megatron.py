@@ -23,6 +23,8 @@ The ways:
 - ``ckptkit convert SAVE merged.safetensors``: the ranks merged, fsynced, read back and compared
   (its default);
 - ``ckptkit convert SAVE hf --map megatron-llama``: merged and mapped to Hugging Face;
+- ``ckptkit convert SAVE recut --to megatron --tp N``: merged and cut again into another
+  tensor-parallel size (4, or 2 from a save at TP=4), a legacy save's rank files;
 - the whole-state-dict way: ``torch.load`` of every rank file, the slices joined with
   ``torch.cat`` by the same rules, ``safetensors.torch.save_file``, then an fsync;
 - the anchor: ``cp`` of ckptkit's merged file, then ``sync`` of the copy;
@@ -163,6 +165,7 @@ MAPPED = "ckptkit convert --map megatron-llama (verified)"
 WHOLE_WAY = "whole state dict: torch.load + torch.cat + save_file + fsync"
 CP = "cp of ckptkit's merged file, then sync"
 IMPORTS = "import ckptkit's convert (alone)"
+RECUT = "ckptkit convert --to megatron (cut to another TP, verified)"
 
 
 def model_params(total_bytes: int) -> dict:
@@ -192,7 +195,8 @@ def make(root: Path, params: dict, tp: int) -> dict:
 
 
 def ckptkit_argv(save: str, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "ckptkit", "convert", save, str(out), *extra, "--force", "-q"]
+    force = [] if "megatron" in extra else ["--force"]  # a Megatron save goes to a new folder
+    return [sys.executable, "-m", "ckptkit", "convert", save, str(out), *extra, *force, "-q"]
 
 
 def main() -> None:
@@ -217,17 +221,20 @@ def main() -> None:
         info = make(args.dir or folder, params, args.tp)
         ref = folder / "ref.safetensors"
         run_once(ckptkit_argv(info["folder"], ref))
-        out_cp, merged, mapped, whole = (
-            folder / n for n in ("cp.safetensors", "merged.safetensors", "hf", "whole.safetensors")
+        out_cp, merged, mapped, whole, recut = (
+            folder / n
+            for n in ("cp.safetensors", "merged.safetensors", "hf", "whole.safetensors", "recut")
         )
+        other_tp = "2" if args.tp == 4 else "4"
         ways = {
             MERGE: ckptkit_argv(info["folder"], merged),
             MAPPED: ckptkit_argv(info["folder"], mapped, "--map", "megatron-llama"),
+            RECUT: ckptkit_argv(info["folder"], recut, "--to", "megatron", "--tp", other_tp),
             WHOLE_WAY: python(WHOLE) + [info["folder"], str(whole)],
             CP: ["sh", "-c", f"cp '{ref}' '{out_cp}' && sync '{out_cp}'"],
             IMPORTS: python("import ckptkit.cli, ckptkit.convert"),
         }
-        outputs = (merged, mapped, whole, out_cp)
+        outputs = (merged, mapped, whole, out_cp, recut)
         inputs = tuple(Path(p) for p in info["inputs"])
         results: dict = {"model": {k: v for k, v in info.items() if k != "inputs"}}
         results["output_bytes"] = ref.stat().st_size
@@ -257,7 +264,7 @@ def report(results: dict, repeat: int) -> None:
     print("every run:", {name: [round(w, 2) for w in r["walls_s"]] for name, r in convert.items()})
     cp, whole = convert[CP]["wall_s"], convert[WHOLE_WAY]
     print()
-    for name in (MERGE, MAPPED):
+    for name in (MERGE, MAPPED, RECUT):
         ours = convert[name]
         print(ratio_line(f"{name} / cp + sync (wall)", ours["wall_s"] / cp, 1.5))
         print(

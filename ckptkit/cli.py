@@ -467,6 +467,12 @@ def cli() -> None:
     help="With --to megatron: the pipeline stages to deal the layers to (default 1).",
 )
 @click.option(
+    "--ep",
+    "expert_parallel",
+    type=click.IntRange(1, MOST_PARALLEL),
+    help="With --to megatron: the expert-parallel ranks to share a mixture's experts (default 1).",
+)
+@click.option(
     "--check-outputs",
     is_flag=True,
     help="Run each merged layer and its unmerged form on seeded inputs; report the worst error.",

@@ -64,6 +64,7 @@ def convert(
     to: str | None = None,
     tensor_parallel: int | None = None,
     pipeline_parallel: int | None = None,
+    expert_parallel: int | None = None,
     dry_run: bool = False,
     force: bool = False,
     verify: bool = True,
@@ -114,6 +115,7 @@ def convert(
             ``megatron`` (a legacy Megatron-LM save, its model cut into rank files).
         tensor_parallel: with ``to="megatron"``, the tensor-parallel size (default 1).
         pipeline_parallel: with ``to="megatron"``, the pipeline stages (default 1).
+        expert_parallel: with ``to="megatron"``, the expert-parallel ranks (default 1).
         keep_tied_copies: write every name of a tied group to safetensors (by default one
             tensor is written and the others are named in the metadata, as
             ``safetensors.torch.save_model`` does; ``.pt`` output keeps one shared storage).
@@ -199,6 +201,7 @@ def convert(
             keep_tied_copies,
             tensor_parallel,
             pipeline_parallel,
+            expert_parallel,
         ),
         dry_run=dry_run,
         force=force,

@@ -211,9 +211,10 @@ def _plan_lines(report: Any) -> list[str]:
     if report.megatron is not None:
         cut = report.megatron
         changed = ", ".join(f"{k} {v}" for k, v in cut["args_set"].items())
+        experts = f" x {cut['expert_parallel']} expert" if cut["expert_parallel"] > 1 else ""
         lines.append(
             f"Cut      into {cut['tensor_parallel']} tensor x {cut['pipeline_parallel']} "
-            f"pipeline-parallel ranks; args set: {changed}"
+            f"pipeline{experts}-parallel ranks; args set: {changed}"
         )
         lines.append(
             f"Beside   each rank's model: {', '.join(cut['beside'])}; no optimizer or RNG state "

@@ -148,16 +148,16 @@ def _opened(src: Location, read: ReadOptions) -> AbstractContextManager[Source]:
 @contextlib.contextmanager
 def _cut(source: Source, output: OutputOptions) -> Iterator[Source]:
     """The source, cut into a legacy Megatron save's rank files for ``--to megatron``."""
+    sizes = (output.tensor_parallel, output.pipeline_parallel, output.expert_parallel)
     if output.to != "megatron":
-        if output.tensor_parallel is not None or output.pipeline_parallel is not None:
+        if any(size is not None for size in sizes):
             raise UsageError(
-                "--tp and --pp say how a Megatron save is cut across ranks",
+                "--tp, --pp and --ep say how a Megatron save is cut across ranks",
                 "add --to megatron, or leave them out",
             )
         yield source
         return
-    tp, pp = parallel_sizes(output.tensor_parallel, output.pipeline_parallel)
-    ranks = MegatronRanks(source, tp, pp)
+    ranks = MegatronRanks(source, *parallel_sizes(*sizes))
     try:
         yield ranks
     finally:

@@ -26,6 +26,16 @@ from ckptkit.formats.base.tensors import bit_equal
 s3_server, s3, s3_env = servers.s3_server, servers.s3, servers.s3_env
 MEGATRON = FIXTURE_DIR / "megatron"
 SAVES = ["gqa-swiglu/tp1", "gqa-swiglu/tp2", "gqa-swiglu/pp2", "mha-gelu/tp1", "mha-gelu/tp2"]
+# A mixture of experts (fixtures/make_megatron_moe.py): experts shared over expert-parallel
+# ranks (mp_rank_TT_EEE), and cut over tensor-parallel ones too.
+SAVES += ["moe-swiglu/tp1", "moe-swiglu/ep2", "moe-swiglu/tp2ep2", "moe-swiglu/pp2"]
+LAYOUTS = {
+    "tp1": (1, 1, 1),
+    "tp2": (2, 1, 1),
+    "pp2": (1, 2, 1),
+    "ep2": (1, 1, 2),
+    "tp2ep2": (2, 1, 2),
+}
 
 
 def reference(save: str) -> dict[str, torch.Tensor]:
@@ -40,10 +50,11 @@ def test_a_legacy_save_merges_into_the_tp1_model_bit_for_bit(tmp_path, save):
     assert sorted(ours) == sorted(theirs)
     assert [k for k in theirs if not bit_equal(ours[k], theirs[k])] == []
     assert report.verified and report.through_torch == 0
-    tp, pp = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}[save.split("/")[1]]
+    tp, pp, ep = LAYOUTS[save.split("/")[1]]
+    experts = f" x {ep} expert" if ep > 1 else ""
     assert report.selected_reason.startswith(
         f"iter_0000010, named by latest_checkpointed_iteration.txt; {tp} tensor x {pp} "
-        "pipeline-parallel ranks merged; "
+        f"pipeline{experts}-parallel ranks merged; "
     )
     assert "_extra_state entries left out" in report.selected_reason
 
@@ -232,12 +243,12 @@ def test_rank_folders_that_cannot_be_one_save_are_refused(tmp_path):
     def twice(it):
         shutil.copytree(it / "mp_rank_01", it / "mp_rank_001")
 
-    assert "names tensor rank 1, pipeline stage 0 twice" in hostile(tmp_path / "a", twice)
+    assert "names one rank twice (mp_rank_001 and mp_rank_01)" in hostile(tmp_path / "a", twice)
 
     def mixed(it):
         shutil.copytree(it / "mp_rank_01", it / "mp_rank_02_000")
 
-    assert "mixes rank folders with and without a pipeline stage" in hostile(tmp_path / "b", mixed)
+    assert "mixes rank folders named with 1 and 2 numbers" in hostile(tmp_path / "b", mixed)
 
     def linked(it):
         shutil.rmtree(it / "mp_rank_01")
@@ -387,3 +398,48 @@ def test_pipeline_stages_of_another_order_or_save_are_refused(tmp_path):
     )
     with pytest.raises(FormatError, match="is of iteration 20, rank 0's of 10"):
         ckptkit.open_source(folder)
+
+
+def test_expert_parallel_ranks_that_cannot_be_one_save_are_refused(tmp_path):
+    """An expert rank missing, a copy of the rest that differs between expert ranks, experts
+    the args do not count, experts cut otherwise than the rest: each refused by name."""
+
+    def case(name, change):
+        folder = copy_save(tmp_path / name, "moe-swiglu/tp2ep2")
+        change(folder / "iter_0000010")
+        with pytest.raises(FormatError) as raised:
+            ckptkit.open_source(folder)
+        return raised.value.message
+
+    assert "lacks mp_rank_01_001" in case(
+        "missing", lambda it: shutil.rmtree(it / "mp_rank_01_001")
+    )
+    norm = "decoder.layers.1.pre_mlp_layernorm.weight"
+    message = case(
+        "norm",
+        lambda it: resave(it / "mp_rank_00_001" / "model_optim_rng.pt",
+                          lambda s: s["model"][norm].add_(1.0)),
+    )  # fmt: skip
+    assert f"'{norm}' differs from expert rank 0's" in message
+
+    def more_experts(it):
+        for file in it.rglob("model_optim_rng.pt"):
+            resave(file, lambda s: setattr(s["args"], "num_experts", 8))
+
+    assert "holds experts [0, 1, 2, 3], not 0 to 7 (num_experts 8)" in case("count", more_experts)
+
+    def other_cut(it):
+        for file in it.rglob("model_optim_rng.pt"):
+            resave(file, lambda s: setattr(s["args"], "expert_tensor_parallel_size", 1))
+
+    assert "its experts are cut over 1 tensor-parallel ranks" in case("etp", other_cut)
+
+
+def test_a_torch_dist_save_unstacks_its_experts_too(tmp_path):
+    """megatron-core's torch_dist stacks a layer's experts under experts.experts.NAME: read as
+    one tensor per expert, as a legacy save names them, bit for bit the TP=1 model's."""
+    with ckptkit.open_source(MEGATRON / "moe-swiglu" / "tp2ep2" / "torch_dist") as source:
+        key = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+        assert source.info(key).shape == (128, 32)
+        assert not any(".experts.experts." in k for k in source.keys())
+        assert bit_equal(source.load(key), reference("moe-swiglu/tp1")[key])

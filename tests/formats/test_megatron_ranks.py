@@ -60,6 +60,10 @@ LAYOUTS = [
     ("gqa-swiglu", "pp2", "tp1", []),
     ("mha-gelu", "tp1", "tp2", ["--tp", "2"]),
     ("mha-gelu", "tp2", "tp1", []),
+    ("moe-swiglu", "tp1", "tp2ep2", ["--tp", "2", "--ep", "2"]),
+    ("moe-swiglu", "tp2ep2", "ep2", ["--ep", "2"]),
+    ("moe-swiglu", "ep2", "pp2", ["--pp", "2"]),
+    ("moe-swiglu", "pp2", "tp1", []),
 ]
 
 
@@ -78,8 +82,9 @@ def test_rank_files_are_megatron_cores_own(run, tmp_path, shape, src, dst, flags
         mine, args = ours[name], vars(ours[name]["args"])
         assert (mine["iteration"], mine["checkpoint_version"]) == (10, 3.0)
         assert mine["num_floating_point_operations_so_far"] == 0
-        for arg in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            assert args[arg] == vars(file["args"])[arg]
+        for arg in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "expert_model_parallel_size", "data_parallel_size", "world_size"):  # fmt: skip
+            assert args[arg] == vars(file["args"])[arg], arg
         assert args["padded_vocab_size"] == 128 and args["params_dtype"] is torch.float32
     tracker = tmp_path / "out" / "latest_checkpointed_iteration.txt"
     assert tracker.read_text() == "10"
@@ -152,11 +157,15 @@ def test_written_from_views_without_torch_in_a_real_process(tmp_path):
     assert report["megatron"] == {
         "tensor_parallel": 1,
         "pipeline_parallel": 2,
+        "expert_parallel": 1,
         "iteration": 10,
         "args_set": {
             "tensor_model_parallel_size": 1,
             "pipeline_model_parallel_size": 2,
             "padded_vocab_size": 128,
+            "expert_model_parallel_size": 1,
+            "data_parallel_size": 1,
+            "world_size": 2,
         },
         "beside": [
             "args",
@@ -168,17 +177,19 @@ def test_written_from_views_without_torch_in_a_real_process(tmp_path):
     assert [f.split("/")[-2] for f in report["files"]] == ["mp_rank_00_000", "mp_rank_00_001"]
 
 
-@pytest.mark.parametrize("shape", ["gqa-swiglu", "mha-gelu"])
+@pytest.mark.parametrize("shape", ["gqa-swiglu", "mha-gelu", "moe-swiglu"])
 def test_a_hugging_face_model_goes_to_rank_files_through_its_pack(run, tmp_path, shape):
-    """HF -> Megatron's names (the pack reversed, its args written) -> TP=2 rank files:
-    megatron-core's own TP=2 files, but for the padding rows (zeros: HF has none); read back
-    and mapped forward again, the same HF folder bit for bit."""
-    pack = {"gqa-swiglu": "megatron-llama", "mha-gelu": "megatron-gpt2"}[shape]
-    save = MEGATRON / shape / "tp2" / "legacy"
+    """HF -> Megatron's names (the pack reversed, its args written) -> TP=2 rank files (and
+    EP=2 for the mixture of experts): megatron-core's own files, but for the padding rows
+    (zeros: HF has none); read back and mapped forward again, the same HF folder bit for bit."""
+    pack = {"gqa-swiglu": "megatron-llama", "mha-gelu": "megatron-gpt2"}.get(shape)
+    pack = pack or "megatron-mixtral"
+    layout, experts = ("tp2ep2", ["--ep", "2"]) if shape == "moe-swiglu" else ("tp2", [])
+    save = MEGATRON / shape / layout / "legacy"
     assert run("convert", save, "hf", "--map", pack).exit_code == 0
     result = run(
         "convert", "hf", "mg", "--map", pack, "--reverse", "--to", "megatron", "--tp", "2",
-        "--set", "divisible=64",
+        *experts, "--set", "divisible=64",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert f"Mapped   by {pack} (hf -> megatron)" in result.output
@@ -212,7 +223,18 @@ def test_refusals_name_the_file_and_the_fix(run, tmp_path):
         run("convert", gqa, "out", "--to", "megatron", "--pp", "3"),
         "2 layers do not share evenly over 3 pipeline stages",
     )
-    one_error(run("convert", gqa, "out.pt", "--tp", "2"), "--tp and --pp", "add --to megatron")
+    one_error(
+        run("convert", gqa, "out.pt", "--tp", "2"), "--tp, --pp and --ep", "add --to megatron"
+    )
+    one_error(
+        run("convert", gqa, "out", "--to", "megatron", "--ep", "2"),
+        "has no experts to share over 2 expert-parallel ranks",
+        "leave out --ep",
+    )
+    one_error(
+        run("convert", MEGATRON / "moe-swiglu/ep2/legacy", "out", "--to", "megatron", "--ep", "3"),
+        "4 experts do not share evenly over 3 expert-parallel ranks",
+    )
     one_error(run("convert", gqa, "out.pt", "--to", "megatron"), "written as a new folder")
     (tmp_path / "there").mkdir()
     one_error(run("convert", gqa, "there", "--to", "megatron"), "does not exist yet")

@@ -1,5 +1,6 @@
-"""The megatron-llama and megatron-gpt2 packs on megatron-core 0.16.1's own saves
-(fixtures/megatron): every layout (TP=1, TP=2, PP=2; legacy and torch_dist) maps to the same
+"""The megatron-llama, megatron-gpt2 and megatron-mixtral packs on megatron-core 0.16.1's own
+saves (fixtures/megatron): every layout (TP=1, TP=2, PP=2, EP=2, TP=2 x EP=2; legacy and
+torch_dist) maps to the same
 Hugging Face folder, whose model computes megatron-core's own logits; mapped back it is the
 TP=1 model in Megatron's names, bit for bit (the vocabulary's padding rows, cut on the way out,
 come back as zeros); a pack given the other family's model is refused."""
@@ -17,15 +18,23 @@ import ckptkit
 from ckptkit.formats.base.tensors import bit_equal
 
 MEGATRON = FIXTURE_DIR / "megatron"
-CASES = [
-    ("megatron-llama", "gqa-swiglu", layout, kind)
-    for layout in ("tp1", "tp2", "pp2")
-    for kind in ("legacy", "torch_dist")
-] + [
-    ("megatron-gpt2", "mha-gelu", layout, kind)
-    for layout in ("tp1", "tp2")
-    for kind in ("legacy", "torch_dist")
-]
+CASES = (
+    [
+        ("megatron-llama", "gqa-swiglu", layout, kind)
+        for layout in ("tp1", "tp2", "pp2")
+        for kind in ("legacy", "torch_dist")
+    ]
+    + [
+        ("megatron-gpt2", "mha-gelu", layout, kind)
+        for layout in ("tp1", "tp2")
+        for kind in ("legacy", "torch_dist")
+    ]
+    + [
+        ("megatron-mixtral", "moe-swiglu", layout, kind)
+        for layout in ("tp1", "ep2", "tp2ep2", "pp2")
+        for kind in ("legacy", "torch_dist")
+    ]
+)
 IDS = [f"{shape}-{layout}-{kind}" for _, shape, layout, kind in CASES]
 VOCAB = 100  # the tokenizer's; Megatron pads the embedding to 128 rows
 
@@ -59,10 +68,16 @@ def test_every_layout_maps_to_a_model_that_computes_megatrons_logits(
 
 
 @pytest.mark.parametrize(
-    ("pack", "shape"), [("megatron-llama", "gqa-swiglu"), ("megatron-gpt2", "mha-gelu")]
+    ("pack", "shape"),
+    [
+        ("megatron-llama", "gqa-swiglu"),
+        ("megatron-gpt2", "mha-gelu"),
+        ("megatron-mixtral", "moe-swiglu"),
+    ],
 )
 def test_mapped_back_it_is_the_tp1_model_in_megatrons_names(tmp_path, pack, shape):
-    ckptkit.convert(MEGATRON / shape / "tp2" / "legacy", tmp_path / "hf", mapping=pack)
+    layout = "tp2ep2" if shape == "moe-swiglu" else "tp2"
+    ckptkit.convert(MEGATRON / shape / layout / "legacy", tmp_path / "hf", mapping=pack)
     report = ckptkit.convert(
         tmp_path / "hf", tmp_path / "back.safetensors", mapping=pack, reverse=True
     )

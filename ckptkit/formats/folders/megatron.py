@@ -57,6 +57,8 @@ __all__ = [
 
 LATEST = "latest_checkpointed_iteration.txt"
 _ITERATION = re.compile(r"iter_(\d{7,12})|release")
+# mp_rank_TT, then _PPP with pipeline stages, then _EEE with expert parallelism (so that
+# mp_rank_TT_NNN is a stage or an expert rank, as the args say).
 _RANK_DIR = re.compile(r"mp_rank_(\d{2,4})(?:_(\d{3}))?(?:_(\d{3}))?")
 _RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
 _MOST_RANKS = 4096
@@ -70,21 +72,26 @@ COLUMNS = (
     "output_layer.weight",
     "self_attention.linear_qkv.weight",
     "self_attention.linear_qkv.bias",
-    "mlp.linear_fc1.weight",
-    "mlp.linear_fc1.bias",
+    "linear_fc1.weight",  # a dense MLP's, and each expert's
+    "linear_fc1.bias",
 )
-ROWS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+ROWS = ("self_attention.linear_proj.weight", "linear_fc2.weight")
 SAME = (
     "layernorm.weight",
     "layernorm.bias",
     "layer_norm_weight",  # TransformerEngine's norm fused into the next linear
     "layer_norm_bias",
     "self_attention.linear_proj.bias",
-    "mlp.linear_fc2.bias",
+    "linear_fc2.bias",
     "embedding.position_embeddings.weight",
     "q_layernorm.weight",
     "k_layernorm.weight",
+    "mlp.router.weight",  # a mixture of experts' router: on every rank
+    "mlp.router.expert_bias",
 )
+GLU = ("linear_fc1.weight", "linear_fc1.bias")  # SwiGLU's [gate; up] under tensor parallelism
+# An expert parallel rank's experts, numbered from 0 on each: made global when merged.
+EXPERT = re.compile(r"(.+\.mlp\.experts\.local_experts\.)(\d{1,6})\.(.+)")
 EXTRA_STATE = "._extra_state"
 
 
@@ -199,6 +206,7 @@ def _kind(folder: Location) -> str | None:
 class _Rank:
     tp: int
     pp: int
+    ep: int
     file: Path
 
 
@@ -228,56 +236,70 @@ class MegatronSource(ChunkedSource):
             raise
 
     def _read(self, save: MegatronSave) -> None:
-        ranks = _rank_files(save.folder)
-        tp = 1 + max(r.tp for r in ranks)
-        pp = 1 + max(r.pp for r in ranks)
-        files = {(r.tp, r.pp): r.file for r in ranks}
-        roots = {(r.tp, r.pp): self._scan(r.file)[0] for r in ranks}
-        args = _args(roots[0, 0], ranks[0].file)
-        _check_args(save.folder, args, tp, pp)
+        named = _rank_files(save.folder)
+        if not named:
+            raise FormatError(f"{save.folder} holds no rank folders", "copy the save again")
+        scanned = {file: self._scan(file)[0] for file in named.values()}
+        first = named[min(named)]
+        args = _args(scanned[first], first)
+        ranks = _placed(save.folder, named, args)
+        tp, pp, ep = (1 + max(getattr(r, n) for r in ranks) for n in ("tp", "pp", "ep"))
+        files = {(r.tp, r.pp, r.ep): r.file for r in ranks}
+        roots = {at: scanned[file] for at, file in files.items()}
+        _check_args(save.folder, args, tp, pp, ep)
         for key in ("iteration", "checkpoint_version"):  # one save's files, not two saves'
             for at, root in roots.items():
-                if jsonable(root.get(key)) != jsonable(roots[0, 0].get(key)):
+                if jsonable(root.get(key)) != jsonable(roots[0, 0, 0].get(key)):
                     raise FormatError(
                         f"{files[at]} is of {key} {jsonable(root.get(key))!r}, rank 0's of "
-                        f"{jsonable(roots[0, 0].get(key))!r}",
+                        f"{jsonable(roots[0, 0, 0].get(key))!r}",
                         "the folder mixes two saves; copy it again",
                     )
         pieces: dict[str, list[tuple[int, str, TensorStub, Path]]] = {}
         stage_of: dict[str, int] = {}
         offset = 0
         for stage in range(pp):
-            models = {t: _model(roots[t, stage], files[t, stage]) for t in range(tp)}
-            layers = _layers(models[0], files[0, stage])
-            for t, model in models.items():
-                if list(model) != list(models[0]):
+            models = {
+                (t, e): _model(roots[t, stage, e], files[t, stage, e])
+                for e in range(ep)
+                for t in range(tp)
+            }
+            layers = _layers(models[0, 0], files[0, stage, 0])
+            local = _local_experts(models[0, 0])
+            dense = [k for k in models[0, 0] if EXPERT.fullmatch(k) is None]
+            for (t, e), model in models.items():
+                if (
+                    list(model) != list(models[0, e])
+                    or [k for k in model if EXPERT.fullmatch(k) is None] != dense
+                ):
                     raise FormatError(
-                        f"{save.folder}: tensor-parallel ranks 0 and {t} of stage {stage} hold "
-                        "different keys",
+                        f"{save.folder}: ranks {files[0, stage, 0].parent.name} and "
+                        f"{files[t, stage, e].parent.name} hold different keys",
                         "the folder mixes two saves; copy it again",
                     )
-                file = files[t, stage]
+                file = files[t, stage, e]
                 for key, value in model.items():
-                    if key.endswith(EXTRA_STATE):
-                        if t == 0:
-                            found = LAYER.fullmatch(key)
-                            self.extra_states.append(
-                                key
-                                if found is None
-                                else f"decoder.layers.{int(found[1]) + offset}.{found[2]}"
-                            )
-                        continue
-                    if not isinstance(value, TensorStub):
-                        raise FormatError(
-                            f"{file}: '{key}' is not a tensor ({type(value).__name__})",
-                            "is this a Megatron model's state dict?",
-                        )
                     found = LAYER.fullmatch(key)
                     name = (
                         key
                         if found is None
                         else f"decoder.layers.{int(found[1]) + offset}.{found[2]}"
                     )
+                    expert = EXPERT.fullmatch(name)
+                    if expert is not None:  # an expert rank's own experts, numbered from 0
+                        name = f"{expert[1]}{e * local + int(expert[2])}.{expert[3]}"
+                    if key.endswith(EXTRA_STATE):
+                        if t == 0 and (e == 0 or expert is not None):
+                            self.extra_states.append(name)
+                        continue
+                    if not isinstance(value, TensorStub):
+                        raise FormatError(
+                            f"{file}: '{key}' is not a tensor ({type(value).__name__})",
+                            "is this a Megatron model's state dict?",
+                        )
+                    if expert is None and e > 0:  # the expert ranks' copies of the rest
+                        self._check_replica(name, value, file, pieces[name][t])
+                        continue
                     if not _on_its_stage(name, stage, pp):
                         raise FormatError(
                             f"{file}: '{name}' is on pipeline stage {stage} of {pp}, where "
@@ -305,6 +327,7 @@ class MegatronSource(ChunkedSource):
         if tied_copy:
             self._drop_tied_copy(save.folder)
         _check_mlp(save.folder, self._tensors, args)
+        _check_experts(save.folder, self._tensors, args)
         for stage in range(pp):  # each stage's first split weight: never the same on two ranks
             split = [n for n, at in stage_of.items() if at == stage and n.endswith(_SPLIT_WEIGHTS)]
             if split and tp > 1:
@@ -313,7 +336,10 @@ class MegatronSource(ChunkedSource):
             raw.close()
         self._raws, self._zips = [], {}
         self.selected = "model"
-        self.selected_reason = f"{save.reason}; {tp} tensor x {pp} pipeline-parallel ranks merged"
+        experts = f" x {ep} expert" if ep > 1 else ""
+        self.selected_reason = (
+            f"{save.reason}; {tp} tensor x {pp} pipeline{experts}-parallel ranks merged"
+        )
         if tied_copy:
             self.selected_reason += (
                 "; the last stage's output_layer.weight, the tied embedding's copy, checked "
@@ -321,7 +347,7 @@ class MegatronSource(ChunkedSource):
             )
         if self.extra_states:
             self.selected_reason += f"; {len(self.extra_states)} _extra_state entries left out"
-        root = roots[0, 0]
+        root = roots[0, 0, 0]
         self.extras = jsonable({key: root.get(key) for key in _RECORDED if key in root})
         self.extras["args"] = args
         self.args_object = root["args"]
@@ -397,7 +423,7 @@ class MegatronSource(ChunkedSource):
                 raise FormatError(
                     f"{self.path}: the ranks' pieces of '{name}' differ beyond dim {dim}"
                 )
-            glu = swiglu and name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"))
+            glu = swiglu and name.endswith(GLU)
             shape[dim] = sum(s.shape[dim] for _, _, s, _ in parts)
             at = 0
             for (_, _, stub, _), (path, start, length) in zip(parts, spans, strict=True):
@@ -432,6 +458,23 @@ class MegatronSource(ChunkedSource):
             self._layouts[chunk] = (path, start, length)
         check_cover(self.path, tensor)
         return tensor
+
+    def _check_replica(
+        self, name: str, stub: TensorStub, file: Path, first: tuple[int, str, TensorStub, Path]
+    ) -> None:
+        """An expert-parallel rank's copy of a tensor that is not an expert's: the same dtype
+        and shape as expert rank 0's, and, for the small ones every rank holds whole (norms,
+        the router), the same bytes."""
+        ref = first[2]
+        if (stub.dtype, tuple(stub.shape)) != (ref.dtype, tuple(ref.shape)) or (
+            name.endswith(SAME)
+            and not _same(self._span(stub, file, name), self._span(ref, first[3], name))
+        ):
+            raise FormatError(
+                f"{file}: '{name}' differs from expert rank 0's, though Megatron keeps it the "
+                "same on every expert-parallel rank",
+                "the folder mixes two saves; copy it again",
+            )
 
     def _check_not_copies(self, name: str, parts: list[tuple[int, str, TensorStub, Path]]) -> None:
         """A split weight (random at initialisation, never equal across ranks) whose slice on
@@ -469,33 +512,32 @@ class MegatronSource(ChunkedSource):
         self._raws = []
 
 
-def _rank_files(folder: Location) -> list[_Rank]:
-    """Every rank's file of a legacy save, checked complete: tensor x pipeline ranks, each
-    named once, in one naming, each its own file."""
-    ranks: dict[tuple[int, int], Path] = {}
-    staged: set[bool] = set()
+def _rank_files(folder: Location) -> dict[tuple[int, ...], Path]:
+    """Every rank's file of a legacy save, by the numbers its folder's name holds
+    (``mp_rank_TT[_NNN[_NNN]]``): each named once, in one naming, each its own file."""
+    ranks: dict[tuple[int, ...], Path] = {}
     for entry in sorted(local_path(folder).iterdir()):
         if not entry.name.startswith("mp_rank_"):
             continue
         found = _RANK_DIR.fullmatch(entry.name)
         if found is None:
             raise FormatError(
-                f"{entry} is not a rank folder's name Megatron writes (mp_rank_TT, mp_rank_TT_PPP)",
+                f"{entry} is not a rank folder's name Megatron writes (mp_rank_TT, "
+                "mp_rank_TT_PPP, mp_rank_TT_PPP_EEE)",
                 "move it out of the save's folder",
             )
-        if found[3] is not None:
-            raise FormatError(
-                f"{entry} is an expert-parallel rank's folder, which ckptkit does not merge yet",
-                "convert a save made without expert parallelism",
-            )
-        tp, pp = int(found[1]), int(found[2] or 0)
-        staged.add(found[2] is not None)
-        if tp >= _MOST_RANKS or pp >= _MOST_RANKS:
+        numbers = tuple(int(n) for n in found.groups() if n is not None)
+        if any(n >= _MOST_RANKS for n in numbers):
             raise FormatError(f"{entry}: more than {_MOST_RANKS} ranks")
-        if (tp, pp) in ranks:
+        if ranks and len(numbers) != len(next(iter(ranks))):
             raise FormatError(
-                f"{folder} names tensor rank {tp}, pipeline stage {pp} twice "
-                f"({ranks[tp, pp].parent.name} and {entry.name})",
+                f"{folder} mixes rank folders named with {len(next(iter(ranks)))} and "
+                f"{len(numbers)} numbers (mp_rank_TT, mp_rank_TT_PPP...)",
+                "the folder mixes two saves; copy it again",
+            )
+        if numbers in ranks:
+            raise FormatError(
+                f"{folder} names one rank twice ({ranks[numbers].parent.name} and {entry.name})",
                 "the folder mixes two saves; copy it again",
             )
         file = next((entry / n for n in _RANK_FILES if (entry / n).is_file()), None)
@@ -503,20 +545,7 @@ def _rank_files(folder: Location) -> list[_Rank]:
             raise FormatError(
                 f"{entry} holds no {' or '.join(_RANK_FILES)}", "copy that rank's folder again"
             )
-        ranks[tp, pp] = file
-    if len(staged) > 1:
-        raise FormatError(
-            f"{folder} mixes rank folders with and without a pipeline stage (mp_rank_TT and "
-            "mp_rank_TT_PPP)",
-            "the folder mixes two saves; copy it again",
-        )
-    tps = 1 + max(t for t, _ in ranks)
-    pps = 1 + max(p for _, p in ranks)
-    for t in range(tps):
-        for p in range(pps):
-            if (t, p) not in ranks:
-                name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if True in staged else "")
-                raise FormatError(f"{folder} lacks {name}", "copy every rank's folder of the save")
+        ranks[numbers] = file
     seen: dict[Path, Path] = {}
     for file in ranks.values():  # a rank linked to another's file is not that rank
         real = file.resolve()
@@ -526,7 +555,40 @@ def _rank_files(folder: Location) -> list[_Rank]:
                 "copy every rank's folder of the save",
             )
         seen[real] = file
-    return [_Rank(t, p, f) for (t, p), f in sorted(ranks.items())]
+    return ranks
+
+
+def _placed(
+    folder: Location, named: dict[tuple[int, ...], Path], args: dict[str, Any]
+) -> list[_Rank]:
+    """The rank files as (tensor, pipeline, expert) ranks, the full grid of them: a name's
+    second number is a pipeline stage, or an expert rank when the args say experts were
+    parallel and stages were not (Megatron-LM's get_checkpoint_name)."""
+    experts = _size(args, "expert_model_parallel_size")
+    stages = _size(args, "pipeline_model_parallel_size")
+    ranks: dict[tuple[int, int, int], Path] = {}
+    for numbers, file in named.items():
+        padded = (*numbers, 0, 0)
+        if len(numbers) == 2 and experts > 1 and stages == 1:  # mp_rank_TT_EEE
+            padded = (numbers[0], 0, numbers[1])
+        ranks[padded[0], padded[1], padded[2]] = file
+    sizes = [1 + max(r[i] for r in ranks) for i in range(3)]
+    for t in range(sizes[0]):
+        for p in range(sizes[1]):
+            for e in range(sizes[2]):
+                if (t, p, e) not in ranks:
+                    shown = f"mp_rank_{t:02d}" + (f"_{p:03d}" if sizes[1] > 1 else "")
+                    shown += f"_{e:03d}" if sizes[2] > 1 else ""
+                    raise FormatError(
+                        f"{folder} lacks {shown}", "copy every rank's folder of the save"
+                    )
+    return [_Rank(t, p, e, f) for (t, p, e), f in sorted(ranks.items())]
+
+
+def _size(args: dict[str, Any], key: str) -> int:
+    """A parallel size the args give (1 when they give none)."""
+    value = args.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
 def _args(root: dict[str, Any], file: Path) -> dict[str, Any]:
@@ -546,9 +608,9 @@ def _args(root: dict[str, Any], file: Path) -> dict[str, Any]:
     return found
 
 
-def _check_args(folder: Location, args: dict[str, Any], tp: int, pp: int) -> None:
+def _check_args(folder: Location, args: dict[str, Any], tp: int, pp: int, ep: int) -> None:
     """The args agree with the rank folders, where they say how many ranks there were."""
-    for name, have in (("tensor", tp), ("pipeline", pp)):
+    for name, have in (("tensor", tp), ("pipeline", pp), ("expert", ep)):
         key = f"{name}_model_parallel_size"
         if key not in args or args[key] is None:
             continue
@@ -559,6 +621,13 @@ def _check_args(folder: Location, args: dict[str, Any], tp: int, pp: int) -> Non
                 f"{key} {said!r}",
                 "copy every rank's folder of the save",
             )
+    etp = args.get("expert_tensor_parallel_size")
+    if ep > 1 and etp not in (None, tp):
+        raise FormatError(
+            f"{folder}: its experts are cut over {etp!r} tensor-parallel ranks, its other layers "
+            f"over {tp}, which ckptkit does not merge yet",
+            "convert a save whose --expert-tensor-parallel-size is its tensor-parallel size",
+        )
     groups = args.get("num_query_groups") if args.get("group_query_attention") else None
     if isinstance(groups, int) and groups % tp:
         raise FormatError(
@@ -651,6 +720,38 @@ def _check_mlp(folder: Location, tensors: dict[str, ChunkedTensor], args: dict[s
             )
 
 
+# A torch_dist save's experts of one layer, stacked on a first dim (megatron-core's
+# SequentialMLP names them experts.experts.NAME): one tensor per expert once unstacked.
+_DIST_EXPERTS = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(.+)")
+
+
+def _local_experts(model: dict[str, Any]) -> int:
+    """How many experts an expert-parallel rank holds (numbered 0 to n - 1 in its files)."""
+    numbers = {int(found[2]) for key in model if (found := EXPERT.fullmatch(key)) is not None}
+    return 1 + max(numbers) if numbers else 0
+
+
+def _check_experts(
+    folder: Location, tensors: dict[str, ChunkedTensor], args: dict[str, Any]
+) -> None:
+    """Each mixture-of-experts layer holds every expert the args say, once: 0 to
+    num_experts - 1 once the expert ranks' own numbers are made global."""
+    held: dict[str, set[int]] = {}
+    for name in tensors:
+        found = EXPERT.fullmatch(name)
+        if found is not None:
+            held.setdefault(found[1], set()).add(int(found[2]))
+    said = args.get("num_experts")
+    for prefix, numbers in held.items():
+        want = said if isinstance(said, int) and not isinstance(said, bool) else len(numbers)
+        if numbers != set(range(want)):
+            raise FormatError(
+                f"{folder}: {prefix.rstrip('.')} holds experts {sorted(numbers)[:8]}, not 0 to "
+                f"{want - 1} (num_experts {said!r})",
+                "copy every rank's folder of the save",
+            )
+
+
 def _same(a: tuple[Path, int, int], b: tuple[Path, int, int]) -> bool:
     """Two ranks' copies of a tensor hold the same bytes."""
     if a[2] != b[2]:
@@ -685,6 +786,20 @@ class MegatronDistSource(DCPSource):
             self.close()
             raise
 
+    def _unstacked(self, tensor: ChunkedTensor, names: list[str]) -> list[ChunkedTensor]:
+        """``tensor`` cut along its first dim, one tensor per index, named ``names``: each
+        chunk's rows along it are whole ranges of its file."""
+        out = [ChunkedTensor(name, tensor.dtype, tensor.shape[1:], []) for name in names]
+        for chunk in tensor.chunks:
+            path, start, length = self._piece(tensor, chunk)
+            per_row = length // chunk.sizes[0] if chunk.sizes[0] else 0
+            for j in range(chunk.sizes[0]):
+                piece = (path, start + j * per_row, per_row)
+                part = Chunk(chunk.offsets[1:], chunk.sizes[1:], path, piece[1], per_row)
+                self._layouts[part] = piece
+                out[chunk.offsets[0] + j].chunks.append(part)
+        return out
+
     def _unstack(self, save: MegatronSave) -> None:
         common = save.folder / "common.pt"
         scan, _, raw, _ = megatron_scan(Path(str(common)), self._allowed)
@@ -717,18 +832,20 @@ class MegatronDistSource(DCPSource):
                     f"{layers}",
                     "is common.pt that of this save?",
                 )
-            for layer in range(layers):
-                name = f"decoder.layers.{layer}.{rest}"
-                add(name, ChunkedTensor(name, tensor.dtype, tensor.shape[1:], []))
-            for chunk in tensor.chunks:
-                path, start, length = self._piece(tensor, chunk)
-                per_layer = length // chunk.sizes[0] if chunk.sizes[0] else 0
-                for j in range(chunk.sizes[0]):
-                    name = f"decoder.layers.{chunk.offsets[0] + j}.{rest}"
-                    piece = (path, start + j * per_layer, per_layer)
-                    part = Chunk(chunk.offsets[1:], chunk.sizes[1:], path, piece[1], per_layer)
-                    self._layouts[part] = piece
-                    tensors[name].chunks.append(part)
+            names = [f"decoder.layers.{layer}.{rest}" for layer in range(layers)]
+            for name, layer_tensor in zip(names, self._unstacked(tensor, names), strict=True):
+                found = _DIST_EXPERTS.fullmatch(name)
+                if found is None:
+                    add(name, layer_tensor)
+                    continue
+                # A layer's experts, stacked too: one tensor per expert, as a legacy save's.
+                experts = [
+                    f"{found[1]}local_experts.{e}.{found[2]}" for e in range(layer_tensor.shape[0])
+                ]
+                for expert, one in zip(
+                    experts, self._unstacked(layer_tensor, experts), strict=True
+                ):
+                    add(expert, one)
         for tensor in tensors.values():
             check_cover(self.path, tensor)
         self._tensors = tensors

@@ -39,7 +39,9 @@ from ckptkit.formats.base.layout import MOST_RUNS, ZEROS, Layout, pad, split
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.folders.megatron import (
     COLUMNS,
+    EXPERT,
     EXTRA_STATE,
+    GLU,
     LATEST,
     LAYER,
     MEGATRON_ENUM,
@@ -67,8 +69,8 @@ _TE_NORMS = {
 _LINEARS = (
     "self_attention.linear_qkv",
     "self_attention.linear_proj",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
+    ".linear_fc1",  # a dense MLP's, and each expert's
+    ".linear_fc2",
 )
 # Args a new layout makes wrong: the old stages' uneven split, virtual stages, the format.
 _RESET = {
@@ -102,9 +104,9 @@ class MegatronRanks(Source):
     at ``tp`` x ``pp``; each tensor named ``rank R:KEY`` until the plan puts it in rank file R
     under KEY (as a mapping's ranked target, ``conversion.plan.per_rank``)."""
 
-    def __init__(self, inner: Source, tp: int, pp: int) -> None:
+    def __init__(self, inner: Source, tp: int, pp: int, ep: int = 1) -> None:
         super().__init__(path=inner.path, format=inner.format)
-        self.inner, self.tp, self.pp = inner, tp, pp
+        self.inner, self.tp, self.pp, self.ep = inner, tp, pp, ep
         self.made_once = inner.made_once  # type: ignore[misc]  # as the tensors it cuts
         self.selected, self.extras = inner.selected, inner.extras
         self.dropped, self.followed = inner.dropped, inner.followed
@@ -114,6 +116,7 @@ class MegatronRanks(Source):
         self.documents = {LATEST: "release" if self.iteration is None else str(self.iteration)}
         stages, per = _stages(inner, args, pp)
         _check_heads(inner, args, tp)
+        local = _experts_per_rank(inner, args, ep)
         rows = self._padded(inner, args)
         swiglu = bool(args.get("swiglu"))
         impl = args.get("transformer_impl")
@@ -122,28 +125,41 @@ class MegatronRanks(Source):
         self.rank_files: list[str] = []
         self.rank_models: list[list[tuple[str, str | None]]] = []  # (key, name or None)
         for stage, keys in enumerate(stages):
-            for t in range(tp):
-                rank = len(self.rank_files)
-                name = f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else "")
-                self.rank_files.append(f"{folder}/{name}/{RANK_FILE}")
-                model: list[tuple[str, str | None]] = []
-                for source, local in keys:
-                    cut = _Cut(source, _rule(source, swiglu, tp, inner.path), t, None)
-                    if source.startswith(("embedding.word_embeddings.", "output_layer.")):
-                        cut = _Cut(source, cut.rule, t, rows)
-                    named = f"rank {rank}:{local}"
-                    self._cuts[named] = cut
-                    self._infos_by_name[named] = self._cut_info(named, cut)
-                    model.append((local, named))
-                recorded = getattr(inner, "extra_states", None)
-                layers = range(stage * per, (stage + 1) * per)
-                extra = _with_extra_states(model, recorded, stage, pp, layers, impl)
-                self.rank_models.append(extra)
+            for e in range(ep):
+                for t in range(tp):
+                    rank = len(self.rank_files)
+                    name = f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else "")
+                    name += f"_{e:03d}" if ep > 1 else ""  # Megatron-LM's get_checkpoint_name
+                    self.rank_files.append(f"{folder}/{name}/{RANK_FILE}")
+                    model: list[tuple[str, str | None]] = []
+                    for source, stage_key in keys:
+                        key = _on_expert_rank(stage_key, e, local)
+                        if key is None:  # another expert rank's expert
+                            continue
+                        cut = _Cut(source, _rule(source, swiglu, tp, inner.path), t, None)
+                        if source.startswith(("embedding.word_embeddings.", "output_layer.")):
+                            cut = _Cut(source, cut.rule, t, rows)
+                        named = f"rank {rank}:{key}"
+                        self._cuts[named] = cut
+                        self._infos_by_name[named] = self._cut_info(named, cut)
+                        model.append((key, named))
+                    recorded = getattr(inner, "extra_states", None)
+                    layers = range(stage * per, (stage + 1) * per)
+                    where = _Place(stage, pp, layers, e, local)
+                    self.rank_models.append(_with_extra_states(model, recorded, where, impl))
         updates: dict[str, Any] = {
             "tensor_model_parallel_size": tp,
             "pipeline_model_parallel_size": pp,
             **({"padded_vocab_size": rows} if rows is not None else {}),
         }
+        if ep > 1 or "expert_model_parallel_size" in args:
+            updates["expert_model_parallel_size"] = ep
+        if local and ("expert_tensor_parallel_size" in args or ep > 1):
+            updates["expert_tensor_parallel_size"] = tp  # the experts cut as the rest
+        # The least launch that holds the layout (Megatron takes both from its launch).
+        for key, size in (("data_parallel_size", ep), ("world_size", tp * pp * ep)):
+            if key in args:
+                updates[key] = size
         self.args, self.args_shown = _written_args(inner, args, updates)
         self.selected_reason = inner.selected_reason
         self.changed = {name: self.args_shown[name] for name in updates}
@@ -155,6 +171,7 @@ class MegatronRanks(Source):
         return {
             "tensor_parallel": self.tp,
             "pipeline_parallel": self.pp,
+            "expert_parallel": self.ep,
             "iteration": "release" if self.iteration is None else self.iteration,
             "args_set": self.changed,
             "beside": [key for key in self.rank_root() if key != "model"],
@@ -402,15 +419,22 @@ _MODULES = (
     "pre_mlp_layernorm.",
     "mlp.linear_fc1.",
     "mlp.linear_fc2.",
+    "mlp.router.",
+    "mlp.experts.",
 )
 
 
-def _module_order(key: str) -> int:
-    """A key's place among its layer's modules (a model from elsewhere is put in
-    megatron-core's order; keys of one module keep theirs)."""
+def _module_order(key: str) -> tuple[int, int, int]:
+    """A key's place among its layer's modules (a model from elsewhere, or a torch_dist
+    save's experts, put in megatron-core's order: expert by expert, fc1 before fc2; keys of
+    one module keep theirs)."""
     found = LAYER.fullmatch(key)
     rest = key if found is None else found[2]
-    return next((i for i, m in enumerate(_MODULES) if rest.startswith(m)), len(_MODULES))
+    module = next((i for i, m in enumerate(_MODULES) if rest.startswith(m)), len(_MODULES))
+    expert = EXPERT.fullmatch(key)
+    if expert is None:
+        return module, 0, 0
+    return module, int(expert[2]), 0 if expert[3].startswith("linear_fc1.") else 1
 
 
 def _rule(key: str, swiglu: bool, tp: int, path: Location) -> str:
@@ -418,7 +442,7 @@ def _rule(key: str, swiglu: bool, tp: int, path: Location) -> str:
     if key.endswith(SAME) or tp == 1:
         return "same"
     if key.endswith(COLUMNS):
-        glu = swiglu and key.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"))
+        glu = swiglu and key.endswith(GLU)
         return "glu" if glu else "column"
     if key.endswith(ROWS):
         return "row"
@@ -444,28 +468,87 @@ def _norm_name(key: str, impl: Any) -> str:
     return key
 
 
+@dataclass(frozen=True)
+class _Place:
+    """Where a rank file is: its stage (of ``stages``) and the layers it holds, its expert
+    rank and how many experts each expert rank holds (0: no experts)."""
+
+    stage: int
+    stages: int
+    layers: range
+    expert_rank: int
+    local: int
+
+
+def _experts_per_rank(inner: Source, args: dict[str, Any], ep: int) -> int:
+    """How many experts each expert-parallel rank holds (0 for a model without experts)."""
+    numbers: dict[str, set[int]] = {}
+    for key in inner.keys():
+        found = EXPERT.fullmatch(key)
+        if found is not None:
+            numbers.setdefault(found[1], set()).add(int(found[2]))
+    if not numbers:
+        if ep > 1:
+            raise FormatError(
+                f"{inner.path} has no experts to share over {ep} expert-parallel ranks",
+                "leave out --ep",
+            )
+        return 0
+    counts = {len(n) for n in numbers.values()}
+    said = args.get("num_experts")
+    experts = counts.pop()
+    if counts or (isinstance(said, int) and said != experts):
+        raise FormatError(
+            f"{inner.path}'s layers hold different numbers of experts, or not num_experts "
+            f"({said!r})",
+            "are the args those of these weights?",
+        )
+    if experts % ep:
+        raise FormatError(
+            f"{inner.path}'s {experts} experts do not share evenly over {ep} expert-parallel ranks",
+            f"choose an --ep that divides {experts}",
+        )
+    return experts // ep
+
+
+def _on_expert_rank(key: str, rank: int, local: int) -> str | None:
+    """``key`` on expert rank ``rank`` (an expert numbered among that rank's own), or None
+    for another rank's expert."""
+    found = EXPERT.fullmatch(key)
+    if found is None or local == 0:
+        return key
+    number = int(found[2])
+    if number // local != rank:
+        return None
+    return f"{found[1]}{number % local}.{found[3]}"
+
+
 def _with_extra_states(
     model: list[tuple[str, str | None]],
     recorded: list[str] | None,
-    stage: int,
-    pp: int,
-    layers: range,
+    where: _Place,
     impl: Any,
 ) -> list[tuple[str, str | None]]:
-    """The stage's model with megatron-core's ``_extra_state`` entries (None), each after its
-    module's last tensor: those a legacy source left out (``recorded``, by their merged names;
-    ``layers`` are this stage's), or else the local spec's (each layer's linear layers and
-    the output layer's, TransformerEngine's attention too)."""
+    """The rank's model with megatron-core's ``_extra_state`` entries (None), each after its
+    module's last tensor: those a legacy source left out (``recorded``, by their merged
+    names), or else the local spec's (each layer's linear layers, its experts' too, and the
+    output layer's, TransformerEngine's attention too)."""
     wanted: list[str] = []
+    last = where.stage == where.stages - 1
     if recorded:
         for name in recorded:
             found = LAYER.fullmatch(name)
             if found is not None:
-                if int(found[1]) in layers:
-                    wanted.append(f"decoder.layers.{int(found[1]) - layers.start}.{found[2]}")
-            elif name.startswith("embedding.") and stage == 0:
+                if int(found[1]) in where.layers:
+                    number = int(found[1]) - where.layers.start
+                    key = _on_expert_rank(
+                        f"decoder.layers.{number}.{found[2]}", where.expert_rank, where.local
+                    )
+                    if key is not None:
+                        wanted.append(key)
+            elif name.startswith("embedding.") and where.stage == 0:
                 wanted.append(name)
-            elif not name.startswith("embedding.") and stage == pp - 1:
+            elif not name.startswith("embedding.") and last:
                 wanted.append(name)
     else:
         for key, _ in model:
@@ -475,16 +558,16 @@ def _with_extra_states(
                 if impl == "transformer_engine" and module.endswith("self_attention.linear_qkv"):
                     attention = module.removesuffix("linear_qkv") + "core_attention"
                     wanted.append(attention + EXTRA_STATE)
-        if stage == pp - 1:  # even when tied (an output layer without a weight of its own)
+        if last:  # even when tied (an output layer without a weight of its own)
             wanted.append("output_layer" + EXTRA_STATE)
     out = list(model)
     for entry in dict.fromkeys(wanted):  # each once, in order
         module = entry.removesuffix(EXTRA_STATE)
-        last = max(
+        at = max(
             (i for i, (key, _) in enumerate(out) if key.rsplit(".", 1)[0] == module),
             default=len(out) - 1,
         )
-        out.insert(last + 1, (entry, None))
+        out.insert(at + 1, (entry, None))
     return out
 
 
@@ -586,12 +669,12 @@ def _from_json(value: Any) -> Any:
     return value
 
 
-def parallel_sizes(tp: int | None, pp: int | None) -> tuple[int, int]:
-    """``--tp`` and ``--pp`` checked: whole numbers from 1 to :data:`MOST_PARALLEL`."""
+def parallel_sizes(tp: int | None, pp: int | None, ep: int | None) -> tuple[int, int, int]:
+    """``--tp``, ``--pp`` and ``--ep`` checked: whole numbers from 1 to :data:`MOST_PARALLEL`."""
     sizes = []
-    for flag, value in (("--tp", tp), ("--pp", pp)):
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         size = 1 if value is None else value
         if not 1 <= size <= MOST_PARALLEL:
             raise UsageError(f"{flag} {size} is not a parallel size", f"give 1 to {MOST_PARALLEL}")
         sizes.append(size)
-    return sizes[0], sizes[1]
+    return sizes[0], sizes[1], sizes[2]
