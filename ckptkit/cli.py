@@ -473,6 +473,12 @@ def cli() -> None:
     help="With --to megatron: the expert-parallel ranks to share a mixture's experts (default 1).",
 )
 @click.option(
+    "--vpp",
+    "virtual_stages",
+    type=click.IntRange(1, MOST_PARALLEL),
+    help="With --to megatron --pp: the virtual pipeline stages on each stage (model0, model1...).",
+)
+@click.option(
     "--check-outputs",
     is_flag=True,
     help="Run each merged layer and its unmerged form on seeded inputs; report the worst error.",

@@ -65,6 +65,7 @@ def convert(
     tensor_parallel: int | None = None,
     pipeline_parallel: int | None = None,
     expert_parallel: int | None = None,
+    virtual_stages: int | None = None,
     dry_run: bool = False,
     force: bool = False,
     verify: bool = True,
@@ -116,6 +117,7 @@ def convert(
         tensor_parallel: with ``to="megatron"``, the tensor-parallel size (default 1).
         pipeline_parallel: with ``to="megatron"``, the pipeline stages (default 1).
         expert_parallel: with ``to="megatron"``, the expert-parallel ranks (default 1).
+        virtual_stages: with ``to="megatron"``, the virtual pipeline stages on each stage.
         keep_tied_copies: write every name of a tied group to safetensors (by default one
             tensor is written and the others are named in the metadata, as
             ``safetensors.torch.save_model`` does; ``.pt`` output keeps one shared storage).
@@ -202,6 +204,7 @@ def convert(
             tensor_parallel,
             pipeline_parallel,
             expert_parallel,
+            virtual_stages,
         ),
         dry_run=dry_run,
         force=force,

@@ -212,9 +212,11 @@ def _plan_lines(report: Any) -> list[str]:
         cut = report.megatron
         changed = ", ".join(f"{k} {v}" for k, v in cut["args_set"].items())
         experts = f" x {cut['expert_parallel']} expert" if cut["expert_parallel"] > 1 else ""
+        virtual = cut["virtual_stages"]
+        chunks = f", {virtual} virtual stages on each" if virtual > 1 else ""
         lines.append(
             f"Cut      into {cut['tensor_parallel']} tensor x {cut['pipeline_parallel']} "
-            f"pipeline{experts}-parallel ranks; args set: {changed}"
+            f"pipeline{experts}-parallel ranks{chunks}; args set: {changed}"
         )
         lines.append(
             f"Beside   each rank's model: {', '.join(cut['beside'])}; no optimizer or RNG state "

@@ -34,10 +34,11 @@ class OutputOptions:
     allow_overflow: bool = False
     max_shard_size: int | str | None = None
     keep_tied_copies: bool = False
-    # A legacy Megatron save's parallel sizes (--to megatron --tp T --pp P --ep E): None is 1.
+    # A legacy Megatron save's parallel sizes (--to megatron --tp, --pp, --ep, --vpp): None is 1.
     tensor_parallel: int | None = None
     pipeline_parallel: int | None = None
     expert_parallel: int | None = None
+    virtual_stages: int | None = None
 
 
 @dataclass(frozen=True)

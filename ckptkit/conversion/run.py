@@ -148,11 +148,16 @@ def _opened(src: Location, read: ReadOptions) -> AbstractContextManager[Source]:
 @contextlib.contextmanager
 def _cut(source: Source, output: OutputOptions) -> Iterator[Source]:
     """The source, cut into a legacy Megatron save's rank files for ``--to megatron``."""
-    sizes = (output.tensor_parallel, output.pipeline_parallel, output.expert_parallel)
+    sizes = (
+        output.tensor_parallel,
+        output.pipeline_parallel,
+        output.expert_parallel,
+        output.virtual_stages,
+    )
     if output.to != "megatron":
         if any(size is not None for size in sizes):
             raise UsageError(
-                "--tp, --pp and --ep say how a Megatron save is cut across ranks",
+                "--tp, --pp, --ep and --vpp say how a Megatron save is cut across ranks",
                 "add --to megatron, or leave them out",
             )
         yield source

@@ -49,6 +49,7 @@ from ckptkit.formats.folders.layouts import (
     model_parallel_refusal,
 )
 from ckptkit.formats.folders.megatron import LATEST, find_megatron, megatron_rank_refusal
+from ckptkit.formats.folders.nemo import find_nemo2
 from ckptkit.formats.folders.rank_files import find_rank_files
 from ckptkit.formats.folders.runs import run_checkpoint, step_checkpoint, trainer_checkpoint
 from ckptkit.storage.location import (
@@ -318,6 +319,10 @@ def _open_folder(path: Location, options: OpenOptions, opener: Opener) -> Source
             f"{path} is a Megatron save at a URL, which ckptkit reads from a local disk for now",
             "copy it to a local disk first",
         )
+    if is_local(path) and find_nemo2(path):  # NeMo 2: context/ and a torch_dist weights/
+        from ckptkit.formats.folders.nemo import NeMo2Source
+
+        return NeMo2Source(path, select=select, allowed=options.allow_globals)
     megatron = find_megatron(path) if is_local(path) else None
     if megatron is not None and megatron.kind == "legacy":  # Megatron-LM's mp_rank_* files
         from ckptkit.formats.folders.megatron import MegatronSource

@@ -443,3 +443,21 @@ def test_a_torch_dist_save_unstacks_its_experts_too(tmp_path):
         assert source.info(key).shape == (128, 32)
         assert not any(".experts.experts." in k for k in source.keys())
         assert bit_equal(source.load(key), reference("moe-swiglu/tp1")[key])
+
+
+def test_virtual_pipeline_stages_merge_in_megatrons_layer_order(tmp_path):
+    """PP=2 x VPP=2 (megatron-core's own save, fixtures/make_megatron_vpp.py): each rank file
+    holds model0 and model1, each numbering its layers from 0; layer l of chunk v on stage p
+    is layer v * L / VPP + p * L / (PP * VPP) + l, as get_transformer_layer_offset says."""
+    report = ckptkit.convert(MEGATRON / "vpp/pp2vpp2/legacy", tmp_path / "out.safetensors")
+    ours, theirs = load_file(tmp_path / "out.safetensors"), reference("vpp/tp1")
+    assert sorted(ours) == sorted(theirs)
+    assert [k for k in theirs if not bit_equal(ours[k], theirs[k])] == []
+    assert "1 tensor x 2 pipeline-parallel ranks merged, 2 virtual pipeline stages on each" in (
+        report.selected_reason
+    )
+    folder = copy_save(tmp_path / "bad", "vpp/pp2vpp2")
+    for file in folder.rglob("model_optim_rng.pt"):
+        resave(file, lambda s: setattr(s["args"], "virtual_pipeline_model_parallel_size", 3))
+    with pytest.raises(FormatError, match="holds 2 virtual pipeline stages .* but its args say"):
+        ckptkit.open_source(folder)

@@ -1,8 +1,9 @@
 """The legacy Megatron saves ckptkit writes, loaded by megatron-core itself: each rank of
-``fixtures/make_megatron.py --load`` builds the GPTModel at the save's layout, ``torch.load``s
-its own rank file and ``load_state_dict(..., strict=True)`` as Megatron-LM's load_checkpoint
-does, and the last stage's logits are megatron-core's TP=1 reference logits (max |diff| <= 1e-5),
-the zero padding rows' columns exactly 0.0. Needs megatron-core 0.16.1 (the test extra)."""
+``fixtures/make_megatron.py --load`` (``make_megatron_moe.py --load`` for the mixture of experts,
+with expert parallelism) builds the GPTModel at the save's layout, ``torch.load``s its own rank
+file and ``load_state_dict(..., strict=True)`` as Megatron-LM's load_checkpoint does, and the
+last stage's logits are megatron-core's TP=1 reference logits (max |diff| <= 1e-5), the zero
+padding rows' columns exactly 0.0. Needs megatron-core 0.16.1 (the test extra)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 MEGATRON = FIXTURE_DIR / "megatron"
 CHECKER = ROOT / "fixtures" / "make_megatron.py"
+MOE_CHECKER = ROOT / "fixtures" / "make_megatron_moe.py"  # its one shape: moe-swiglu
 TIMEOUT = 300  # seconds, each subprocess
 
 
@@ -47,9 +49,13 @@ def need_megatron_core() -> None:
 
 
 def load_in_megatron(save: Path, shape: str, *flags: str) -> subprocess.CompletedProcess:
-    """``make_megatron.py --load SAVE --shape SHAPE``: TP x PP torchrun ranks on the CPU."""
+    """``make_megatron.py --load SAVE --shape SHAPE``: TP x PP torchrun ranks on the CPU
+    (``make_megatron_moe.py --load SAVE`` for moe-swiglu: TP x PP x EP ranks)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, str(CHECKER), "--load", str(save), "--shape", shape, *flags]
+    if shape == "moe-swiglu":
+        cmd = [sys.executable, str(MOE_CHECKER), "--load", str(save), *flags]
+    else:
+        cmd = [sys.executable, str(CHECKER), "--load", str(save), "--shape", shape, *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
 
 
@@ -61,6 +67,14 @@ def output_of(done: subprocess.CompletedProcess) -> str:
 TO_HF = dict(mapping="megatron-llama")
 FROM_HF = dict(
     mapping="megatron-llama", reverse=True, to="megatron", tensor_parallel=2, sets={"divisible": 64}
+)
+TO_HF_MOE = dict(mapping="megatron-mixtral")
+FROM_HF_MOE = dict(
+    mapping="megatron-mixtral",
+    reverse=True,
+    to="megatron",
+    expert_parallel=2,
+    sets={"divisible": 64},
 )
 CASES = {
     "mha-gelu-tp2-to-tp4": (
@@ -98,6 +112,40 @@ CASES = {
         [(MEGATRON / "gqa-swiglu/tp2/legacy", "hf", TO_HF), ("hf", "mg", FROM_HF)],
         # a Hugging Face model has no padding rows: ckptkit pads with zeros, so the reference's
         # columns 100..127 (its random padding rows) are 0.0 here, and only 100 are compared
+        ["--zero-padding"],
+        ["logits[..., :100] max|diff|", "columns 100..127 (zero rows): all 0.0"],
+    ),
+    "moe-swiglu-tp1-to-tp2-ep2": (  # 4 processes, rank folders mp_rank_TT_EEE
+        "moe-swiglu",
+        [
+            (
+                MEGATRON / "moe-swiglu/tp1/legacy",
+                "mg",
+                dict(to="megatron", tensor_parallel=2, expert_parallel=2),
+            )
+        ],
+        [],
+        [
+            "logits[..., :128] max|diff|",
+            "mp_rank_01_001: load_state_dict(strict=True) ok",
+            "[load rank 2 ep 1] logits",  # the second dense replica checked too
+        ],
+    ),
+    "moe-swiglu-torch-dist-tp2ep2-to-ep2-pp2": (  # 4 processes, mp_rank_TT_PPP_EEE
+        "moe-swiglu",
+        [
+            (
+                MEGATRON / "moe-swiglu/tp2ep2/torch_dist",
+                "mg",
+                dict(to="megatron", expert_parallel=2, pipeline_parallel=2),
+            )
+        ],
+        [],
+        ["logits[..., :128] max|diff|", "mp_rank_00_001_001: load_state_dict(strict=True) ok"],
+    ),
+    "moe-swiglu-hugging-face-to-ep2": (
+        "moe-swiglu",
+        [(MEGATRON / "moe-swiglu/ep2/legacy", "hf", TO_HF_MOE), ("hf", "mg", FROM_HF_MOE)],
         ["--zero-padding"],
         ["logits[..., :100] max|diff|", "columns 100..127 (zero rows): all 0.0"],
     ),

@@ -91,6 +91,35 @@ def test_rank_files_are_megatron_cores_own(run, tmp_path, shape, src, dst, flags
     assert "Wrote    " in result.output and "rank file" in result.output
 
 
+@pytest.mark.parametrize("kind", ["legacy", "torch_dist"])
+def test_virtual_stages_are_megatron_cores_own(run, tmp_path, kind):
+    """--pp 2 --vpp 2: each rank file holds model0 and model1, megatron-core's own PP=2 x
+    VPP=2 files (fixtures/make_megatron_vpp.py) key for key and bit for bit; and back."""
+    source = MEGATRON / "vpp" / "tp1" / kind
+    result = run("convert", source, "out", "--to", "megatron", "--pp", "2", "--vpp", "2")
+    assert result.exit_code == 0, result.output
+    assert "2 virtual stages on each" in result.output
+    ours, theirs = rank_files(tmp_path / "out"), rank_files(MEGATRON / "vpp/pp2vpp2/legacy")
+    assert list(ours) == list(theirs) == ["mp_rank_00_000", "mp_rank_00_001"]
+    for name, file in theirs.items():
+        assert list(ours[name]) == list(file)  # args, ..., model0, model1, ...
+        for chunk in ("model0", "model1"):
+            assert_same_model(ours[name][chunk], file[chunk])
+        args = vars(ours[name]["args"])
+        assert args["virtual_pipeline_model_parallel_size"] == 2
+        assert args["num_layers_per_virtual_pipeline_stage"] == 1
+    assert run("convert", "out", "back", "--to", "megatron").exit_code == 0
+    back, reference = rank_files(tmp_path / "back"), rank_files(MEGATRON / "vpp/tp1/legacy")
+    assert_same_model(back["mp_rank_00"]["model"], reference["mp_rank_00"]["model"])
+    one_error(
+        run("convert", source, "out2", "--to", "megatron", "--vpp", "2"), "add --pp 2 or more"
+    )
+    one_error(
+        run("convert", source, "out3", "--to", "megatron", "--pp", "2", "--vpp", "4"),
+        "4 layers do not share evenly over 2 pipeline stages x 4 virtual stages",
+    )
+
+
 def test_tp2_to_tp4_to_tp1_is_the_tp1_model_bit_for_bit(run, tmp_path):
     """TP=4 pads the vocabulary as Megatron-LM does for it (100 to a multiple of 64 x 4) with
     zero rows, and TP=1 cuts them again: the TP=1 files megatron-core wrote, bit for bit."""
@@ -158,15 +187,9 @@ def test_written_from_views_without_torch_in_a_real_process(tmp_path):
         "tensor_parallel": 1,
         "pipeline_parallel": 2,
         "expert_parallel": 1,
+        "virtual_stages": 1,
         "iteration": 10,
-        "args_set": {
-            "tensor_model_parallel_size": 1,
-            "pipeline_model_parallel_size": 2,
-            "padded_vocab_size": 128,
-            "expert_model_parallel_size": 1,
-            "data_parallel_size": 1,
-            "world_size": 2,
-        },
+        "args_set": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2},
         "beside": [
             "args",
             "checkpoint_version",
@@ -224,7 +247,9 @@ def test_refusals_name_the_file_and_the_fix(run, tmp_path):
         "2 layers do not share evenly over 3 pipeline stages",
     )
     one_error(
-        run("convert", gqa, "out.pt", "--tp", "2"), "--tp, --pp and --ep", "add --to megatron"
+        run("convert", gqa, "out.pt", "--tp", "2"),
+        "--tp, --pp, --ep and --vpp",
+        "add --to megatron",
     )
     one_error(
         run("convert", gqa, "out", "--to", "megatron", "--ep", "2"),

@@ -252,30 +252,31 @@ def state_pickle(
 
 
 def wrapped_pickle(
-    root: dict[str, Any], at: str, entries: list[TensorSpec | tuple[str, Any]]
+    root: dict[str, Any], states: dict[str, list[tuple[str, Any]]]
 ) -> tuple[bytes, dict[str, StorageRecord]]:
     """The pickle of ``root`` (a dict of plain values and the pickle writer's, in order) with
-    a state dict at ``root[at]``: ``entries`` in order, tensors (specs, each its own storage)
-    and other values (a Megatron module's ``_extra_state`` None), as ``torch.save`` writes a
-    training checkpoint; and each tensor key's storage record."""
+    a state dict at each of its keys that ``states`` names: its (key, value) entries in order,
+    a value a tensor (its spec: its own storage, recorded under the spec's key) or another
+    value (a Megatron module's ``_extra_state`` None), as ``torch.save`` writes a training
+    checkpoint; and each tensor's storage record."""
     storages: dict[str, StorageRecord] = {}
     writer = _Writer()
     writer.out += b"}("  # EMPTY_DICT, MARK: each entry, then SETITEMS
     for name, value in root.items():
         writer.save(name)
-        if name != at:
+        entries = states.get(name)
+        if entries is None:
             writer.save(value)
             continue
         writer.save(Call(Ref("collections", "OrderedDict")))
         writer.out += b"(" if entries else b""
-        for entry in entries:
+        for key, entry in entries:
+            writer.save(key)
             if isinstance(entry, TensorSpec):
                 storages[entry.key] = StorageRecord(str(len(storages)), entry.dtype, entry.nbytes)
-                writer.save(entry.key)
                 writer.save(tensor_record(storages[entry.key], entry.dtype, tuple(entry.shape)))
             else:
-                writer.save(entry[0])
-                writer.save(entry[1])
+                writer.save(entry)
         writer.out += b"u" if entries else b""
     writer.out += b"u."
     return bytes(writer.out), storages

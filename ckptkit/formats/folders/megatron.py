@@ -258,9 +258,14 @@ class MegatronSource(ChunkedSource):
         pieces: dict[str, list[tuple[int, str, TensorStub, Path]]] = {}
         stage_of: dict[str, int] = {}
         offset = 0
-        for stage in range(pp):
+        vp = _virtual_stages(roots[0, 0, 0], files[0, 0, 0], args)
+        # Layers in the order megatron-core numbers them: each virtual stage's chunk on every
+        # pipeline stage in turn (model0 of stages 0..P-1, then model1...), each chunk's
+        # numbered from 0 in its files.
+        chunks = [(v, stage) for v in range(vp) for stage in range(pp)]
+        for index, (v, stage) in enumerate(chunks):
             models = {
-                (t, e): _model(roots[t, stage, e], files[t, stage, e])
+                (t, e): _model(roots[t, stage, e], files[t, stage, e], v if vp > 1 else None)
                 for e in range(ep)
                 for t in range(tp)
             }
@@ -300,16 +305,17 @@ class MegatronSource(ChunkedSource):
                     if expert is None and e > 0:  # the expert ranks' copies of the rest
                         self._check_replica(name, value, file, pieces[name][t])
                         continue
-                    if not _on_its_stage(name, stage, pp):
+                    if not _on_its_stage(name, index, len(chunks)):
+                        where = f"pipeline stage {stage} of {pp}"
+                        where += f", virtual stage {v} of {vp}" if vp > 1 else ""
                         raise FormatError(
-                            f"{file}: '{name}' is on pipeline stage {stage} of {pp}, where "
-                            "Megatron never puts it",
+                            f"{file}: '{name}' is on {where}, where Megatron never puts it",
                             "the rank folders are misnamed or mixed: copy the save again",
                         )
-                    if stage_of.setdefault(name, stage) != stage:
+                    if stage_of.setdefault(name, index) != index:
                         raise FormatError(
-                            f"{save.folder}: pipeline stages {stage_of[name]} and {stage} both "
-                            f"hold '{name}'",
+                            f"{save.folder}: two pipeline stages (or virtual stages) both hold "
+                            f"'{name}'",
                             "the folder mixes two saves; copy it again",
                         )
                     pieces.setdefault(name, []).append((t, key, value, file))
@@ -328,8 +334,8 @@ class MegatronSource(ChunkedSource):
             self._drop_tied_copy(save.folder)
         _check_mlp(save.folder, self._tensors, args)
         _check_experts(save.folder, self._tensors, args)
-        for stage in range(pp):  # each stage's first split weight: never the same on two ranks
-            split = [n for n, at in stage_of.items() if at == stage and n.endswith(_SPLIT_WEIGHTS)]
+        for index in range(len(chunks)):  # each chunk's first split weight: never the same
+            split = [n for n, at in stage_of.items() if at == index and n.endswith(_SPLIT_WEIGHTS)]
             if split and tp > 1:
                 self._check_not_copies(split[0], pieces[split[0]])
         for raw in self._raws:  # every span is known: the files are opened again to copy
@@ -340,6 +346,8 @@ class MegatronSource(ChunkedSource):
         self.selected_reason = (
             f"{save.reason}; {tp} tensor x {pp} pipeline{experts}-parallel ranks merged"
         )
+        if vp > 1:
+            self.selected_reason += f", {vp} virtual pipeline stages on each"
         if tied_copy:
             self.selected_reason += (
                 "; the last stage's output_layer.weight, the tied embedding's copy, checked "
@@ -637,16 +645,31 @@ def _check_args(folder: Location, args: dict[str, Any], tp: int, pp: int, ep: in
         )
 
 
-def _model(root: dict[str, Any], file: Path) -> dict[str, Any]:
-    model = root.get("model")
-    if model is None and "model0" in root:
+def _virtual_stages(root: dict[str, Any], file: Path, args: dict[str, Any]) -> int:
+    """How many virtual pipeline stages each rank file holds (model0, model1...): 1 for a
+    file holding ``model``. The args and the file agree."""
+    if "model" in root:
+        return 1
+    count = 0
+    while f"model{count}" in root and count < _MOST_RANKS:
+        count += 1
+    said = args.get("virtual_pipeline_model_parallel_size")
+    if count == 0 or (isinstance(said, int) and said != count):
         raise FormatError(
-            f"{file} holds virtual pipeline stages (model0, model1, ...), which ckptkit does not "
-            "merge yet",
-            "convert a save made without --num-layers-per-virtual-pipeline-stage",
+            f"{file} holds {count} virtual pipeline stages (model0, model1...), but its args "
+            f"say virtual_pipeline_model_parallel_size {said!r}"
+            if count
+            else f"{file} has no model state dict",
+            "is this a Megatron checkpoint?",
         )
+    return count
+
+
+def _model(root: dict[str, Any], file: Path, virtual: int | None = None) -> dict[str, Any]:
+    name = "model" if virtual is None else f"model{virtual}"
+    model = root.get(name)
     if not isinstance(model, dict):
-        raise FormatError(f"{file} has no model state dict", "is this a Megatron checkpoint?")
+        raise FormatError(f"{file} has no {name} state dict", "is this a Megatron checkpoint?")
     bad = next((k for k in model if not isinstance(k, str)), None)
     if bad is not None:
         raise FormatError(
@@ -768,8 +791,17 @@ class MegatronDistSource(DCPSource):
     ``_extra_state`` values are left out, named."""
 
     def __init__(
-        self, save: MegatronSave, *, select: str | None = None, allowed: tuple[str, ...] = ()
+        self,
+        save: MegatronSave,
+        *,
+        select: str | None = None,
+        allowed: tuple[str, ...] = (),
+        args: dict[str, Any] | None = None,
+        prefix: str = "",
     ) -> None:
+        """``args``: the run's settings where ``common.pt`` holds none (NeMo's, from its
+        config); ``prefix``: what the model's keys start with (NeMo's ``module.``), the other
+        entries (an optimizer's) left out."""
         if select not in (None, "model"):
             raise SelectError(
                 f"{save.folder} is a Megatron save; its model is its only state dict",
@@ -781,7 +813,7 @@ class MegatronDistSource(DCPSource):
         self.args_object: Any = None  # the args as common.pt's pickle gave them
         self.extra_states: list[str] = []  # DCP saves them stacked: a legacy save's are made
         try:
-            self._unstack(save)
+            self._unstack(save, args, prefix)
         except BaseException:
             self.close()
             raise
@@ -800,16 +832,22 @@ class MegatronDistSource(DCPSource):
                 out[chunk.offsets[0] + j].chunks.append(part)
         return out
 
-    def _unstack(self, save: MegatronSave) -> None:
+    def _unstack(self, save: MegatronSave, given: dict[str, Any] | None, prefix: str) -> None:
         common = save.folder / "common.pt"
-        scan, _, raw, _ = megatron_scan(Path(str(common)), self._allowed)
-        raw.close()
-        root = scan.root if isinstance(scan.root, dict) else {}
-        args = _args(root, Path(str(common)))
+        root: dict[str, Any] = {}
+        if given is None:
+            scan, _, raw, _ = megatron_scan(Path(str(common)), self._allowed)
+            raw.close()
+            root = scan.root if isinstance(scan.root, dict) else {}
+        args = _args(root, Path(str(common))) if given is None else given
         layers = args.get("num_layers")
-        if not isinstance(layers, int) or layers < 1:
-            raise FormatError(f"{common}: args.num_layers is {layers!r}, not a layer count")
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise FormatError(f"{save.folder}: num_layers is {layers!r}, not a layer count")
         tensors: dict[str, ChunkedTensor] = {}
+        others = [k for k in self._tensors if not k.startswith(prefix)]
+        for key in others:  # an optimizer's state beside the model's
+            del self._tensors[key]
+        self._tensors = {k.removeprefix(prefix): t for k, t in self._tensors.items()}
 
         def add(name: str, tensor: ChunkedTensor) -> None:
             if name in tensors:
@@ -856,6 +894,8 @@ class MegatronDistSource(DCPSource):
         self.selected_reason = f"{save.reason}; its layers unstacked" + (
             f"; {len(extra)} _extra_state entries left out" if extra else ""
         )
+        if others:
+            self.selected_reason += f"; {len(others)} tensors not under {prefix!r} left out"
         self.extras.update(jsonable({key: root.get(key) for key in _RECORDED if key in root}))
         self.extras["args"] = args
-        self.args_object = root["args"]
+        self.args_object = root.get("args")

@@ -104,9 +104,9 @@ class MegatronRanks(Source):
     at ``tp`` x ``pp``; each tensor named ``rank R:KEY`` until the plan puts it in rank file R
     under KEY (as a mapping's ranked target, ``conversion.plan.per_rank``)."""
 
-    def __init__(self, inner: Source, tp: int, pp: int, ep: int = 1) -> None:
+    def __init__(self, inner: Source, tp: int, pp: int, ep: int = 1, vp: int = 1) -> None:
         super().__init__(path=inner.path, format=inner.format)
-        self.inner, self.tp, self.pp, self.ep = inner, tp, pp, ep
+        self.inner, self.tp, self.pp, self.ep, self.vp = inner, tp, pp, ep, vp
         self.made_once = inner.made_once  # type: ignore[misc]  # as the tensors it cuts
         self.selected, self.extras = inner.selected, inner.extras
         self.dropped, self.followed = inner.dropped, inner.followed
@@ -114,44 +114,58 @@ class MegatronRanks(Source):
         self.iteration = _iteration(inner)
         folder = "release" if self.iteration is None else f"iter_{self.iteration:07d}"
         self.documents = {LATEST: "release" if self.iteration is None else str(self.iteration)}
-        stages, per = _stages(inner, args, pp)
+        if vp > 1 and pp == 1:
+            raise UsageError("--vpp: virtual stages are of pipeline stages", "add --pp 2 or more")
+        chunks, per = _stages(inner, args, pp, vp)
         _check_heads(inner, args, tp)
         local = _experts_per_rank(inner, args, ep)
         rows = self._padded(inner, args)
         swiglu = bool(args.get("swiglu"))
         impl = args.get("transformer_impl")
+        recorded = getattr(inner, "extra_states", None)
         self._cuts: dict[str, _Cut] = {}
         self._infos_by_name: dict[str, TensorInfo] = {}
         self.rank_files: list[str] = []
-        self.rank_models: list[list[tuple[str, str | None]]] = []  # (key, name or None)
-        for stage, keys in enumerate(stages):
+        # Each rank file's state dicts (model, or model0, model1... with virtual stages):
+        # (key, tensor name here, or None for an extra state) in order.
+        self.rank_models: list[dict[str, list[tuple[str, str | None]]]] = []
+        for stage in range(pp):
             for e in range(ep):
                 for t in range(tp):
                     rank = len(self.rank_files)
                     name = f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else "")
                     name += f"_{e:03d}" if ep > 1 else ""  # Megatron-LM's get_checkpoint_name
                     self.rank_files.append(f"{folder}/{name}/{RANK_FILE}")
-                    model: list[tuple[str, str | None]] = []
-                    for source, stage_key in keys:
-                        key = _on_expert_rank(stage_key, e, local)
-                        if key is None:  # another expert rank's expert
-                            continue
-                        cut = _Cut(source, _rule(source, swiglu, tp, inner.path), t, None)
-                        if source.startswith(("embedding.word_embeddings.", "output_layer.")):
-                            cut = _Cut(source, cut.rule, t, rows)
-                        named = f"rank {rank}:{key}"
-                        self._cuts[named] = cut
-                        self._infos_by_name[named] = self._cut_info(named, cut)
-                        model.append((key, named))
-                    recorded = getattr(inner, "extra_states", None)
-                    layers = range(stage * per, (stage + 1) * per)
-                    where = _Place(stage, pp, layers, e, local)
-                    self.rank_models.append(_with_extra_states(model, recorded, where, impl))
+                    states: dict[str, list[tuple[str, str | None]]] = {}
+                    for v in range(vp):
+                        chunk = v * pp + stage
+                        state = "model" if vp == 1 else f"model{v}"
+                        model: list[tuple[str, str | None]] = []
+                        for source, chunk_key in chunks[chunk]:
+                            key = _on_expert_rank(chunk_key, e, local)
+                            if key is None:  # another expert rank's expert
+                                continue
+                            cut = _Cut(source, _rule(source, swiglu, tp, inner.path), t, None)
+                            if source.startswith(("embedding.word_embeddings.", "output_layer.")):
+                                cut = _Cut(source, cut.rule, t, rows)
+                            shown = key if vp == 1 else f"{state}.{key}"
+                            named = f"rank {rank}:{shown}"
+                            self._cuts[named] = cut
+                            self._infos_by_name[named] = self._cut_info(named, cut)
+                            model.append((key, named))
+                        layers = range(chunk * per, (chunk + 1) * per)
+                        where = _Place(chunk, len(chunks), layers, e, local)
+                        states[state] = _with_extra_states(model, recorded, where, impl)
+                    self.rank_models.append(states)
         updates: dict[str, Any] = {
             "tensor_model_parallel_size": tp,
             "pipeline_model_parallel_size": pp,
             **({"padded_vocab_size": rows} if rows is not None else {}),
         }
+        if vp > 1 or "virtual_pipeline_model_parallel_size" in args:
+            updates["virtual_pipeline_model_parallel_size"] = vp if vp > 1 else None
+        if vp > 1 or "num_layers_per_virtual_pipeline_stage" in args:
+            updates["num_layers_per_virtual_pipeline_stage"] = per if vp > 1 else None
         if ep > 1 or "expert_model_parallel_size" in args:
             updates["expert_model_parallel_size"] = ep
         if local and ("expert_tensor_parallel_size" in args or ep > 1):
@@ -162,7 +176,8 @@ class MegatronRanks(Source):
                 updates[key] = size
         self.args, self.args_shown = _written_args(inner, args, updates)
         self.selected_reason = inner.selected_reason
-        self.changed = {name: self.args_shown[name] for name in updates}
+        # What the new layout changed in the args (said in the report).
+        self.changed = {k: self.args_shown[k] for k, v in updates.items() if args.get(k) != v}
         self._views = SpanViews()
         self._loaded: tuple[str, torch.Tensor] | None = None
 
@@ -172,9 +187,10 @@ class MegatronRanks(Source):
             "tensor_parallel": self.tp,
             "pipeline_parallel": self.pp,
             "expert_parallel": self.ep,
+            "virtual_stages": self.vp,
             "iteration": "release" if self.iteration is None else self.iteration,
             "args_set": self.changed,
-            "beside": [key for key in self.rank_root() if key != "model"],
+            "beside": [key for key in self.rank_root() if key not in self.rank_models[0]],
         }
 
     def rank_root(self) -> dict[str, Any]:
@@ -183,8 +199,8 @@ class MegatronRanks(Source):
             "args": self.args,
             "checkpoint_version": _CHECKPOINT_VERSION,
             "iteration": self.iteration or 0,
-            "model": None,
         }
+        root.update(dict.fromkeys(self.rank_models[0]))  # model, or model0, model1...
         flops = self.inner.extras.get("num_floating_point_operations_so_far")
         if isinstance(flops, (int, float)) and not isinstance(flops, bool):
             root["num_floating_point_operations_so_far"] = flops
@@ -345,10 +361,12 @@ def _place(key: str) -> tuple[int, int] | None:
 
 
 def _stages(
-    inner: Source, args: dict[str, Any], pp: int
+    inner: Source, args: dict[str, Any], pp: int, vp: int = 1
 ) -> tuple[list[list[tuple[str, str]]], int]:
-    """Each stage's (source key, its key on that stage: a norm under the name the run's layer
-    spec loads), in the order megatron-core's model holds them, and the layers a stage holds."""
+    """Each model chunk's (source key, its key there: a norm under the name the run's layer
+    spec loads), in the order megatron-core's model holds them, and the layers a chunk holds.
+    The chunks are the stages, or with ``vp`` virtual stages each stage's ``vp`` chunks in
+    megatron-core's layer order: model0 of stages 0 to P - 1, then model1..."""
     impl = args.get("transformer_impl")
     placed = []
     for index, key in enumerate(inner.keys()):
@@ -370,13 +388,15 @@ def _stages(
             f"{inner.path} holds {len(layers)} layers, but its args say num_layers {said}",
             "are the args those of these weights?",
         )
-    if len(layers) % pp:
+    chunks = pp * vp
+    if len(layers) % chunks:
+        what = f"{pp} pipeline stages" + (f" x {vp} virtual stages" if vp > 1 else "")
         raise FormatError(
-            f"{inner.path}'s {len(layers)} layers do not share evenly over {pp} pipeline stages",
-            "choose a --pp that divides the layer count",
+            f"{inner.path}'s {len(layers)} layers do not share evenly over {what}",
+            "choose a --pp (and --vpp) whose product divides the layer count",
         )
-    per = len(layers) // pp
-    stages: list[list[tuple[str, str]]] = [[] for _ in range(pp)]
+    per = len(layers) // chunks
+    stages: list[list[tuple[str, str]]] = [[] for _ in range(chunks)]
     for (section, layer), _, _, key in placed:
         local = _norm_name(key, impl)
         if section == 1:
@@ -384,11 +404,11 @@ def _stages(
             assert found is not None
             stages[layer // per].append((key, f"decoder.layers.{layer % per}.{found[2]}"))
         else:
-            stages[0 if section == 0 else pp - 1].append((key, local))
+            stages[0 if section == 0 else chunks - 1].append((key, local))
     tied = not args.get("untie_embeddings_and_output_weights", False)
     embedding = "embedding.word_embeddings.weight"
     keys = inner.keys()
-    if tied and pp > 1 and "output_layer.weight" not in keys and embedding in keys:
+    if tied and chunks > 1 and "output_layer.weight" not in keys and embedding in keys:
         stages[-1].append((embedding, "output_layer.weight"))  # the tied copy
     return stages, per
 
@@ -470,8 +490,9 @@ def _norm_name(key: str, impl: Any) -> str:
 
 @dataclass(frozen=True)
 class _Place:
-    """Where a rank file is: its stage (of ``stages``) and the layers it holds, its expert
-    rank and how many experts each expert rank holds (0: no experts)."""
+    """Where a model chunk is: its place in the layer order (of ``stages`` chunks: the
+    pipeline stages, times the virtual stages) and the layers it holds, its expert rank and
+    how many experts each expert rank holds (0: no experts)."""
 
     stage: int
     stages: int
@@ -669,12 +690,13 @@ def _from_json(value: Any) -> Any:
     return value
 
 
-def parallel_sizes(tp: int | None, pp: int | None, ep: int | None) -> tuple[int, int, int]:
-    """``--tp``, ``--pp`` and ``--ep`` checked: whole numbers from 1 to :data:`MOST_PARALLEL`."""
+def parallel_sizes(*values: int | None) -> tuple[int, ...]:
+    """``--tp``, ``--pp``, ``--ep`` and ``--vpp`` checked: whole numbers from 1 to
+    :data:`MOST_PARALLEL` (None: 1)."""
     sizes = []
-    for flag, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
+    for flag, value in zip(("--tp", "--pp", "--ep", "--vpp"), values, strict=False):
         size = 1 if value is None else value
         if not 1 <= size <= MOST_PARALLEL:
             raise UsageError(f"{flag} {size} is not a parallel size", f"give 1 to {MOST_PARALLEL}")
         sizes.append(size)
-    return sizes[0], sizes[1], sizes[2]
+    return tuple(sizes)

@@ -202,54 +202,68 @@ class MegatronWriter(TorchWriter):
 
     def _pickled(self, items: list[Item]) -> tuple[bytes, dict[str, Any]]:
         from ckptkit.formats.files.torchzip import wrapped_pickle
+
+        source = self._source()
+        rank, _ = source.placed(items[0].old)
+        specs = {item.old: item.spec for item in items}
+        states = {
+            state: [(key, None if name is None else specs[name]) for key, name in entries]
+            for state, entries in source.rank_models[rank].items()
+        }
+        return wrapped_pickle(source.rank_root(), states)
+
+    def _source(self) -> Any:
         from ckptkit.formats.folders.megatron_ranks import MegatronRanks
 
         source = self.copier.source
         assert isinstance(source, MegatronRanks)
-        rank, _ = source.placed(items[0].old)
-        specs = {item.old: item.spec for item in items}
-        entries: list[Any] = [
-            (key, None) if name is None else specs[name] for key, name in source.rank_models[rank]
-        ]
-        return wrapped_pickle(source.rank_root(), "model", entries)
+        return source
 
     def verify(self, tmp: Path, items: list[Item], shown: Path) -> None:
         """Read the rank file back statically: its pickle gives what was planned (the args
-        and the rest beside the model, the model's keys, None where megatron-core keeps an
-        extra state), and every tensor's bytes are its slice of the source."""
+        and the rest beside the model, each state dict's keys, None where megatron-core keeps
+        an extra state), and every tensor's bytes are its slice of the source."""
         from ckptkit.formats.folders.megatron import megatron_scan
         from ckptkit.formats.pickles.unpickler import TensorStub, read_pickle
         from ckptkit.meta import jsonable
 
+        source = self._source()
+        rank, _ = source.placed(items[0].old)
+        models = source.rank_models[rank]
         planned = read_pickle(self._pickled(items)[0]).root
+        by_name = {item.old: item for item in items}
         with syncing(tmp):
             scan, layout, raw, _ = megatron_scan(tmp, ())
             try:
                 root = scan.root
-                model = root.get("model") if isinstance(root, dict) else None
-                if not isinstance(model, dict) or list(root) != list(planned):
+                if not isinstance(root, dict) or list(root) != list(planned):
                     raise VerificationError(f"{shown} is not the planned rank file")
-                found = jsonable({k: v for k, v in root.items() if k != "model"})
-                wanted = jsonable({k: v for k, v in planned.items() if k != "model"})
+                found = jsonable({k: v for k, v in root.items() if k not in models})
+                wanted = jsonable({k: v for k, v in planned.items() if k not in models})
                 if found != wanted:
                     raise metadata_differ(shown, wanted, found)
-                if list(model) != list(planned["model"]):
-                    check_keys(shown, planned["model"], model)
-                    raise VerificationError(f"{shown} holds the planned keys in another order")
-                for key, value in planned["model"].items():
-                    if value is None and model[key] is not None:
-                        raise VerificationError(f"'{key}' in {shown} is not None, as planned")
                 layout.locate_storages()
-                for item in items:
-                    stub = model[item.spec.key]
-                    if not isinstance(stub, TensorStub):
-                        raise differs(item.spec.key, shown)
-                    check_layout(shown, item.spec, stub.dtype, stub.shape)
-                    base = layout.data_offset(stub.storage)
-                    if base is None or not stub.is_contiguous:
-                        raise differs(item.spec.key, shown)
-                    self.copier.check_bytes(item, tmp, base + stub.byte_range()[0], shown)
-                    self.copier.progress(item.spec.nbytes)
+                for state, entries in models.items():
+                    model = root[state]
+                    if not isinstance(model, dict) or list(model) != [k for k, _ in entries]:
+                        keys = model if isinstance(model, dict) else {}
+                        check_keys(shown, [k for k, _ in entries], keys)
+                        raise VerificationError(f"{shown} holds {state}'s keys in another order")
+                    for key, name in entries:
+                        value = model[key]
+                        if name is None:
+                            if value is not None:
+                                raise VerificationError(f"'{key}' in {shown} is not None")
+                            continue
+                        item = by_name[name]
+                        if not isinstance(value, TensorStub):
+                            raise differs(item.spec.key, shown)
+                        check_layout(shown, item.spec, value.dtype, value.shape)
+                        base = layout.data_offset(value.storage)
+                        if base is None or not value.is_contiguous:
+                            raise differs(item.spec.key, shown)
+                        self.copier.check_bytes(item, tmp, base + value.byte_range()[0], shown)
+                        self.copier.progress(item.spec.nbytes)
             finally:
                 raw.close()
 
