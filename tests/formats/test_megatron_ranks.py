@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import servers
 import torch
 from helpers import FIXTURE_DIR, ROOT, one_error
 from hypothesis import given, settings
@@ -23,6 +24,7 @@ import ckptkit
 from ckptkit.errors import FormatError
 from ckptkit.formats.base.tensors import bit_equal
 
+s3_server, s3, s3_env = servers.s3_server, servers.s3, servers.s3_env
 MEGATRON = FIXTURE_DIR / "megatron"
 VOCAB = 100  # the fixtures' tokenizer vocabulary: rows past it are Megatron's padding
 
@@ -379,3 +381,35 @@ def test_every_cut_is_torchs_and_the_merge_undoes_it(tmp_path_factory, tp, rows,
         else:
             back = parts[0]
         assert bit_equal(back, x), rule
+
+
+def test_a_save_goes_to_a_url(s3_env, run, tmp_path):
+    """--to megatron at s3:// (moto on 127.0.0.1): the rank files and the tracker uploaded
+    under their names, holding what a local output holds, bit for bit."""
+    s3_env.bucket("runs")
+    save = MEGATRON / "mha-gelu" / "tp2" / "legacy"
+    result = run("convert", save, "s3://runs/tp4", "--to", "megatron", "--tp", "4")
+    assert result.exit_code == 0, result.output
+    assert run("convert", save, "local", "--to", "megatron", "--tp", "4").exit_code == 0
+    s3_env.fs.invalidate_cache()
+    names = sorted(p.removeprefix("runs/tp4/") for p in s3_env.fs.find("runs/tp4"))
+    local = sorted(
+        str(p.relative_to(tmp_path / "local"))
+        for p in (tmp_path / "local").rglob("*")
+        if p.is_file()
+    )
+    assert names == local and len(names) == 5
+    for name in names:  # each archive has its own serialization_id, as torch.save's
+        there = tmp_path / "there" / name
+        there.parent.mkdir(parents=True, exist_ok=True)
+        there.write_bytes(s3_env.fs.cat(f"runs/tp4/{name}"))
+        if name.endswith(".txt"):
+            assert there.read_text() == (tmp_path / "local" / name).read_text() == "10"
+            continue
+        ours, local = (
+            torch.load(f, weights_only=False) for f in (there, tmp_path / "local" / name)
+        )
+        assert_same_model(ours["model"], local["model"])
+        assert vars(ours["args"]) == vars(local["args"])
+    again = run("convert", save, "s3://runs/tp4", "--to", "megatron", "--tp", "4")
+    one_error(again, "exists")
