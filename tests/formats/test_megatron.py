@@ -461,3 +461,30 @@ def test_virtual_pipeline_stages_merge_in_megatrons_layer_order(tmp_path):
         resave(file, lambda s: setattr(s["args"], "virtual_pipeline_model_parallel_size", 3))
     with pytest.raises(FormatError, match="holds 2 virtual pipeline stages .* but its args say"):
         ckptkit.open_source(folder)
+
+
+def test_a_torch_dist_saves_optimizer_state_is_left_out_by_name(tmp_path):
+    """A training save's torch_dist folder holds the optimizer's state beside the model
+    (optimizer.*): left out and counted, the model read as it is."""
+    import torch.distributed.checkpoint as dcp
+    from helpers import single_process_dcp
+
+    source = MEGATRON / "gqa-swiglu" / "tp1" / "torch_dist" / "iter_0000010"
+    reader = dcp.FileSystemReader(source)
+    shapes = {k: m.size for k, m in reader.read_metadata().state_dict_metadata.items()
+              if hasattr(m, "size")}  # fmt: skip
+    state = {k: torch.empty(size) for k, size in shapes.items()}
+    with single_process_dcp():
+        dcp.load(state, storage_reader=reader, no_dist=True)
+        state["optimizer.state.exp_avg.decoder.final_layernorm.weight"] = torch.ones(32)
+        folder = tmp_path / "save" / "iter_0000010"
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+    for name in ("common.pt", "metadata.json"):
+        shutil.copy(source / name, folder / name)
+    with ckptkit.open_source(folder) as merged:
+        assert "1 tensor of the optimizer left out" in merged.selected_reason
+        assert not any(k.startswith("optimizer.") for k in merged.keys())
+        assert bit_equal(
+            merged.load("decoder.final_layernorm.weight"),
+            reference("gqa-swiglu/tp1")["decoder.final_layernorm.weight"],
+        )

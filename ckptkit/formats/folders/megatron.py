@@ -701,6 +701,9 @@ def _layers(model: dict[str, Any], file: Path) -> int:
     return len(numbers)
 
 
+# A torch_dist save's entries beside the model's: the optimizer's state (Megatron's distributed
+# optimizer saves it under these names), left out.
+_NOT_MODEL = ("optimizer.", "rerun_state_machine")
 # What a rank file records beside the model, kept in the metadata.
 _RECORDED = ("iteration", "checkpoint_version", "num_floating_point_operations_so_far")
 
@@ -844,7 +847,9 @@ class MegatronDistSource(DCPSource):
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
             raise FormatError(f"{save.folder}: num_layers is {layers!r}, not a layer count")
         tensors: dict[str, ChunkedTensor] = {}
-        others = [k for k in self._tensors if not k.startswith(prefix)]
+        others = [
+            k for k in self._tensors if not k.startswith(prefix) or k.startswith(_NOT_MODEL)
+        ]
         for key in others:  # an optimizer's state beside the model's
             del self._tensors[key]
         self._tensors = {k.removeprefix(prefix): t for k, t in self._tensors.items()}
@@ -895,7 +900,9 @@ class MegatronDistSource(DCPSource):
             f"; {len(extra)} _extra_state entries left out" if extra else ""
         )
         if others:
-            self.selected_reason += f"; {len(others)} tensors not under {prefix!r} left out"
+            where = f"not under {prefix!r}" if prefix else "of the optimizer"
+            count = f"{len(others)} tensor" + ("s" if len(others) != 1 else "")
+            self.selected_reason += f"; {count} {where} left out"
         self.extras.update(jsonable({key: root.get(key) for key in _RECORDED if key in root}))
         self.extras["args"] = args
         self.args_object = root.get("args")
