@@ -145,8 +145,15 @@ def detect_format(path: str | Path) -> str:
         if head.startswith(ZIP_MAGIC):
             return _zip_kind(path)
         tar = _open_tar(f)
+        names = _tar_names(tar) if tar is not None else set()
     if tar is not None:
-        tar.close()
+        if names & {"model_config.yaml", "model_weights.ckpt", "model_weights"}:
+            raise FormatError(
+                f"{path} is a NeMo 1 archive (.nemo: model_config.yaml and the weights in a "
+                "tar), which ckptkit does not read yet",
+                "convert a NeMo 2 checkpoint folder (context/ and weights/) instead; NeMo's "
+                "own tools save one",
+            )
         raise FormatError(
             f"{path} is a legacy tar checkpoint (torch < 0.1.10), which only a full unpickle reads",
             "if you trust it, load it with --trust; check it first with 'ckptkit scan'",
@@ -374,6 +381,22 @@ def _mark_hidden(reading: Reading) -> None:
 
 def _problem(label: str, text: str) -> PickleFindings:
     return PickleFindings(label, PickleScan(None, PickleRun()), extra_problems=[text])
+
+
+def _tar_names(tar: tarfile.TarFile, most: int = 10_000) -> set[str]:
+    """The first members' names of a tar (``./`` dropped, the top folder only), closed after;
+    bounded, for a hostile archive of countless headers."""
+    names: set[str] = set()
+    try:
+        with tar:
+            for _ in range(most):
+                info = tar.next()
+                if info is None:
+                    break
+                names.add(info.name.removeprefix("./").split("/", 1)[0])
+    except (tarfile.TarError, EOFError, OSError, ValueError):
+        pass
+    return names
 
 
 def _tar_reading(tar: tarfile.TarFile) -> Reading:

@@ -109,6 +109,12 @@ def nemo_args(file: Any) -> dict[str, Any]:
             "is this a NeMo 2 checkpoint of a GPT model?",
         )
     args = {name: config[name] for name in _SAME_NAMES if name in config}
+    tokenizer = document.get("tokenizer")
+    vocab = tokenizer.get("vocab_size") if isinstance(tokenizer, dict) else None
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+        args["vocab_size"] = vocab  # the tokenizer's: the config's may be the padded rows'
+    if config.get("num_moe_experts") is not None:
+        args["num_experts"] = config["num_moe_experts"]
     heads, groups = config.get("num_attention_heads"), config.get("num_query_groups")
     args["num_query_groups"] = groups
     args["group_query_attention"] = groups is not None and groups != heads
