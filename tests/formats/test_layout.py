@@ -90,3 +90,35 @@ def test_column_shards_are_written_from_views_and_checked(tmp_path, monkeypatch)
     with pytest.raises(VerificationError):
         ckptkit.convert(columns, tmp_path / "bad.safetensors")
     assert flipped and not (tmp_path / "bad.safetensors").exists()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    dim=st.integers(0, 2),
+    groups=st.sampled_from([1, 2]),
+    data=st.data(),
+)
+def test_narrow_is_torchs_narrow_and_one_of_splits(shape, dim, groups, data):
+    """narrow(t, dim, start, size, groups) makes the bytes of torch.narrow on each group and
+    equals split's layout of that part, on a layout already made of many pieces."""
+    dim %= len(shape)
+    shape[dim] *= groups
+    x = torch.arange(math.prod(shape), dtype=torch.int16).reshape(shape)
+    base = layouts.Layout.of_input(0, shape, 2)
+    base = layouts.rope(base, 1, forward=True) if len(shape) > 1 and shape[0] % 2 == 0 else base
+    raw = x.contiguous().view(torch.uint8).numpy().tobytes()
+    laid = b"".join(raw[o : o + n] for _, o, n in base.pieces)
+    tensor = torch.frombuffer(bytearray(laid), dtype=torch.int16).reshape(shape)
+    per = shape[dim] // groups
+    start = data.draw(st.integers(0, per - 1))
+    size = data.draw(st.integers(1, per - start))
+    made = layouts.narrow(base, dim, start, size, groups)
+    want = torch.cat([g.narrow(dim, start, size) for g in tensor.chunk(groups, dim)], dim)
+    assert (
+        b"".join(raw[o : o + n] for _, o, n in made.pieces)
+        == want.contiguous().view(torch.uint8).numpy().tobytes()
+    )
+    sizes = [start, size, per - start - size]
+    parts = layouts.split(base, dim, [s for s in sizes if s], groups)
+    assert made.pieces == parts[1 if start else 0].pieces

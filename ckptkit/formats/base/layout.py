@@ -18,6 +18,7 @@ __all__ = [
     "ZEROS",
     "concat",
     "split",
+    "narrow",
     "pad",
     "rope",
     "stack",
@@ -136,6 +137,20 @@ def split(t: Layout, dim: int, sizes: Sequence[int], groups: int) -> list[Layout
         out.append(Layout(shape, t.itemsize, pieces))
         at += size * unit
     return out
+
+
+def narrow(t: Layout, dim: int, start: int, size: int, groups: int = 1) -> Layout:
+    """``torch.narrow`` along ``dim`` (with ``groups``: the same part of each group, joined):
+    one of :func:`split`'s layouts, without making the others."""
+    outer, unit = t._row(dim)
+    outer *= groups
+    row = t.shape[dim] // groups * unit  # one group's bytes of one slice before dim
+    pieces: list[Piece] = []
+    for o in range(outer):
+        pieces += t.take(o * row + start * unit, size * unit)
+    shape = list(t.shape)
+    shape[dim] = size * groups
+    return Layout(shape, t.itemsize, pieces)
 
 
 def stack(values: list[Layout]) -> Layout:

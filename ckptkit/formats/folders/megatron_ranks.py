@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptkit.errors import FormatError, UsageError
 from ckptkit.formats.base.laid import Laid, SpanViews
-from ckptkit.formats.base.layout import MOST_RUNS, ZEROS, Layout, pad, split
+from ckptkit.formats.base.layout import MOST_RUNS, ZEROS, Layout, narrow, pad
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.folders.megatron import (
     COLUMNS,
@@ -107,7 +107,9 @@ class MegatronRanks(Source):
     def __init__(self, inner: Source, tp: int, pp: int, ep: int = 1, vp: int = 1) -> None:
         super().__init__(path=inner.path, format=inner.format)
         self.inner, self.tp, self.pp, self.ep, self.vp = inner, tp, pp, ep, vp
-        self.made_once = inner.made_once  # type: ignore[misc]  # as the tensors it cuts
+        # Each cut is made once, from views of the source, and checked by the CRC-32 of the
+        # bytes written (as a mapping's groups are): not made again to compare.
+        self.made_once = True  # type: ignore[misc]
         self.selected, self.extras = inner.selected, inner.extras
         self.dropped, self.followed = inner.dropped, inner.followed
         args = _json_args(inner)
@@ -180,6 +182,7 @@ class MegatronRanks(Source):
         self.changed = {k: self.args_shown[k] for k, v in updates.items() if args.get(k) != v}
         self._views = SpanViews()
         self._loaded: tuple[str, torch.Tensor] | None = None
+        self._laid: tuple[str, Laid | None] | None = None  # the last tensor's cut
 
     def describe(self) -> dict[str, Any]:
         """What the cut made, for the report: the sizes, the iteration, the args set."""
@@ -265,18 +268,23 @@ class MegatronRanks(Source):
         return int(rank.removeprefix("rank ")), key
 
     def laid_out(self, key: str) -> Laid | None:
+        if self._laid is not None and self._laid[0] == key:  # asked again as it is written
+            return self._laid[1]
         cut = self._cuts[key]
         laid = self.inner.laid_out(cut.source)
-        if laid is None:
-            return None
-        layout = _cut_layout(laid.layout, cut, self.tp)
-        if len(layout.pieces) > MOST_RUNS:  # finer than a mapping of views should be
-            return None
-        return Laid(laid.spans, layout)
+        if laid is not None:
+            layout = _cut_layout(laid.layout, cut, self.tp)
+            # Finer than a mapping of views should be: through torch instead.
+            laid = Laid(laid.spans, layout) if len(layout.pieces) <= MOST_RUNS else None
+        self._laid = (key, laid)
+        return laid
 
     def byte_pieces(self, key: str) -> list[tuple[Location, int, int]] | None:
         """A cut that is a few whole ranges of the source's files (rows of a column-parallel
         weight, a copied norm): copied by the kernel."""
+        cut = self._cuts[key]
+        if cut.rule == "row" and self._infos_by_name[key].shape[0] > 1:
+            return None  # a range per row: written from views (made_pieces)
         laid = self.laid_out(key)
         if laid is None or len(laid.layout.pieces) > 8:
             return None
@@ -595,17 +603,18 @@ def _with_extra_states(
 def _cut_layout(layout: Layout, cut: _Cut, tp: int) -> Layout:
     """One rank's slice of a tensor's layout (its vocabulary padded first)."""
     if cut.rows is not None and cut.rows != layout.shape[0]:
-        have = layout.shape[0]
-        if cut.rows > have:
+        if cut.rows > layout.shape[0]:
             layout = pad(layout, 0, cut.rows)
         else:
-            layout = split(layout, 0, [cut.rows, have - cut.rows], 1)[0]
+            layout = narrow(layout, 0, 0, cut.rows)
     if cut.rule == "same":
         return layout
     if cut.rule == "row":
-        return split(layout, 1, [layout.shape[1] // tp] * tp, 1)[cut.rank]
+        size = layout.shape[1] // tp
+        return narrow(layout, 1, cut.rank * size, size)
     groups = 2 if cut.rule == "glu" else 1
-    return split(layout, 0, [layout.shape[0] // (tp * groups)] * tp, groups)[cut.rank]
+    size = layout.shape[0] // (tp * groups)
+    return narrow(layout, 0, cut.rank * size, size, groups)
 
 
 def _cut_tensor(tensor: torch.Tensor, cut: _Cut, tp: int) -> torch.Tensor:
