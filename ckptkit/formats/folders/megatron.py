@@ -847,9 +847,7 @@ class MegatronDistSource(DCPSource):
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
             raise FormatError(f"{save.folder}: num_layers is {layers!r}, not a layer count")
         tensors: dict[str, ChunkedTensor] = {}
-        others = [
-            k for k in self._tensors if not k.startswith(prefix) or k.startswith(_NOT_MODEL)
-        ]
+        others = [k for k in self._tensors if not k.startswith(prefix) or k.startswith(_NOT_MODEL)]
         for key in others:  # an optimizer's state beside the model's
             del self._tensors[key]
         self._tensors = {k.removeprefix(prefix): t for k, t in self._tensors.items()}
