@@ -38,7 +38,7 @@ from ckptkit.formats.base.source import Source
 from ckptkit.formats.folders.megatron_ranks import MegatronRanks, parallel_sizes
 from ckptkit.formats.output import output_format
 from ckptkit.formats.output.plan import stale_names
-from ckptkit.formats.output.writers import TO_FORMATS, writer_class
+from ckptkit.formats.output.writers import OUTPUT_FORMATS, TO_FORMATS, writer_class
 from ckptkit.mapping.source import MappedSource, open_mapped
 from ckptkit.spread import Part
 from ckptkit.storage.destination import Destination, destination
@@ -77,7 +77,7 @@ def _saved_whole(output: OutputOptions) -> bool:
 def _convert(src: Location, dst: Path, target: Destination, job: Job) -> ConvertReport:
     """The conversion at the local path ``dst`` (the output itself, or its staged copy)."""
     read, output, part = job.read, job.output, job.part
-    if output.to == "megatron" and (dst.exists() or dst.suffix):
+    if output.to == "megatron" and (dst.exists() or dst.suffix.lower() in OUTPUT_FORMATS):
         raise UsageError(
             f"{dst}: a Megatron save is written as a new folder (its tracker and iteration "
             "folder inside)",

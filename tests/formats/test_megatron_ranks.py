@@ -413,3 +413,87 @@ def test_a_save_goes_to_a_url(s3_env, run, tmp_path):
         assert vars(ours["args"]) == vars(local["args"])
     again = run("convert", save, "s3://runs/tp4", "--to", "megatron", "--tp", "4")
     one_error(again, "exists")
+
+
+def _resaved(tmp_path, save, change):
+    """A copy of a fixture save, every rank file changed by ``change(state)``."""
+    import shutil
+
+    folder = tmp_path / f"{save.replace('/', '-')}-{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(MEGATRON / save / "legacy", folder)
+    for file in folder.rglob("model_optim_rng.pt"):
+        state = torch.load(file, weights_only=False)
+        change(state)
+        torch.save(state, file)
+    return folder
+
+
+def test_what_megatron_would_not_load_or_a_hostile_save_is_refused(run, tmp_path):
+    """Grouped-GEMM experts, experts cut otherwise than the rest, a padding multiple no run
+    uses, args that share one list a billion ways: each one Error: line, in bounded time."""
+
+    def grouped(state):
+        model = state["model"]
+        for key in [k for k in model if ".local_experts." in k]:
+            head, _, rest = key.partition(".local_experts.")
+            number, _, tail = rest.partition(".")
+            model[f"{head}.{tail}{number}"] = model.pop(key)
+
+    folder = _resaved(tmp_path, "moe-swiglu/ep2", grouped)
+    one_error(run("inspect", folder), "is a grouped-GEMM expert weight", "--moe-grouped-gemm")
+    folder = _resaved(
+        tmp_path, "moe-swiglu/tp1", lambda s: setattr(s["args"], "expert_tensor_parallel_size", 2)
+    )
+    one_error(run("inspect", folder), "its experts are cut over 2 tensor-parallel ranks")
+    folder = _resaved(
+        tmp_path,
+        "mha-gelu/tp1",
+        lambda s: setattr(s["args"], "make_vocab_size_divisible_by", 10**12),
+    )
+    one_error(run("convert", folder, "out", "--to", "megatron"), "is no padding multiple")
+
+    def shared(state):
+        value: list = [1] * 10
+        for _ in range(9):
+            value = [value] * 10  # 10**9 values, each list pickled once
+        state["args"].bomb = value
+
+    folder = _resaved(tmp_path, "mha-gelu/tp1", shared)
+    one_error(
+        run("convert", folder, "out", "--to", "megatron", "--dry-run"),
+        "the args hold more than 100000 values",
+    )
+
+
+def test_a_transformer_engine_mixture_keeps_its_pre_mlp_norm(run, tmp_path):
+    """TransformerEngine's layer spec fuses the attention's norm into linear_qkv, but keeps
+    pre_mlp_layernorm apart before experts: the names a strict load wants."""
+    folder = _resaved(
+        tmp_path,
+        "moe-swiglu/tp1",
+        lambda s: setattr(s["args"], "transformer_impl", "transformer_engine"),
+    )
+    assert run("convert", folder, "out", "--to", "megatron").exit_code == 0
+    model = rank_files(tmp_path / "out")["mp_rank_00"]["model"]
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" in model
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in model
+    assert not any("linear_fc1.layer_norm" in k for k in model)
+
+
+def test_a_model_from_elsewhere_is_checked_before_it_is_cut(run, tmp_path):
+    """Experts numbered with a gap, an embedding without dims: refused; a folder name with a
+    dot in it is a folder."""
+    with ckptkit.open_source(MEGATRON / "moe-swiglu/tp1/legacy") as source:
+        tensors = {k: source.load(k).clone() for k in source.keys()}
+        args = json.dumps(source.extras["args"])
+    gap = {k.replace("local_experts.3.", "local_experts.5."): v for k, v in tensors.items()}
+    save_file(gap, tmp_path / "gap.safetensors", metadata={"args": args})
+    one_error(
+        run("convert", "gap.safetensors", "out", "--to", "megatron", "--ep", "2"),
+        "do not each hold experts 0 to n - 1",
+    )
+    flat = dict(tensors, **{"embedding.word_embeddings.weight": torch.tensor(1.0)})
+    save_file(flat, tmp_path / "flat.safetensors", metadata={"args": args})
+    one_error(run("convert", "flat.safetensors", "out", "--to", "megatron"), "has 0 dims")
+    dense = MEGATRON / "mha-gelu/tp2/legacy"
+    assert run("convert", dense, "gpt2-v1.5-tp1", "--to", "megatron").exit_code == 0

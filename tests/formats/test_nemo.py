@@ -91,6 +91,7 @@ def test_to_a_legacy_megatron_save_under_transformer_engines_names(run, tmp_path
         ("config: [unclosed", "is not YAML"),
         ("tokenizer: {}\n", "holds no model config"),
         ("config: !!python/object/apply:os.system ['true']\n", "is not YAML"),
+        ("- just\n- a list\n", "holds no model config"),
     ],
 )
 def test_a_config_missing_damaged_or_hostile_is_refused(run, tmp_path, text, needle):
@@ -116,3 +117,21 @@ def test_a_nemo_1_archive_is_refused_by_name_not_taken_for_a_torch_tar(run, tmp_
         tar.add(tmp_path / "w.ckpt", arcname="./model_weights.ckpt")
     one_error(run("inspect", "llama.nemo"), "is a NeMo 1 archive", "NeMo 2 checkpoint folder")
     one_error(run("convert", "llama.nemo", "x.safetensors"), "is a NeMo 1 archive")
+
+
+def test_a_config_whose_aliases_share_lists_is_read_in_bounded_time(run, tmp_path):
+    """YAML aliases can share one list a billion ways: only plain values are read."""
+    import time
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(NEMO, folder)
+    config = folder / "context" / "model.yaml"
+    bomb = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    for i in range(1, 10):
+        bomb.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    text = config.read_text().replace("config:\n", "bomb:\n  " + "\n  ".join(bomb) + "\nconfig:\n")
+    config.write_text(text.replace("  hidden_size: 32", "  hidden_size: 32\n  extra: *a9"))
+    started = time.monotonic()
+    result = run("inspect", folder)
+    assert result.exit_code == 0, result.output
+    assert time.monotonic() - started < 20

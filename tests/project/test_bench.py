@@ -175,7 +175,8 @@ def test_mapping_and_megatron_benches_quick_run_and_check_their_outputs(quick):
     if mapping["bit_for_bit"] is not None:  # transformers 4.46.3 at --transformers
         assert mapping["bit_for_bit"]["bit_equal"] == mapping["bit_for_bit"]["tensors"]
     megatron = quick("megatron.py")
-    assert len(megatron["convert"]) == 5
+    assert len(megatron["convert"]) == 6
+    assert "ckptkit convert --to megatron (cut to another TP, verified)" in megatron["convert"]
     assert all(r["wall_s"] > 0 for r in megatron["convert"].values())
     assert megatron["bit_for_bit"]["whole_state_dict"]["equal"]
     assert megatron["bit_for_bit"]["tp1_model"]["equal"]

@@ -92,6 +92,9 @@ SAME = (
 GLU = ("linear_fc1.weight", "linear_fc1.bias")  # SwiGLU's [gate; up] under tensor parallelism
 # An expert parallel rank's experts, numbered from 0 on each: made global when merged.
 EXPERT = re.compile(r"(.+\.mlp\.experts\.local_experts\.)(\d{1,6})\.(.+)")
+# Grouped-GEMM experts (--moe-grouped-gemm: TEGroupedMLP's weightN, the legacy GroupedMLP's
+# weight1/weight2): every expert of a rank in numbered or fused tensors, not merged yet.
+GROUPED = re.compile(r".*\.mlp\.experts\.(?:linear_fc[12]\.(?:weight|bias)\d+|weight[12])")
 EXTRA_STATE = "._extra_state"
 
 
@@ -284,6 +287,13 @@ class MegatronSource(ChunkedSource):
                     )
                 file = files[t, stage, e]
                 for key, value in model.items():
+                    if GROUPED.fullmatch(key):
+                        raise FormatError(
+                            f"{file}: '{key}' is a grouped-GEMM expert weight "
+                            "(--moe-grouped-gemm), which ckptkit does not merge yet",
+                            "convert a save made with SequentialMLP experts (no "
+                            "--moe-grouped-gemm)",
+                        )
                     found = LAYER.fullmatch(key)
                     name = (
                         key
@@ -630,7 +640,7 @@ def _check_args(folder: Location, args: dict[str, Any], tp: int, pp: int, ep: in
                 "copy every rank's folder of the save",
             )
     etp = args.get("expert_tensor_parallel_size")
-    if ep > 1 and etp not in (None, tp):
+    if (ep > 1 or args.get("num_experts")) and etp not in (None, tp):
         raise FormatError(
             f"{folder}: its experts are cut over {etp!r} tensor-parallel ranks, its other layers "
             f"over {tp}, which ckptkit does not merge yet",
@@ -732,15 +742,18 @@ def _on_its_stage(name: str, stage: int, stages: int) -> bool:
 def _check_mlp(folder: Location, tensors: dict[str, ChunkedTensor], args: dict[str, Any]) -> None:
     """A SwiGLU run's linear_fc1 holds gate and up (twice ffn_hidden_size rows), another's
     ffn_hidden_size rows: the rule that joined them matches the weights."""
-    ffn = args.get("ffn_hidden_size")
-    if isinstance(ffn, bool) or not isinstance(ffn, int):
-        return
-    rows = 2 * ffn if args.get("swiglu") else ffn
     for name, tensor in tensors.items():
-        if name.endswith("mlp.linear_fc1.weight") and tensor.shape[0] != rows:
+        expert = EXPERT.fullmatch(name) is not None
+        field = "moe_ffn_hidden_size" if expert else "ffn_hidden_size"
+        ffn = args.get(field)
+        if isinstance(ffn, bool) or not isinstance(ffn, int):
+            continue
+        rows = 2 * ffn if args.get("swiglu") else ffn
+        fc1 = name.endswith("linear_fc1.weight" if expert else "mlp.linear_fc1.weight")
+        if fc1 and tensor.shape[0] != rows:
             raise FormatError(
                 f"{folder}: '{name}' has {tensor.shape[0]} rows, but args say "
-                f"ffn_hidden_size {ffn} {'with' if args.get('swiglu') else 'without'} SwiGLU "
+                f"{field} {ffn} {'with' if args.get('swiglu') else 'without'} SwiGLU "
                 f"({rows} rows)",
                 "is the first rank's args file that of these weights?",
             )

@@ -42,6 +42,7 @@ from ckptkit.formats.folders.megatron import (
     EXPERT,
     EXTRA_STATE,
     GLU,
+    GROUPED,
     LATEST,
     LAYER,
     MEGATRON_ENUM,
@@ -60,6 +61,8 @@ __all__ = ["MegatronRanks", "RANK_FILE", "MOST_PARALLEL", "parallel_sizes"]
 RANK_FILE = "model_optim_rng.pt"
 MOST_PARALLEL = 4096  # ranks of either kind, as the reader bounds them
 _CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes (megatron/training/checkpointing.py)
+_MOST_DIVISIBLE = 1 << 16  # make_vocab_size_divisible_by: Megatron's default is 128
+_MOST_ARG_VALUES = 100_000  # values in the args written back (a hostile pickle shares lists)
 # Norms under TransformerEngine's names (fused into the next linear) and the local spec's.
 _TE_NORMS = {
     "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
@@ -80,6 +83,9 @@ _RESET = {
     "num_layers_in_first_pipeline_stage": None,
     "num_layers_in_last_pipeline_stage": None,
     "pipeline_model_parallel_layout": None,
+    "num_virtual_stages_per_pipeline_rank": None,
+    "account_for_embedding_in_pipeline_split": False,
+    "account_for_loss_in_pipeline_split": False,
     "ckpt_format": "torch",
     "use_dist_ckpt": False,
 }
@@ -170,7 +176,7 @@ class MegatronRanks(Source):
             updates["num_layers_per_virtual_pipeline_stage"] = per if vp > 1 else None
         if ep > 1 or "expert_model_parallel_size" in args:
             updates["expert_model_parallel_size"] = ep
-        if local and ("expert_tensor_parallel_size" in args or ep > 1):
+        if "expert_tensor_parallel_size" in args or (local and ep > 1):
             updates["expert_tensor_parallel_size"] = tp  # the experts cut as the rest
         # The least launch that holds the layout (Megatron takes both from its launch).
         for key, size in (("data_parallel_size", ep), ("world_size", tp * pp * ep)):
@@ -213,10 +219,23 @@ class MegatronRanks(Source):
         """The embedding's rows at the new size: Megatron's ``padded_vocab_size`` for it."""
         if "embedding.word_embeddings.weight" not in inner.keys():
             return None
-        have = inner.info("embedding.word_embeddings.weight").shape[0]
+        shape = inner.info("embedding.word_embeddings.weight").shape
+        if len(shape) != 2:
+            raise FormatError(
+                f"'embedding.word_embeddings.weight' in {inner.path} has {len(shape)} dims, "
+                "not an embedding's 2",
+                "is this a Megatron model?",
+            )
+        have = shape[0]
         divisible = _whole(args.get("make_vocab_size_divisible_by", 128), 1)
         vocab = args.get("vocab_size")
         multiple = divisible * self.tp
+        if divisible > _MOST_DIVISIBLE:
+            raise FormatError(
+                f"{inner.path}: make_vocab_size_divisible_by {divisible} is no padding multiple "
+                f"Megatron uses (at most {_MOST_DIVISIBLE})",
+                "are the args those of this model?",
+            )
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
             if have % multiple:
                 raise FormatError(
@@ -238,6 +257,11 @@ class MegatronRanks(Source):
     def _cut_info(self, name: str, cut: _Cut) -> TensorInfo:
         info = self.inner.info(cut.source)
         shape = list(info.shape)
+        if cut.rule != "same" and not shape:
+            raise FormatError(
+                f"'{cut.source}' in {self.inner.path} has no dims, but Megatron cuts it",
+                "is this a Megatron model?",
+            )
         if cut.rows is not None:
             shape[0] = cut.rows
         if info.kind != "dense":
@@ -376,6 +400,7 @@ def _stages(
     The chunks are the stages, or with ``vp`` virtual stages each stage's ``vp`` chunks in
     megatron-core's layer order: model0 of stages 0 to P - 1, then model1..."""
     impl = args.get("transformer_impl")
+    experts = any(EXPERT.fullmatch(key) for key in inner.keys())
     placed = []
     for index, key in enumerate(inner.keys()):
         where = _place(key)
@@ -385,7 +410,13 @@ def _stages(
                 "decoder.layers.N, decoder.final_layernorm, output_layer)",
                 "convert a model in Megatron's names (--map megatron-llama --reverse)",
             )
-        placed.append((where, _module_order(_norm_name(key, impl)), index, key))
+        if GROUPED.fullmatch(key):
+            raise FormatError(
+                f"'{key}' in {inner.path} is a grouped-GEMM expert weight, which ckptkit does "
+                "not cut yet",
+                "convert a model with SequentialMLP experts (local_experts.E)",
+            )
+        placed.append((where, _module_order(_norm_name(key, impl, experts)), index, key))
     placed.sort()
     layers = sorted({layer for (section, layer), _, _, _ in placed if section == 1})
     if layers != list(range(len(layers))):
@@ -397,7 +428,7 @@ def _stages(
             "are the args those of these weights?",
         )
     chunks = pp * vp
-    if len(layers) % chunks:
+    if len(layers) % chunks or len(layers) < chunks:
         what = f"{pp} pipeline stages" + (f" x {vp} virtual stages" if vp > 1 else "")
         raise FormatError(
             f"{inner.path}'s {len(layers)} layers do not share evenly over {what}",
@@ -406,7 +437,7 @@ def _stages(
     per = len(layers) // chunks
     stages: list[list[tuple[str, str]]] = [[] for _ in range(chunks)]
     for (section, layer), _, _, key in placed:
-        local = _norm_name(key, impl)
+        local = _norm_name(key, impl, experts)
         if section == 1:
             found = LAYER.fullmatch(local)
             assert found is not None
@@ -481,9 +512,10 @@ def _rule(key: str, swiglu: bool, tp: int, path: Location) -> str:
     )
 
 
-def _norm_name(key: str, impl: Any) -> str:
+def _norm_name(key: str, impl: Any, experts: bool = False) -> str:
     """A layer's norm under the names the run's layer spec loads: the local spec's for
-    ``transformer_impl`` local, TransformerEngine's for transformer_engine, else as it is."""
+    ``transformer_impl`` local, TransformerEngine's for transformer_engine (whose spec keeps
+    ``pre_mlp_layernorm`` apart before experts), else as it is."""
     found = LAYER.fullmatch(key)
     if found is None or impl not in ("local", "transformer_engine"):
         return key
@@ -491,6 +523,8 @@ def _norm_name(key: str, impl: Any) -> str:
     for te, local in _TE_NORMS.items():
         if impl == "local" and rest.startswith(te):
             return head + local + rest.removeprefix(te)
+        if experts and local == "pre_mlp_layernorm.":
+            continue
         if impl == "transformer_engine" and rest.startswith(local):
             return head + te + rest.removeprefix(local)
     return key
@@ -526,10 +560,11 @@ def _experts_per_rank(inner: Source, args: dict[str, Any], ep: int) -> int:
     counts = {len(n) for n in numbers.values()}
     said = args.get("num_experts")
     experts = counts.pop()
-    if counts or (isinstance(said, int) and said != experts):
+    gaps = any(n != set(range(len(n))) for n in numbers.values())
+    if gaps or counts or (isinstance(said, int) and said != experts):
         raise FormatError(
-            f"{inner.path}'s layers hold different numbers of experts, or not num_experts "
-            f"({said!r})",
+            f"{inner.path}'s layers do not each hold experts 0 to n - 1, the same n "
+            f"(num_experts {said!r})",
             "are the args those of these weights?",
         )
     if experts % ep:
@@ -648,9 +683,10 @@ def _written_args(
     state = build_state(raw.state) if isinstance(raw, Opaque) else None
     fields: dict[str, Any] = {}
     if isinstance(state, dict):
+        budget = [_MOST_ARG_VALUES]
         for name, value in state.items():
             if isinstance(name, str):
-                fields[name] = _as_written(value, name, inner.path)
+                fields[name] = _as_written(value, name, inner.path, budget)
     else:
         fields = {name: _from_json(value) for name, value in args.items()}
     shown = dict(args)
@@ -660,17 +696,23 @@ def _written_args(
     return New(Ref("argparse", "Namespace"), fields), shown
 
 
-def _as_written(value: Any, name: str, path: Location, depth: int = 0) -> Any:
+def _as_written(value: Any, name: str, path: Location, budget: list[int], depth: int = 0) -> Any:
     """An arg's value as the pickle gave it, for the writer: plain values, torch dtypes and
     megatron-core's enums; anything else is refused (a checkpoint ckptkit writes holds no
     other object, which would run code where it is loaded)."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise FormatError(
+            f"{path}: the args hold more than {_MOST_ARG_VALUES} values (args.{name})",
+            "is this a Megatron checkpoint?",
+        )
     if value is None or isinstance(value, (bool, int, float, str)) and depth < 16:
         return value
     if isinstance(value, (list, tuple)) and depth < 16:
-        items = [_as_written(v, name, path, depth + 1) for v in value]
+        items = [_as_written(v, name, path, budget, depth + 1) for v in value]
         return items if isinstance(value, list) else tuple(items)
     if isinstance(value, dict) and depth < 16 and all(isinstance(k, str) for k in value):
-        return {k: _as_written(v, name, path, depth + 1) for k, v in value.items()}
+        return {k: _as_written(v, name, path, budget, depth + 1) for k, v in value.items()}
     if isinstance(value, Global) and _DTYPE_GLOBAL.fullmatch(repr(value)):
         return Ref(*value.name.rsplit(".", 1))
     if (

@@ -20,7 +20,7 @@ from ckptkit.storage.small import read_small
 __all__ = ["find_nemo2", "NeMo2Source"]
 
 CONTEXT, WEIGHTS, CONFIG = "context", "weights", "model.yaml"
-_MOST_CONFIG = 4 * 1024 * 1024  # a model's config is kilobytes
+_MOST_CONFIG = 1024 * 1024  # a model's config is kilobytes
 # TransformerConfig fields that are Megatron's args of the same name.
 _SAME_NAMES = (
     "num_layers",
@@ -99,7 +99,8 @@ def nemo_args(file: Any) -> dict[str, Any]:
         )
     text = read_small(file, _MOST_CONFIG, "NeMo config").decode("utf-8", "replace")
     try:
-        document = yaml.safe_load(text)  # plain data only: no tags run
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # plain data only: no tags run
+        document = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
     except yaml.YAMLError as exc:
         raise FormatError(f"{file} is not YAML ({str(exc)[:80]})", "copy it again") from None
     config = document.get("config") if isinstance(document, dict) else None
@@ -108,6 +109,8 @@ def nemo_args(file: Any) -> dict[str, Any]:
             f"{file} holds no model config (a 'config' with num_layers)",
             "is this a NeMo 2 checkpoint of a GPT model?",
         )
+    # Plain values only: an alias bomb's shared lists are never walked.
+    config = {k: v for k, v in config.items() if isinstance(k, str) and _plain(v)}
     args = {name: config[name] for name in _SAME_NAMES if name in config}
     tokenizer = document.get("tokenizer")
     vocab = tokenizer.get("vocab_size") if isinstance(tokenizer, dict) else None
@@ -133,6 +136,13 @@ def nemo_args(file: Any) -> dict[str, Any]:
         args["params_dtype"] = f"<global {target}>"
     args["transformer_impl"] = "transformer_engine"  # NeMo's layer spec
     return args
+
+
+def _plain(value: Any) -> bool:
+    """A config value ckptkit reads: a scalar, or a ``{_target_: ...}`` record of one."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, dict) and isinstance(value.get("_target_"), str) and len(value) <= 4
 
 
 def _called(config: dict[str, Any], name: str) -> bool:
