@@ -48,7 +48,7 @@ from ckptkit.formats.folders.layouts import (
     model_parallel_files,
     model_parallel_refusal,
 )
-from ckptkit.formats.folders.megatron import LATEST, find_megatron, megatron_rank_refusal
+from ckptkit.formats.folders.megatron import find_megatron, megatron_rank_refusal
 from ckptkit.formats.folders.nemo import find_nemo2
 from ckptkit.formats.folders.rank_files import find_rank_files
 from ckptkit.formats.folders.runs import run_checkpoint, step_checkpoint, trainer_checkpoint
@@ -314,16 +314,17 @@ def _open_folder(path: Location, options: OpenOptions, opener: Opener) -> Source
         diffusers = _open_diffusers(path, options, opener)
         if diffusers is not None:
             return diffusers
-    if not is_local(path) and not _is_glob(path) and (path / LATEST).is_file():
-        raise FormatError(
-            f"{path} is a Megatron save at a URL, which ckptkit reads from a local disk for now",
-            "copy it to a local disk first",
-        )
     if is_local(path) and find_nemo2(path):  # NeMo 2: context/ and a torch_dist weights/
         from ckptkit.formats.folders.nemo import NeMo2Source
 
         return NeMo2Source(path, select=select, allowed=options.allow_globals)
-    megatron = find_megatron(path) if is_local(path) else None
+    megatron = find_megatron(path) if not _is_glob(path) else None
+    if megatron is not None and megatron.kind == "legacy" and not is_local(path):
+        raise FormatError(
+            f"{path} is a legacy Megatron save (mp_rank_* files) at a URL, which ckptkit reads "
+            "from a local disk for now (a torch_dist save is read where it is)",
+            "copy it to a local disk first",
+        )
     if megatron is not None and megatron.kind == "legacy":  # Megatron-LM's mp_rank_* files
         from ckptkit.formats.folders.megatron import MegatronSource
 

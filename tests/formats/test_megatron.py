@@ -368,15 +368,30 @@ def test_a_merge_spreads_its_shards_over_parts(tmp_path):
         assert (whole.parent / name).read_bytes() == (spread.parent / name).read_bytes(), name
 
 
-def test_a_save_at_a_url_is_refused_for_now(s3_env, run):
+def test_a_torch_dist_save_is_read_at_a_url_and_a_legacy_one_refused(s3_env, run, tmp_path):
+    """torch_dist at s3:// (moto on 127.0.0.1): the tracker, common.pt and the chunks read by
+    ranged requests, the model bit for bit as from a local disk, mapped to Hugging Face; a
+    legacy save's many rank files are refused there by name."""
     s3_env.bucket("runs")
-    s3_env.fs.put(
-        str(MEGATRON / "gqa-swiglu" / "tp2" / "legacy") + "/", "runs/save/", recursive=True
-    )
+    for kind in ("legacy", "torch_dist"):
+        local = MEGATRON / "moe-swiglu" / "tp2ep2" / kind
+        s3_env.fs.put(str(local) + "/", f"runs/{kind}/", recursive=True)
     s3_env.fs.invalidate_cache()
     one_error(
-        run("inspect", "s3://runs/save"), "is a Megatron save at a URL", "copy it to a local disk"
+        run("inspect", "s3://runs/legacy"),
+        "is a legacy Megatron save (mp_rank_* files) at a URL",
+        "copy it to a local disk",
     )
+    result = run("convert", "s3://runs/torch_dist", "remote.safetensors")
+    assert result.exit_code == 0, result.output
+    assert "named by latest_checkpointed_iteration.txt" in result.output
+    local = ckptkit.convert(
+        MEGATRON / "moe-swiglu/tp2ep2/torch_dist", tmp_path / "local.safetensors"
+    )
+    ours, theirs = load_file(tmp_path / "remote.safetensors"), load_file(local.destination)
+    assert sorted(ours) == sorted(theirs) and all(bit_equal(ours[k], theirs[k]) for k in ours)
+    mapped = run("convert", "s3://runs/torch_dist", "hf", "--map", "megatron-mixtral")
+    assert mapped.exit_code == 0, mapped.output
 
 
 def test_pipeline_stages_of_another_order_or_save_are_refused(tmp_path):

@@ -44,7 +44,7 @@ from ckptkit.formats.pickles.machine import Opaque, fields
 from ckptkit.formats.pickles.unpickler import TensorStub
 from ckptkit.meta import jsonable
 from ckptkit.storage.bytecopy import same_bytes
-from ckptkit.storage.location import Location, local_path
+from ckptkit.storage.location import Location, head, is_local, local_path
 
 __all__ = [
     "LATEST",
@@ -116,14 +116,14 @@ def find_megatron(path: Location) -> MegatronSave | None:
     """
     if not path.is_dir():
         return None
-    tracker = local_path(path) / LATEST
-    if tracker.is_symlink() or tracker.exists():
+    tracker = path / LATEST
+    local = local_path(tracker) if is_local(path) else None
+    if (local is not None and local.is_symlink()) or tracker.exists():
         if not tracker.is_file():
             raise FormatError(
                 f"{tracker} is not a file", "name an iteration folder (iter_NNNNNNN) instead"
             )
-        with open(tracker, "rb") as f:  # a tracker is a number: never read whole
-            data = f.read(_MOST_TRACKER + 1)
+        data = head(tracker, _MOST_TRACKER + 1)  # a tracker is a number: never read whole
         text = data.decode("ascii", "replace").strip()
         if text == "release":
             name = "release"
@@ -153,7 +153,7 @@ def find_megatron(path: Location) -> MegatronSave | None:
     found = _kind(path)
     if found is not None:
         return MegatronSave(path, f"{path.name}, the iteration folder given", found)
-    saved = sorted(p.name for p in local_path(path).iterdir() if _ITERATION.fullmatch(p.name))
+    saved = sorted(p.name for p in path.iterdir() if _ITERATION.fullmatch(p.name))
     if saved and any(_kind(path / name) for name in saved):
         raise FormatError(
             f"{path} holds Megatron iterations ({', '.join(saved[-3:])}) but no {LATEST} to "
@@ -183,16 +183,19 @@ def megatron_rank_refusal(file: Location) -> FormatError | None:
 MEGATRON_ENUM = re.compile(r"megatron\.core\.(?:[a-z_]+\.)*enums\.[A-Za-z_]\w*")
 
 
-def megatron_scan(file: Path, allowed: tuple[str, ...]) -> tuple[Any, Any, Any, Any]:
-    """A Megatron file read statically, its args' megatron-core enums admitted beside
-    ``allowed`` (--allow-global); any other global outside torch's safe set is refused."""
+def megatron_scan(
+    file: Location, allowed: tuple[str, ...], raw: Any = None
+) -> tuple[Any, Any, Any, Any]:
+    """A Megatron file read statically (``raw``: the file at a URL), its args' megatron-core
+    enums admitted beside ``allowed`` (--allow-global); any other global outside torch's safe
+    set is refused."""
     try:
-        return scan_torch_file(file, allowed)
+        return scan_torch_file(file, allowed, raw=raw)
     except UnsafeCheckpointError as exc:
         enums = tuple(g for g in exc.globals if MEGATRON_ENUM.fullmatch(g))
         if not enums:
             raise
-    return scan_torch_file(file, (*allowed, *enums))
+    return scan_torch_file(file, (*allowed, *enums), raw=raw)
 
 
 def _kind(folder: Location) -> str | None:
@@ -852,7 +855,8 @@ class MegatronDistSource(DCPSource):
         common = save.folder / "common.pt"
         root: dict[str, Any] = {}
         if given is None:
-            scan, _, raw, _ = megatron_scan(Path(str(common)), self._allowed)
+            at_url = self._files.url_file(common.name)
+            scan, _, raw, _ = megatron_scan(common, self._allowed, at_url)
             raw.close()
             root = scan.root if isinstance(scan.root, dict) else {}
         args = _args(root, Path(str(common))) if given is None else given
