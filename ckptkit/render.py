@@ -208,7 +208,15 @@ def _plan_lines(report: Any) -> list[str]:
             f"Packed   {plural(len(report.made_contiguous), 'non-contiguous tensor')} made "
             "contiguous"
         )
-    if report.megatron is not None:
+    if report.megatron is not None and report.megatron.get("torch_dist"):
+        save = report.megatron
+        lines.append(
+            f"Stacked  each block's layers (and experts) as torch_dist does, with "
+            f"{plural(save['objects'], 'extra state object')}; no optimizer or RNG state "
+            "(resume with --no-load-optim --no-load-rng, or --finetune)"
+        )
+        lines.append(f"Beside   the tensors: {', '.join(save['beside'])} (common.pt)")
+    elif report.megatron is not None:
         cut = report.megatron
         changed = ", ".join(f"{k} {v}" for k, v in cut["args_set"].items())
         experts = f" x {cut['expert_parallel']} expert" if cut["expert_parallel"] > 1 else ""
@@ -249,8 +257,9 @@ def _written_lines(report: Any) -> list[str]:
     elif report.cast:
         checked = "verified: read back equal to the cast values"
     elif report.made and report.megatron is not None:
+        made = "stacked" if report.megatron.get("torch_dist") else "cut"
         checked = (
-            "verified: read back, copied tensors bit-exact against the source and those cut "
+            f"verified: read back, copied tensors bit-exact against the source and those {made} "
             "from views of its files by the CRC-32 of the bytes written"
         )
     elif report.made:  # joined from chunks: checked by the CRC-32 of what was written
@@ -280,7 +289,8 @@ def _written_lines(report: Any) -> list[str]:
             f"{report.files[0][: -len(names[0]) - 1]}, "
             f"{checked}"
         )
-    elif report.megatron is not None:  # iter_N/mp_rank_TT_PPP/model_optim_rng.pt each
+    elif report.megatron is not None and not report.megatron.get("torch_dist"):
+        # iter_N/mp_rank_TT_PPP/model_optim_rng.pt each
         folders = [f.rsplit("/", 2) for f in report.files]
         shown = folders[0][1] if len(folders) == 1 else f"{folders[0][1]} ... {folders[-1][1]}"
         lines.append(

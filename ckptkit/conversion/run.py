@@ -35,6 +35,8 @@ from ckptkit.conversion.report import (
 from ckptkit.conversion.write import outputs_of, parent_folders, write, write_agreed
 from ckptkit.errors import UsageError
 from ckptkit.formats.base.source import Source
+from ckptkit.formats.folders.megatron import LATEST
+from ckptkit.formats.folders.megatron_dist import MegatronDist
 from ckptkit.formats.folders.megatron_ranks import MegatronRanks, parallel_sizes
 from ckptkit.formats.output import output_format
 from ckptkit.formats.output.plan import stale_names
@@ -77,7 +79,8 @@ def _saved_whole(output: OutputOptions) -> bool:
 def _convert(src: Location, dst: Path, target: Destination, job: Job) -> ConvertReport:
     """The conversion at the local path ``dst`` (the output itself, or its staged copy)."""
     read, output, part = job.read, job.output, job.part
-    if output.to == "megatron" and (dst.exists() or dst.suffix.lower() in OUTPUT_FORMATS):
+    megatron = output.to in ("megatron", "megatron-dist")
+    if megatron and (dst.exists() or dst.suffix.lower() in OUTPUT_FORMATS):
         raise UsageError(
             f"{dst}: a Megatron save is written as a new folder (its tracker and iteration "
             "folder inside)",
@@ -99,6 +102,8 @@ def _convert(src: Location, dst: Path, target: Destination, job: Job) -> Convert
             dst, fmt = folder / ranks[0], output_format(Path(ranks[0]))
             if isinstance(source, MegatronRanks):
                 fmt = "megatron"
+        elif isinstance(source, MegatronDist):  # the run folder: the iteration's DCP folder
+            dst = dst / source.folder_name
         else:
             dst, folder = _placed(source, dst, fmt, into, folder)
         plan = make_plan(source, src, dst, fmt, keys, output, dtype, limit, folder)
@@ -110,7 +115,7 @@ def _convert(src: Location, dst: Path, target: Destination, job: Job) -> Convert
             plan.copies = copies_into(plan, job.force)
             plan.documents = documents_into(plan)
         report = make_report(source, plan, job.dry_run)
-        if isinstance(source, MegatronRanks):
+        if isinstance(source, (MegatronRanks, MegatronDist)):
             report.megatron = source.describe()
         whole = plan
         if part is not None:
@@ -125,6 +130,12 @@ def _convert(src: Location, dst: Path, target: Destination, job: Job) -> Convert
             _write_checked(
                 source, plan, whole, report, header, target, read, job.verify, job.progress, part
             )
+        if isinstance(source, MegatronDist):  # the tracker last, as Megatron writes it
+            tracker = dst.parent / LATEST
+            with target.files([tracker]) as files:
+                files.path(tracker).write_text(source.tracker, encoding="ascii")
+                files.done(tracker)
+            report.made_files = [LATEST]
         merge_report(source, report, job.check_outputs)
         roundtrip_report(source, report)
         if job.force and part is None and not writer_class(fmt).folder:
@@ -154,10 +165,18 @@ def _cut(source: Source, output: OutputOptions) -> Iterator[Source]:
         output.expert_parallel,
         output.virtual_stages,
     )
+    if output.to == "megatron-dist" and not any(size is not None for size in sizes):
+        dist = MegatronDist(source)  # parallelism-free: any run loads its own slices
+        try:
+            yield dist
+        finally:
+            dist.close()
+        return
     if output.to != "megatron":
         if any(size is not None for size in sizes):
             raise UsageError(
-                "--tp, --pp, --ep and --vpp say how a Megatron save is cut across ranks",
+                "--tp, --pp, --ep and --vpp say how a legacy Megatron save is cut across ranks "
+                "(a torch_dist save holds whole tensors, which any run loads its slices of)",
                 "add --to megatron, or leave them out",
             )
         yield source

@@ -143,6 +143,30 @@ CASES = {
         [],
         ["logits[..., :128] max|diff|", "mp_rank_00_001_001: load_state_dict(strict=True) ok"],
     ),
+    "gqa-swiglu-tp2-to-torch-dist-loaded-at-tp2-pp2": (  # dist_checkpointing.load reshards
+        "gqa-swiglu",
+        [(MEGATRON / "gqa-swiglu/tp2/legacy", "mg", dict(to="megatron-dist"))],
+        ["--at", "2", "2"],
+        ["logits[..., :128] max|diff|", "[load rank 3] mg: load_state_dict(strict=True) ok"],
+    ),
+    "mha-gelu-hugging-face-to-torch-dist-loaded-at-tp2": (
+        "mha-gelu",
+        [
+            (MEGATRON / "mha-gelu/tp2/legacy", "hf", dict(mapping="megatron-gpt2")),
+            (
+                "hf",
+                "mg",
+                dict(
+                    mapping="megatron-gpt2",
+                    reverse=True,
+                    to="megatron-dist",
+                    sets={"divisible": 64},
+                ),
+            ),  # fmt: skip
+        ],
+        ["--zero-padding", "--at", "2", "1"],
+        ["logits[..., :100] max|diff|", "columns 100..127 (zero rows): all 0.0"],
+    ),
     "moe-swiglu-hugging-face-to-ep2": (
         "moe-swiglu",
         [(MEGATRON / "moe-swiglu/ep2/legacy", "hf", TO_HF_MOE), ("hf", "mg", FROM_HF_MOE)],

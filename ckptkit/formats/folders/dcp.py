@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -372,11 +373,14 @@ def _sidecar(path: Location, data: bytes) -> dict[str, str]:
     return {str(k): str(v) for k, v in found.items()}
 
 
-def dcp_metadata(layout: list[tuple[str, str, tuple[int, ...], str, int, int]]) -> bytes:
+def dcp_metadata(
+    layout: list[tuple[str, str, tuple[int, ...], str, int, int]],
+    objects: Sequence[tuple[str, str, int, int]] = (),
+) -> bytes:
     """``.metadata`` as ``dcp.save`` pickles it, for tensors each stored whole in one chunk,
-    given as (key, dtype, shape, file name, offset, length): DCP's own dataclasses, written by
-    name without importing torch (``pickle_write``), so ``torch.distributed.checkpoint.load``
-    reads it as its own."""
+    given as (key, dtype, shape, file name, offset, length), and ``objects`` saved as bytes
+    (key, file name, offset, length): DCP's own dataclasses, written by name without importing
+    torch (``pickle_write``), so ``torch.distributed.checkpoint.load`` reads it as its own."""
     import uuid
 
     def dataclass(name: str, module: str = "metadata", **fields: Any) -> New:
@@ -406,6 +410,12 @@ def dcp_metadata(layout: list[tuple[str, str, tuple[int, ...], str, int, int]]) 
             chunks=[dataclass("ChunkStorageMetadata", offsets=size(origin), sizes=size(shape))],
         )
         index = dataclass("MetadataIndex", fqn=key, offset=size(origin), index=0)
+        storage[index] = dataclass(
+            "_StorageInfo", "filesystem", relative_path=name, offset=offset, length=length
+        )
+    for key, name, offset, length in objects:
+        items[key] = dataclass("BytesStorageMetadata")
+        index = dataclass("MetadataIndex", fqn=key, offset=None, index=None)
         storage[index] = dataclass(
             "_StorageInfo", "filesystem", relative_path=name, offset=offset, length=length
         )

@@ -330,7 +330,8 @@ class DCPWriter(_Writer):
     chunk, so ties survive. The header goes beside them in ``ckptkit.json``."""
 
     format, to, folder, ties = "dcp", "dcp", True, "chunk"
-    files = (DISTCP, SIDECAR, METADATA)  # .metadata last: a reader finds the save by it
+    # .metadata last: a reader finds the save by it
+    files: ClassVar[tuple[str, ...]] = (DISTCP, SIDECAR, METADATA)
 
     @classmethod
     def owns(cls, name: str) -> bool:
@@ -395,6 +396,93 @@ class DCPWriter(_Writer):
             self.copier.compare(written, items, self.aliases, shown)
 
 
+class MegatronDistWriter(DCPWriter):
+    """A Megatron ``torch_dist`` save's iteration folder, as megatron-core's
+    ``dist_checkpointing.save`` lays it out: the tensors in ``__0_0.distcp`` (one whole chunk
+    each), the modules' ``_extra_state`` objects in ``__0_1.distcp``, ``common.pt`` (the args),
+    ``metadata.json`` and ``.metadata`` last; its source is a
+    :class:`~ckptkit.formats.folders.megatron_dist.MegatronDist`."""
+
+    format, to = "megatron-dist", "megatron-dist"
+    suffixes: ClassVar[tuple[str, ...]] = ()
+    files: ClassVar[tuple[str, ...]] = (
+        DISTCP,
+        "__0_1.distcp",
+        "common.pt",
+        "metadata.json",
+        METADATA,
+    )
+
+    @classmethod
+    def owns(cls, name: str) -> bool:
+        return name in cls.files
+
+    def write(self, tmp: Path, items: list[Item]) -> None:
+        from ckptkit.formats.files.torchzip import begin_archive, wrapped_pickle
+        from ckptkit.formats.folders.dcp import dcp_metadata
+        from ckptkit.formats.pickles.writer import dumps
+
+        source = self._source()
+        where = self._write_chunks(tmp / DISTCP, items)
+        layout = [
+            (i.spec.key, i.spec.dtype, tuple(i.spec.shape), DISTCP, *where[i.spec.key])
+            for i in items
+        ]
+        objects = []
+        fd = os.open(tmp / self.files[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            for key in source.extra_objects:  # torch.save([None]), as megatron-core saves it
+                start = os.lseek(fd, 0, os.SEEK_CUR)
+                length = begin_archive(fd, dumps([None])).finish()
+                objects.append((key, self.files[1], start, length))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        common = os.open(tmp / "common.pt", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            begin_archive(common, wrapped_pickle(source.common(), {})[0]).finish()
+            os.fsync(common)
+        finally:
+            os.close(common)
+        for name, content in (
+            ("metadata.json", source.backend().encode()),
+            (METADATA, dcp_metadata(layout, objects)),  # last, as dist_checkpointing writes it
+        ):
+            with open(tmp / name, "xb") as f:
+                f.write(content)
+                os.fsync(f.fileno())
+
+    def _source(self) -> Any:
+        from ckptkit.formats.folders.megatron_dist import MegatronDist
+
+        source = self.copier.source
+        assert isinstance(source, MegatronDist)
+        return source
+
+    def verify(self, tmp: Path, items: list[Item], shown: Path) -> None:
+        """Read the folder back as DCP (every tensor's bytes, and each extra state object
+        where the metadata says) and common.pt statically (its values as planned)."""
+        from ckptkit.formats.files.torchzip import wrapped_pickle
+        from ckptkit.formats.folders.dcp import DCPSource
+        from ckptkit.formats.folders.megatron import megatron_scan
+        from ckptkit.formats.pickles.unpickler import read_pickle
+        from ckptkit.meta import jsonable
+
+        source = self._source()
+        with DCPSource(tmp) as written:
+            missing = set(source.extra_objects) - set(written.extras)
+            if missing:
+                raise VerificationError(f"{shown} lacks {sorted(missing)[:3]}; nothing was written")
+            self.copier.compare(written, items, self.aliases, shown)
+        scan, _, raw, _ = megatron_scan(tmp / "common.pt", ())
+        raw.close()
+        planned = read_pickle(wrapped_pickle(source.common(), {})[0]).root
+        if jsonable(scan.root) != jsonable(planned):
+            raise VerificationError(
+                f"{shown}/common.pt is not the planned one; nothing was written"
+            )
+
+
 # Output format -> its writer (a dispatch table). ``.pt`` output holding sparse or quantized
 # tensors or packed parameters goes through torch.save instead ("torch-values").
 WRITERS: dict[str, type[_Writer]] = {
@@ -403,6 +491,7 @@ WRITERS: dict[str, type[_Writer]] = {
     "torch-values": TorchValuesWriter,
     "dcp": DCPWriter,
     "megatron": MegatronWriter,
+    "megatron-dist": MegatronDistWriter,
 }
 
 # What the command line and file names call each format, from the writers' own declarations.
