@@ -47,6 +47,11 @@ class SpanViews:
                 pieces.append(ranges[slot][offset : offset + length])
         return pieces
 
+    def of(self, laid: Laid) -> list[memoryview]:
+        """A laid-out tensor's bytes as views: its spans mapped (those before released)."""
+        self.map(laid.spans)
+        return self.views(laid.layout)
+
     def bytes(self, layout: Layout) -> bytes:
         return b"".join(self.views(layout))
 

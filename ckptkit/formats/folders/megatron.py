@@ -261,10 +261,63 @@ class MegatronSource(ChunkedSource):
                         f"{jsonable(roots[0, 0, 0].get(key))!r}",
                         "the folder mixes two saves; copy it again",
                     )
+        vp = _virtual_stages(roots[0, 0, 0], files[0, 0, 0], args)
+        chunks = [(v, stage) for v in range(vp) for stage in range(pp)]
+        pieces, stage_of, offset = self._gather(save, roots, files, (tp, pp, ep, vp))
+        said = args.get("num_layers")
+        if isinstance(said, int) and not isinstance(said, bool) and said != offset:
+            raise FormatError(
+                f"{save.folder}'s stages hold {offset} layers, but its args say num_layers {said}",
+                "copy every rank's folder of the save",
+            )
+        swiglu = bool(args.get("swiglu"))
+        tied_copy = _tied_copy(args, pp, pieces)
+        for name, parts in pieces.items():
+            self._tensors[name] = self._merge(name, parts, tp, swiglu)
+        if tied_copy:
+            self._drop_tied_copy(save.folder)
+        _check_mlp(save.folder, self._tensors, args)
+        _check_experts(save.folder, self._tensors, args)
+        for index in range(len(chunks)):  # each chunk's first split weight: never the same
+            split = [n for n, at in stage_of.items() if at == index and n.endswith(_SPLIT_WEIGHTS)]
+            if split and tp > 1:
+                self._check_not_copies(split[0], pieces[split[0]])
+        for raw in self._raws:  # every span is known: the files are opened again to copy
+            raw.close()
+        self._raws, self._zips = [], {}
+        self.selected = "model"
+        experts = f" x {ep} expert" if ep > 1 else ""
+        self.selected_reason = (
+            f"{save.reason}; {tp} tensor x {pp} pipeline{experts}-parallel ranks merged"
+        )
+        if vp > 1:
+            self.selected_reason += f", {vp} virtual pipeline stages on each"
+        if tied_copy:
+            self.selected_reason += (
+                "; the last stage's output_layer.weight, the tied embedding's copy, checked "
+                "equal and left out"
+            )
+        if self.extra_states:
+            self.selected_reason += f"; {len(self.extra_states)} _extra_state entries left out"
+        root = roots[0, 0, 0]
+        self.extras = jsonable({key: root.get(key) for key in _RECORDED if key in root})
+        self.extras["args"] = args
+        self.args_object = root["args"]
+
+    def _gather(
+        self,
+        save: MegatronSave,
+        roots: dict[tuple[int, int, int], dict[str, Any]],
+        files: dict[tuple[int, int, int], Path],
+        sizes: tuple[int, int, int, int],
+    ) -> tuple[dict[str, list[tuple[int, str, TensorStub, Path]]], dict[str, int], int]:
+        """Every rank's tensors under their merged names (layers moved past the chunks before
+        them, experts numbered globally), each with its ranks' pieces; the chunk holding each
+        name; and the layer count. ``sizes``: TP, PP, EP and virtual stages."""
+        tp, pp, ep, vp = sizes
         pieces: dict[str, list[tuple[int, str, TensorStub, Path]]] = {}
         stage_of: dict[str, int] = {}
         offset = 0
-        vp = _virtual_stages(roots[0, 0, 0], files[0, 0, 0], args)
         # Layers in the order megatron-core numbers them: each virtual stage's chunk on every
         # pipeline stage in turn (model0 of stages 0..P-1, then model1...), each chunk's
         # numbered from 0 in its files.
@@ -333,45 +386,7 @@ class MegatronSource(ChunkedSource):
                         )
                     pieces.setdefault(name, []).append((t, key, value, file))
             offset += layers
-        said = args.get("num_layers")
-        if isinstance(said, int) and not isinstance(said, bool) and said != offset:
-            raise FormatError(
-                f"{save.folder}'s stages hold {offset} layers, but its args say num_layers {said}",
-                "copy every rank's folder of the save",
-            )
-        swiglu = bool(args.get("swiglu"))
-        tied_copy = _tied_copy(args, pp, pieces)
-        for name, parts in pieces.items():
-            self._tensors[name] = self._merge(name, parts, tp, swiglu)
-        if tied_copy:
-            self._drop_tied_copy(save.folder)
-        _check_mlp(save.folder, self._tensors, args)
-        _check_experts(save.folder, self._tensors, args)
-        for index in range(len(chunks)):  # each chunk's first split weight: never the same
-            split = [n for n, at in stage_of.items() if at == index and n.endswith(_SPLIT_WEIGHTS)]
-            if split and tp > 1:
-                self._check_not_copies(split[0], pieces[split[0]])
-        for raw in self._raws:  # every span is known: the files are opened again to copy
-            raw.close()
-        self._raws, self._zips = [], {}
-        self.selected = "model"
-        experts = f" x {ep} expert" if ep > 1 else ""
-        self.selected_reason = (
-            f"{save.reason}; {tp} tensor x {pp} pipeline{experts}-parallel ranks merged"
-        )
-        if vp > 1:
-            self.selected_reason += f", {vp} virtual pipeline stages on each"
-        if tied_copy:
-            self.selected_reason += (
-                "; the last stage's output_layer.weight, the tied embedding's copy, checked "
-                "equal and left out"
-            )
-        if self.extra_states:
-            self.selected_reason += f"; {len(self.extra_states)} _extra_state entries left out"
-        root = roots[0, 0, 0]
-        self.extras = jsonable({key: root.get(key) for key in _RECORDED if key in root})
-        self.extras["args"] = args
-        self.args_object = root["args"]
+        return pieces, stage_of, offset
 
     def _drop_tied_copy(self, folder: Location) -> None:
         """With tied embeddings and pipeline stages, Megatron's last stage holds the

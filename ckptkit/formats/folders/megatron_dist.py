@@ -206,10 +206,7 @@ class MegatronDist(Source):
         if key not in self._stacked:
             return self.inner.made_pieces(self._members[key][0])
         laid = self.laid_out(key)
-        if laid is None:
-            return None
-        self._views.map(laid.spans)
-        return self._views.views(laid.layout)
+        return None if laid is None else self._views.of(laid)
 
     def load(self, key: str) -> torch.Tensor:
         import torch

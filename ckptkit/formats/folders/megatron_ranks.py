@@ -321,10 +321,7 @@ class MegatronRanks(Source):
 
     def made_pieces(self, key: str) -> list[memoryview] | None:
         laid = self.laid_out(key)
-        if laid is None:
-            return None
-        self._views.map(laid.spans)
-        return self._views.views(laid.layout)
+        return None if laid is None else self._views.of(laid)
 
     def load(self, key: str) -> torch.Tensor:
         cut = self._cuts[key]
