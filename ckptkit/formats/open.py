@@ -319,12 +319,6 @@ def _open_folder(path: Location, options: OpenOptions, opener: Opener) -> Source
 
         return NeMo2Source(path, select=select, allowed=options.allow_globals)
     megatron = find_megatron(path) if not _is_glob(path) else None
-    if megatron is not None and megatron.kind == "legacy" and not is_local(path):
-        raise FormatError(
-            f"{path} is a legacy Megatron save (mp_rank_* files) at a URL, which ckptkit reads "
-            "from a local disk for now (a torch_dist save is read where it is)",
-            "copy it to a local disk first",
-        )
     if megatron is not None and megatron.kind == "legacy":  # Megatron-LM's mp_rank_* files
         from ckptkit.formats.folders.megatron import MegatronSource
 

@@ -368,30 +368,33 @@ def test_a_merge_spreads_its_shards_over_parts(tmp_path):
         assert (whole.parent / name).read_bytes() == (spread.parent / name).read_bytes(), name
 
 
-def test_a_torch_dist_save_is_read_at_a_url_and_a_legacy_one_refused(s3_env, run, tmp_path):
-    """torch_dist at s3:// (moto on 127.0.0.1): the tracker, common.pt and the chunks read by
-    ranged requests, the model bit for bit as from a local disk, mapped to Hugging Face; a
-    legacy save's many rank files are refused there by name."""
+@pytest.mark.parametrize("kind", ["legacy", "torch_dist"])
+def test_a_save_is_read_at_a_url(s3_env, run, tmp_path, kind):
+    """A save at s3:// (moto on 127.0.0.1): the tracker, the rank files or common.pt and the
+    chunks read by ranged requests, the copies compared there too; the model bit for bit as
+    from a local disk, and mapped to Hugging Face."""
     s3_env.bucket("runs")
-    for kind in ("legacy", "torch_dist"):
-        local = MEGATRON / "moe-swiglu" / "tp2ep2" / kind
-        s3_env.fs.put(str(local) + "/", f"runs/{kind}/", recursive=True)
+    local = MEGATRON / "moe-swiglu" / "tp2ep2" / kind
+    s3_env.fs.put(str(local) + "/", f"runs/{kind}/", recursive=True)
     s3_env.fs.invalidate_cache()
-    one_error(
-        run("inspect", "s3://runs/legacy"),
-        "is a legacy Megatron save (mp_rank_* files) at a URL",
-        "copy it to a local disk",
-    )
-    result = run("convert", "s3://runs/torch_dist", "remote.safetensors")
+    result = run("convert", f"s3://runs/{kind}", "remote.safetensors")
     assert result.exit_code == 0, result.output
     assert "named by latest_checkpointed_iteration.txt" in result.output
-    local = ckptkit.convert(
-        MEGATRON / "moe-swiglu/tp2ep2/torch_dist", tmp_path / "local.safetensors"
-    )
-    ours, theirs = load_file(tmp_path / "remote.safetensors"), load_file(local.destination)
+    here = ckptkit.convert(local, tmp_path / "local.safetensors")
+    ours, theirs = load_file(tmp_path / "remote.safetensors"), load_file(here.destination)
     assert sorted(ours) == sorted(theirs) and all(bit_equal(ours[k], theirs[k]) for k in ours)
-    mapped = run("convert", "s3://runs/torch_dist", "hf", "--map", "megatron-mixtral")
+    mapped = run("convert", f"s3://runs/{kind}", "hf", "--map", "megatron-mixtral")
     assert mapped.exit_code == 0, mapped.output
+
+
+def test_a_copy_that_differs_is_refused_at_a_url_too(s3_env, run, tmp_path):
+    folder = copy_save(tmp_path)
+    key = "decoder.layers.1.pre_mlp_layernorm.weight"
+    resave(rank_file(folder), lambda s: s["model"][key].add_(1.0))
+    s3_env.bucket("runs")
+    s3_env.fs.put(str(folder) + "/", "runs/bad/", recursive=True)
+    s3_env.fs.invalidate_cache()
+    one_error(run("inspect", "s3://runs/bad"), f"'{key}' differs from rank 0's")
 
 
 def test_pipeline_stages_of_another_order_or_save_are_refused(tmp_path):

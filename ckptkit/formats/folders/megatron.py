@@ -44,7 +44,8 @@ from ckptkit.formats.pickles.machine import Opaque, fields
 from ckptkit.formats.pickles.unpickler import TensorStub
 from ckptkit.meta import jsonable
 from ckptkit.storage.bytecopy import same_bytes
-from ckptkit.storage.location import Location, head, is_local, local_path
+from ckptkit.storage.location import Location, head, is_local, local_path, url_file
+from ckptkit.storage.pieces import RangeReader
 
 __all__ = [
     "LATEST",
@@ -409,7 +410,7 @@ class MegatronSource(ChunkedSource):
             )
 
     def _scan(self, file: Path) -> tuple[dict[str, Any], Any]:
-        scan, layout, raw, _ = megatron_scan(file, self._allowed)
+        scan, layout, raw, _ = megatron_scan(file, self._allowed, url_file(file))
         self._raws.append(raw)
         self._zips[file] = layout
         if not isinstance(scan.root, dict):
@@ -551,8 +552,8 @@ class MegatronSource(ChunkedSource):
 def _rank_files(folder: Location) -> dict[tuple[int, ...], Path]:
     """Every rank's file of a legacy save, by the numbers its folder's name holds
     (``mp_rank_TT[_NNN[_NNN]]``): each named once, in one naming, each its own file."""
-    ranks: dict[tuple[int, ...], Path] = {}
-    for entry in sorted(local_path(folder).iterdir()):
+    ranks: dict[tuple[int, ...], Any] = {}  # local Paths, or RemotePaths at a URL
+    for entry in sorted(folder.iterdir(), key=lambda p: p.name):
         if not entry.name.startswith("mp_rank_"):
             continue
         found = _RANK_DIR.fullmatch(entry.name)
@@ -582,9 +583,9 @@ def _rank_files(folder: Location) -> dict[tuple[int, ...], Path]:
                 f"{entry} holds no {' or '.join(_RANK_FILES)}", "copy that rank's folder again"
             )
         ranks[numbers] = file
-    seen: dict[Path, Path] = {}
+    seen: dict[Any, Any] = {}
     for file in ranks.values():  # a rank linked to another's file is not that rank
-        real = file.resolve()
+        real = local_path(file).resolve() if is_local(file) else str(file)
         if real in seen:
             raise FormatError(
                 f"{file} is the very file {seen[real]} is: each rank has its own",
@@ -809,12 +810,29 @@ def _check_experts(
             )
 
 
+_COMPARED = 8 << 20  # bytes of two remote copies compared at a time
+
+
 def _same(a: tuple[Path, int, int], b: tuple[Path, int, int]) -> bool:
-    """Two ranks' copies of a tensor hold the same bytes."""
+    """Two ranks' copies of a tensor hold the same bytes (local files compared in place,
+    files at a URL a piece at a time)."""
     if a[2] != b[2]:
         return False
-    with open(a[0], "rb") as fa, open(b[0], "rb") as fb:
-        return same_bytes(fa.fileno(), a[1], fb.fileno(), b[1], a[2])
+    if is_local(a[0]) and is_local(b[0]):
+        with open(a[0], "rb") as fa, open(b[0], "rb") as fb:
+            return same_bytes(fa.fileno(), a[1], fb.fileno(), b[1], a[2])
+    reader = RangeReader()
+    try:
+        for at in range(0, a[2], _COMPARED):
+            count = min(_COMPARED, a[2] - at)
+            first, second = bytearray(count), bytearray(count)
+            reader.read([(a[0], a[1] + at, count)], memoryview(first))
+            reader.read([(b[0], b[1] + at, count)], memoryview(second))
+            if first != second:
+                return False
+    finally:
+        reader.close()
+    return True
 
 
 class MegatronDistSource(DCPSource):
