@@ -168,10 +168,11 @@ def make_report(source: Source, plan: Plan, dry_run: bool) -> ConvertReport:
 
 def _mapped(source: Source) -> MappedSource | None:
     """The mapping a conversion read through, if any (under a Megatron save's cut too)."""
+    from ckptkit.formats.folders.megatron_dist import MegatronDist
     from ckptkit.formats.folders.megatron_ranks import MegatronRanks
     from ckptkit.mapping.source import MappedSource
 
-    inner = source.inner if isinstance(source, MegatronRanks) else source
+    inner = source.inner if isinstance(source, (MegatronRanks, MegatronDist)) else source
     return inner if isinstance(inner, MappedSource) else None
 
 

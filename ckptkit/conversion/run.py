@@ -80,11 +80,16 @@ def _convert(src: Location, dst: Path, target: Destination, job: Job) -> Convert
     """The conversion at the local path ``dst`` (the output itself, or its staged copy)."""
     read, output, part = job.read, job.output, job.part
     megatron = output.to in ("megatron", "megatron-dist")
-    if megatron and (dst.exists() or dst.suffix.lower() in OUTPUT_FORMATS):
+    if megatron and dst.exists():
         raise UsageError(
-            f"{dst}: a Megatron save is written as a new folder (its tracker and iteration "
-            "folder inside)",
-            "give the name of a folder that does not exist yet",
+            f"{dst} exists: a Megatron save is written as a new folder (its tracker and "
+            "iteration folder inside), and ckptkit replaces none, even with --force",
+            "give a new folder's name, or remove that one first",
+        )
+    if megatron and dst.suffix.lower() in OUTPUT_FORMATS:
+        raise UsageError(
+            f"{dst} is a file's name, and a Megatron save is a folder",
+            "give a folder's name, without a suffix",
         )
     into = dst if dst.is_dir() and not _saved_whole(output) else None
     if into is not None:  # a model folder: save_pretrained's names (the source's, once open)

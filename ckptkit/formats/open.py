@@ -310,6 +310,9 @@ def _open_weights(path: Location, weights: Weights, opener: Opener) -> Source:
 def _open_folder(path: Location, options: OpenOptions, opener: Opener) -> Source | None:
     """The reader of a folder layout ``path`` stands for, or None for a single file."""
     select, ema = options.select, options.ema
+    refusal = megatron_rank_refusal(path) if path.is_dir() else None
+    if refusal is not None:  # one rank's folder of a Megatron save: a slice, not the model
+        raise refusal
     if path.is_dir():
         diffusers = _open_diffusers(path, options, opener)
         if diffusers is not None:

@@ -141,9 +141,14 @@ def resave(path, change):
 def test_refusals_name_the_file_and_the_fix(run, tmp_path):
     folder = copy_save(tmp_path)
     one_error(
+        run("inspect", folder / "iter_0000010" / "mp_rank_01"),
+        "is one rank's folder of a Megatron save (2 rank folders in iter_0000010)",
+        "give the save's folder",
+    )
+    one_error(
         run("convert", rank_file(folder), "x.safetensors"),
         "is one rank's file of a Megatron save (2 rank folders in iter_0000010)",
-        "convert the save's folder",
+        "give the save's folder",
     )
     (folder / "latest_checkpointed_iteration.txt").write_text("20")
     one_error(run("inspect", folder), "names iteration 20, but iter_0000020 is not there")
@@ -337,7 +342,7 @@ def test_an_iteration_folder_of_any_name_converts_and_a_run_without_tracker_says
     assert report.selected_reason.startswith("mysave, the iteration folder given")
     one_error(
         run("convert", renamed / "mp_rank_00" / "model_optim_rng.pt", "x.safetensors"),
-        f"convert the save's folder, {renamed}",
+        f"give the save's folder, {renamed}",
     )
     folder = copy_save(tmp_path / "run")
     (folder / "latest_checkpointed_iteration.txt").unlink()

@@ -81,7 +81,10 @@ def test_refusals(run, tmp_path):
         "a torch_dist save holds whole tensors",
     )
     (tmp_path / "there").mkdir()
-    one_error(run("convert", save, "there", "--to", "megatron-dist"), "does not exist yet")
+    one_error(
+        run("convert", save, "there", "--to", "megatron-dist"),
+        "ckptkit replaces none, even with --force",
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there"]
 
 
@@ -103,3 +106,21 @@ def test_a_torch_dist_save_goes_to_a_url(s3_env, run, tmp_path):
     with ckptkit.open_source("s3://runs/dist") as back, ckptkit.open_source(dist) as model:
         assert sorted(back.keys()) == sorted(model.keys())
         assert all(bit_equal(back.load(k), model.load(k)) for k in model.keys())
+
+
+def test_from_hugging_face_the_report_says_the_mapping(run, tmp_path):
+    """A Hugging Face folder mapped back (the pack's args written) to a torch_dist save: the
+    report names the mapping and its defaults, as for any mapped conversion."""
+    result = run(
+        "convert", FIXTURE_DIR / "mapping/llama3-tp1", "dist", "--map", "megatron-llama",
+        "--reverse", "--to", "megatron-dist", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    import json
+
+    report = json.loads(result.stdout)
+    assert report["mapping"]["name"] == "megatron-llama" and report["megatron"]["torch_dist"]
+    assert report["megatron"]["iteration"] == "release"
+    assert (tmp_path / "dist/latest_checkpointed_iteration.txt").read_text() == "release"
+    common = torch.load(tmp_path / "dist/release/common.pt", weights_only=False)
+    assert vars(common["args"])["num_layers"] == 2

@@ -262,9 +262,14 @@ def test_refusals_name_the_file_and_the_fix(run, tmp_path):
         run("convert", MEGATRON / "moe-swiglu/ep2/legacy", "out", "--to", "megatron", "--ep", "3"),
         "4 experts do not share evenly over 3 expert-parallel ranks",
     )
-    one_error(run("convert", gqa, "out.pt", "--to", "megatron"), "written as a new folder")
+    one_error(
+        run("convert", gqa, "out.pt", "--to", "megatron"),
+        "is a file's name, and a Megatron save is a folder",
+    )
     (tmp_path / "there").mkdir()
-    one_error(run("convert", gqa, "there", "--to", "megatron"), "does not exist yet")
+    one_error(
+        run("convert", gqa, "there", "--to", "megatron"), "ckptkit replaces none, even with --force"
+    )
     one_error(
         run("convert", gqa, "out", "--to", "megatron", "--max-shard-size", "1MB"),
         "--max-shard-size writes safetensors shards",

@@ -168,14 +168,16 @@ def megatron_rank_refusal(file: Location) -> FormatError | None:
     """The error for one rank's file of a legacy Megatron save given alone: with any
     parallelism it holds a slice of the model, and its keys need Megatron's rules either way;
     None for any other file."""
-    rank = file.parent
-    if file.name not in _RANK_FILES or _RANK_DIR.fullmatch(rank.name) is None:
+    rank = file if _RANK_DIR.fullmatch(file.name) and file.is_dir() else file.parent
+    if file is not rank and file.name not in _RANK_FILES or _RANK_DIR.fullmatch(rank.name) is None:
         return None
     ranks = [p.name for p in rank.parent.iterdir() if _RANK_DIR.fullmatch(p.name)]
+    what = "file" if file is not rank else "folder"
+    folders = f"{len(ranks)} rank folder{'s' if len(ranks) != 1 else ''}"
     return FormatError(
-        f"{file} is one rank's file of a Megatron save ({len(ranks)} rank folders in "
-        f"{rank.parent.name}): Megatron's names, and with parallelism a slice of every weight",
-        f"convert the save's folder, {rank.parent}, which ckptkit merges",
+        f"{file} is one rank's {what} of a Megatron save ({folders} in {rank.parent.name}): "
+        "Megatron's names and wrapper, and with parallelism a slice of every weight",
+        f"give the save's folder, {rank.parent}, which ckptkit reads (its ranks merged)",
     )
 
 
