@@ -538,10 +538,14 @@ def _settings(source: Source, side: Side) -> dict[str, Any]:
     assert side.settings is not None
     found = source.extras.get(side.settings)
     if not isinstance(found, dict):
+        folder = source.folder
+        other = folder is not None and holds_file(folder / "config.json")
         raise MappingError(
             f"{source.path} records no {side.settings}, which the mapping reads as the "
             f"{side.name} side's settings",
-            f"is this a {side.name} checkpoint?",
+            "it is a Hugging Face model folder: to map it the other way, add --reverse"
+            if other
+            else f"is this a {side.name} checkpoint?",
         )
     return found
 

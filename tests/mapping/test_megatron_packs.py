@@ -201,3 +201,17 @@ def test_config_from_never_overrides_what_the_source_says_with_a_constant(run, t
         run("convert", save, "hf", "--map", "megatron-llama", "--config-from", given),
         "rotary_interleaved rotates pairs",
     )
+
+
+def test_a_wrong_direction_or_family_says_which_pack_or_flag(run, tmp_path):
+    """A mixture of experts given to megatron-llama names megatron-mixtral; a Hugging Face
+    folder given to a Megatron pack without --reverse is told to add it."""
+    one_error(
+        run("convert", MEGATRON / "moe-swiglu/tp1/legacy", "hf", "--map", "megatron-llama"),
+        "this model is a mixture of experts: --map megatron-mixtral",
+    )
+    one_error(
+        run("convert", FIXTURE_DIR / "mapping/llama3-tp1", "mg", "--map", "megatron-llama"),
+        "records no args",
+        "a Hugging Face model folder: to map it the other way, add --reverse",
+    )
