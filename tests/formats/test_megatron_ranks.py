@@ -200,6 +200,9 @@ def test_written_from_views_without_torch_in_a_real_process(tmp_path):
         ],
     }
     assert [f.split("/")[-2] for f in report["files"]] == ["mp_rank_00_000", "mp_rank_00_001"]
+    # each tensor named by its rank folder in the key plan (a --dry-run's list)
+    assert report["keys"][0]["to"] == "mp_rank_00_000/embedding.word_embeddings.weight"
+    assert report["keys"][-1]["to"].startswith("mp_rank_00_001/")
 
 
 @pytest.mark.parametrize("shape", ["gqa-swiglu", "mha-gelu", "moe-swiglu"])

@@ -107,8 +107,9 @@ class _Cut:
 
 class MegatronRanks(Source):
     """``inner``'s tensors (Megatron's names, one rank's) as the rank files of a legacy save
-    at ``tp`` x ``pp``; each tensor named ``rank R:KEY`` until the plan puts it in rank file R
-    under KEY (as a mapping's ranked target, ``conversion.plan.per_rank``)."""
+    at ``tp`` x ``pp``; each tensor named ``mp_rank_TT.../KEY`` (its rank folder's) until the
+    plan puts it in that rank file under KEY (as a mapping's ranked target,
+    ``conversion.plan.per_rank``)."""
 
     def __init__(self, inner: Source, tp: int, pp: int, ep: int = 1, vp: int = 1) -> None:
         super().__init__(path=inner.path, format=inner.format)
@@ -132,6 +133,7 @@ class MegatronRanks(Source):
         impl = args.get("transformer_impl")
         recorded = getattr(inner, "extra_states", None)
         self._cuts: dict[str, _Cut] = {}
+        self._placed: dict[str, tuple[int, str]] = {}  # each name's rank file and key there
         self._infos_by_name: dict[str, TensorInfo] = {}
         self.rank_files: list[str] = []
         # Each rank file's state dicts (model, or model0, model1... with virtual stages):
@@ -157,7 +159,8 @@ class MegatronRanks(Source):
                             if source.startswith(("embedding.word_embeddings.", "output_layer.")):
                                 cut = _Cut(source, cut.rule, t, rows)
                             shown = key if vp == 1 else f"{state}.{key}"
-                            named = f"rank {rank}:{shown}"
+                            named = f"{name}/{shown}"  # its rank folder's, in reports
+                            self._placed[named] = (rank, shown)
                             self._cuts[named] = cut
                             self._infos_by_name[named] = self._cut_info(named, cut)
                             model.append((key, named))
@@ -288,8 +291,7 @@ class MegatronRanks(Source):
 
     def placed(self, name: str) -> tuple[int, str]:
         """A tensor's rank file (its index in :attr:`rank_files`) and key there."""
-        rank, _, key = name.partition(":")
-        return int(rank.removeprefix("rank ")), key
+        return self._placed[name]
 
     def laid_out(self, key: str) -> Laid | None:
         if self._laid is not None and self._laid[0] == key:  # asked again as it is written
