@@ -269,7 +269,21 @@ def _written_lines(report: Any) -> list[str]:
         )
     else:
         checked = "verified bit-exact"
-    if report.part:
+    if report.part and report.megatron is not None:  # rank files; the tracker once all done
+        ranks = [f for f in report.files if f.endswith(".pt")]
+        folder = report.files[0].rsplit("/", 3)[0]
+        named = ", ".join(f.rsplit("/", 2)[-2] for f in ranks)
+        lines.append(
+            f"Wrote    part {report.part}: {plural(len(ranks), 'rank file')} ({named}) of "
+            f"{folder}, {checked}"
+            + (
+                "; and the tracker, every part done"
+                if len(ranks) < len(report.files)
+                else f"; `ckptkit convert --finish {folder}` writes the tracker once every "
+                "part is done"
+            )
+        )
+    elif report.part:
         shards = [f for f in report.files if not f.endswith(".index.json")]
         lines.append(
             f"Wrote    part {report.part}: {plural(len(shards), 'shard')} of "

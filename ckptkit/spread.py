@@ -125,6 +125,8 @@ def finish(dst: str | Path, *, force: bool = False) -> FinishReport:
         FormatError: a shard is missing or damaged, or the shards disagree.
         OutputError: the index exists (without ``force``).
     """
+    if location(dst).is_dir():  # a legacy Megatron save's parts: its tracker
+        return _finish_megatron(dst, force)
     target = destination(dst, force=force)
     present = set(target.names())
     where = location(dst)
@@ -175,6 +177,36 @@ def finish(dst: str | Path, *, force: bool = False) -> FinishReport:
         sum(len(s) for s in sizes),
         sum(n for s in sizes for _, n in s),
     )
+
+
+def _finish_megatron(dst: str | Path, force: bool) -> FinishReport:
+    """The tracker of a legacy Megatron save whose rank files were written apart (``convert
+    --to megatron --part I/N``): its one iteration folder read as any save is (every rank
+    there, of one save: the reader refuses anything else), then the tracker written.
+
+    Raises:
+        FormatError: no iteration folder, several, or rank files missing or mixed.
+    """
+    from ckptkit.formats.folders.megatron import LATEST, MegatronSave, MegatronSource, iteration_of
+
+    folder = location(dst)
+    saved = sorted(p.name for p in folder.iterdir() if iteration_of(p.name) is not None)
+    if len(saved) != 1:
+        raise FormatError(
+            f"{dst} holds {len(saved)} iteration folders ({', '.join(saved[:3])}), not one",
+            "run the parts first: ckptkit convert SRC DST --to megatron --part I/N",
+        )
+    iteration = folder / saved[0]
+    with MegatronSource(
+        MegatronSave(iteration, f"{saved[0]}, its parts written", "legacy")
+    ) as save:
+        tensors = len(save.keys())
+        total = sum(info.nbytes for _, info in save.entries())
+        files = [str(f) for f in save.files()]
+    tracker = iteration_of(saved[0])
+    assert tracker is not None
+    _write_index(destination(str(folder / LATEST), force=force), LATEST, tracker)
+    return FinishReport(str(folder / LATEST), files, tensors, total)
 
 
 def _header(path: Location) -> dict[str, Any]:

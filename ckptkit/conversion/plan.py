@@ -236,7 +236,9 @@ def refuse_unconvertible(source: Source, src: Location, check_outputs: bool) -> 
 def part_of(plan: Plan, part: Part) -> Plan:
     """The share of a sharded output's shards that ``part`` writes (no index: see
     :func:`ckptkit.conversion.write.write_agreed` and ``ckptkit.spread.finish``)."""
-    if plan.folder is not None or not writer_class(plan.fmt).spreadable or len(plan.shards) < 2:
+    kind = writer_class(plan.fmt)
+    folder = plan.folder is not None and not kind.spreads_in_folder
+    if folder or not kind.spreadable or len(plan.shards) < 2:
         spreadable = " or ".join(c.format for c in able("spreadable"))
         raise UsageError(
             f"--part {part} spreads the shards of a sharded {spreadable} file, and {plan.dst} "
@@ -244,9 +246,10 @@ def part_of(plan: Plan, part: Part) -> Plan:
             "give DST a .safetensors name and --max-shard-size (smaller than the model)",
         )
     mine = part.shards(len(plan.shards))
-    return replace(
-        plan, shards=[plan.shards[i] for i in mine], outputs=[plan.outputs[i] for i in mine]
-    )
+    shards, outputs = [plan.shards[i] for i in mine], [plan.outputs[i] for i in mine]
+    if kind.spreads_in_folder:  # each file committed on its own; the entry once all are done
+        return replace(plan, shards=shards, outputs=outputs, into=True, documents={})
+    return replace(plan, shards=shards, outputs=outputs)
 
 
 def shard_limit(output: OutputOptions, fmt: str) -> int | None:

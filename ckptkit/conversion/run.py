@@ -32,7 +32,7 @@ from ckptkit.conversion.report import (
     output_header,
     roundtrip_report,
 )
-from ckptkit.conversion.write import outputs_of, parent_folders, write, write_agreed
+from ckptkit.conversion.write import entry_of, outputs_of, parent_folders, write, write_agreed
 from ckptkit.errors import UsageError
 from ckptkit.formats.base.source import Source
 from ckptkit.formats.folders.megatron import LATEST
@@ -80,7 +80,8 @@ def _convert(src: Location, dst: Path, target: Destination, job: Job) -> Convert
     """The conversion at the local path ``dst`` (the output itself, or its staged copy)."""
     read, output, part = job.read, job.output, job.part
     megatron = output.to in ("megatron", "megatron-dist")
-    if megatron and dst.exists():
+    shared = part is not None and output.to == "megatron"  # the parts' one folder
+    if megatron and dst.exists() and not (shared and dst.is_dir()):
         raise UsageError(
             f"{dst} exists: a Megatron save is written as a new folder (its tracker and "
             "iteration folder inside), and ckptkit replaces none, even with --force",
@@ -91,7 +92,7 @@ def _convert(src: Location, dst: Path, target: Destination, job: Job) -> Convert
             f"{dst} is a file's name, and a Megatron save is a folder",
             "give a folder's name, without a suffix",
         )
-    into = dst if dst.is_dir() and not _saved_whole(output) else None
+    into = dst if dst.is_dir() and not _saved_whole(output) and not megatron else None
     if into is not None:  # a model folder: save_pretrained's names (the source's, once open)
         dst = into / "model.safetensors"
     # A new name without a suffix: a model folder, when the source is one (checked once open).
@@ -125,7 +126,8 @@ def _convert(src: Location, dst: Path, target: Destination, job: Job) -> Convert
         whole = plan
         if part is not None:
             plan = part_of(plan, part)
-            index = [str(whole.outputs[-1])] if part.launched and part.index == 0 else []
+            last = str(entry_of(whole, {})[0])
+            index = [last] if part.launched and part.index == 0 else []
             report.files = [str(p) for p in plan.outputs] + index
             report.part = str(part)
         if job.dry_run:
@@ -250,8 +252,11 @@ def _write_checked(
     def checked_write() -> None:
         # Under torchrun rank 0 writes the index too: every rank checks it now, so that an
         # existing one stops them all before any shard is written.
-        index = [whole.outputs[-1]] if part and part.launched else []
+        index = [entry_of(whole, header)[0]] if part and part.launched else []
         committed, folder = outputs_of(plan)
+        if writer_class(plan.fmt).spreads_in_folder and plan.into:
+            for out in plan.outputs:  # a part's rank files, each in its rank folder
+                out.parent.mkdir(parents=True, exist_ok=True)
         if writer_class(plan.fmt).folder:
             target.check(committed, folder=folder)
         else:

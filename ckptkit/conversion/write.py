@@ -167,6 +167,16 @@ def _write_shard(
         writer.verify(tmp, items, shown)
 
 
+def entry_of(whole: Plan, header: dict[str, str]) -> tuple[Path, str]:
+    """What a spread output's last file is, written once every part is done: a sharded
+    output's index, or a legacy Megatron save's tracker."""
+    if writer_class(whole.fmt).spreads_in_folder:
+        assert whole.folder is not None
+        name, text = next(iter(whole.documents.items()))
+        return whole.folder / name, text
+    return whole.outputs[-1], _index(whole, header)
+
+
 def write_agreed(
     write: Callable[[], None],
     whole: Plan,
@@ -175,7 +185,8 @@ def write_agreed(
     target: Destination,
 ) -> None:
     """Under torchrun: this rank's shards, then, once every rank says its own are written and
-    verified, the index by rank 0. A rank that failed makes every rank fail: no index."""
+    verified, the index (a Megatron save's tracker) by rank 0. A rank that failed makes every
+    rank fail: no index."""
     try:
         write()
     except BaseException:
@@ -189,16 +200,17 @@ def write_agreed(
     if part.index != 0:
         return
     # Every rank's shards where the index will name them (a shared disk).
-    missing = target.missing(whole.outputs[:-1])
+    index, text = entry_of(whole, header)
+    shards = whole.outputs if writer_class(whole.fmt).spreads_in_folder else whole.outputs[:-1]
+    missing = target.missing(shards)
     if missing:
         raise OutputError(
             f"{len(missing)} shards of {whole.dst} are not in {whole.dst.parent} "
             f"({', '.join(missing[:3])}): the ranks wrote to different disks; no index",
             "write to a folder every node shares, or to a URL",
         )
-    index = whole.outputs[-1]
     with target.files([index]) as files:
-        files.path(index).write_text(_index(whole, header))
+        files.path(index).write_text(text)
         files.done(index)
 
 

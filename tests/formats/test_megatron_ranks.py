@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -505,3 +506,37 @@ def test_a_model_from_elsewhere_is_checked_before_it_is_cut(run, tmp_path):
     one_error(run("convert", "flat.safetensors", "out", "--to", "megatron"), "has 0 dims")
     dense = MEGATRON / "mha-gelu/tp2/legacy"
     assert run("convert", dense, "gpt2-v1.5-tp1", "--to", "megatron").exit_code == 0
+
+
+def test_writing_a_save_spreads_over_parts_and_torchrun(run, tmp_path):
+    """--part I/N: each process writes its rank files into the one folder, no tracker; --finish
+    reads the save whole (every rank there, of one save) and writes the tracker. Under torchrun
+    rank 0 writes it once every rank's files are verified. Both are the one-process save."""
+    save = MEGATRON / "mha-gelu" / "tp2" / "legacy"
+    flags = ["--to", "megatron", "--tp", "2", "--pp", "2"]
+    assert run("convert", save, "whole", *flags).exit_code == 0
+    for index in (1, 2, 3):
+        result = run("convert", save, "parts", *flags, "--part", f"{index}/3")
+        assert result.exit_code == 0, result.output
+    assert "`ckptkit convert --finish parts` writes the tracker" in result.output
+    assert not (tmp_path / "parts" / "latest_checkpointed_iteration.txt").exists()
+    one_error(run("convert", save, "parts", *flags, "--part", "1/3"), "exists", "--force")
+    shutil.rmtree(tmp_path / "parts/iter_0000010/mp_rank_01_000")  # part 2/3's
+    one_error(run("convert", "--finish", "parts"), "lacks mp_rank_01_000")
+    assert run("convert", save, "parts", *flags, "--part", "2/3").exit_code == 0
+    assert run("convert", "--finish", "parts").exit_code == 0
+    code = (
+        f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 -m ckptkit "
+        f"convert {save} launched {' '.join(flags)} --quiet"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(code.split(), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=180, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    whole = rank_files(tmp_path / "whole")
+    for name in ("parts", "launched"):
+        assert (tmp_path / name / "latest_checkpointed_iteration.txt").read_text() == "10"
+        spread = rank_files(tmp_path / name)
+        assert list(spread) == list(whole)
+        for rank, file in whole.items():
+            assert_same_model(spread[rank]["model"], file["model"])

@@ -164,6 +164,15 @@ def find_megatron(path: Location) -> MegatronSave | None:
     return None
 
 
+def iteration_of(name: str) -> str | None:
+    """What a tracker says for an iteration folder's name (``iter_0000010``: ``10``;
+    ``release``), or None for any other name."""
+    found = _ITERATION.fullmatch(name)
+    if found is None:
+        return None
+    return "release" if name == "release" else str(int(found[1]))
+
+
 def megatron_rank_refusal(file: Location) -> FormatError | None:
     """The error for one rank's file of a legacy Megatron save given alone: with any
     parallelism it holds a slice of the model, and its keys need Megatron's rules either way;

@@ -82,6 +82,9 @@ class _Writer:
     files: ClassVar[tuple[str, ...]] = ()  # a folder output's files: commit order, entry last
     shardable: ClassVar[bool] = False  # --max-shard-size: shards beside an index
     spreadable: ClassVar[bool] = False  # --part: processes write shares of the shards
+    # ...and the shards are files of one folder (a legacy Megatron save's rank files), each
+    # committed on its own, the folder's entry written once every part is done.
+    spreads_in_folder: ClassVar[bool] = False
     model_folder: ClassVar[bool] = False  # a model folder's weights (config files beside)
     # How tied tensors are written: None lets --keep-tied-copies choose ("once": one tensor,
     # the others named in the metadata, or "copies"); "shared" (one storage), "chunk" (one
@@ -199,6 +202,7 @@ class MegatronWriter(TorchWriter):
 
     format, to = "megatron", "megatron"
     suffixes: ClassVar[tuple[str, ...]] = ()  # only --to megatron names it
+    spreadable = spreads_in_folder = True  # each part its rank files; the tracker last
 
     def _pickled(self, items: list[Item]) -> tuple[bytes, dict[str, Any]]:
         from ckptkit.formats.files.torchzip import wrapped_pickle
