@@ -203,6 +203,13 @@ def test_config_from_never_overrides_what_the_source_says_with_a_constant(run, t
     )
 
 
+def test_gpt2s_end_of_text_is_the_vocabularys_last_token(tmp_path):
+    """GPT2Config's default bos/eos (50256) would lie past a smaller vocabulary."""
+    ckptkit.convert(MEGATRON / "mha-gelu/tp2/legacy", tmp_path / "hf", mapping="megatron-gpt2")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["bos_token_id"] == config["eos_token_id"] == config["vocab_size"] - 1 == 99
+
+
 def test_a_wrong_direction_or_family_says_which_pack_or_flag(run, tmp_path):
     """A mixture of experts given to megatron-llama names megatron-mixtral; a Hugging Face
     folder given to a Megatron pack without --reverse is told to add it."""
