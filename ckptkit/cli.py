@@ -423,6 +423,16 @@ def cli() -> None:
     """
 
 
+def _parallel_size(flag: str, dest: str, what: str) -> Callable[[Any], Any]:
+    """One of ``--to megatron``'s sizes: a whole number from 1 to MOST_PARALLEL (None: 1)."""
+    return click.option(
+        flag,
+        dest,
+        type=click.IntRange(1, MOST_PARALLEL),
+        help=f"With --to megatron: {what} (default 1).",
+    )
+
+
 @cli.command()
 @click.argument("src", required=False, type=click.Path(dir_okay=True, path_type=str))
 @click.argument("dst", required=False, type=click.Path(path_type=str))
@@ -452,32 +462,13 @@ def cli() -> None:
     "--to",
     type=click.Choice(list(TO_FORMATS)),  # what the writers declare (formats/output/writers.py)
     help="Output format (default: DST's suffix); dcp writes a torch.distributed.checkpoint "
-    "folder, megatron a legacy Megatron-LM save (mp_rank_* files; --tp, --pp).",
+    "folder, megatron a legacy Megatron-LM save (mp_rank_* files: --tp, --pp, --ep, --vpp), "
+    "megatron-dist its torch_dist save.",
 )
-@click.option(
-    "--tp",
-    "tensor_parallel",
-    type=click.IntRange(1, MOST_PARALLEL),
-    help="With --to megatron: the tensor-parallel size to cut the model into (default 1).",
-)
-@click.option(
-    "--pp",
-    "pipeline_parallel",
-    type=click.IntRange(1, MOST_PARALLEL),
-    help="With --to megatron: the pipeline stages to deal the layers to (default 1).",
-)
-@click.option(
-    "--ep",
-    "expert_parallel",
-    type=click.IntRange(1, MOST_PARALLEL),
-    help="With --to megatron: the expert-parallel ranks to share a mixture's experts (default 1).",
-)
-@click.option(
-    "--vpp",
-    "virtual_stages",
-    type=click.IntRange(1, MOST_PARALLEL),
-    help="With --to megatron --pp: the virtual pipeline stages on each stage (model0, model1...).",
-)
+@_parallel_size("--tp", "tensor_parallel", "the tensor-parallel size to cut the model into")
+@_parallel_size("--pp", "pipeline_parallel", "the pipeline stages to deal the layers to")
+@_parallel_size("--ep", "expert_parallel", "the expert-parallel ranks to share the experts over")
+@_parallel_size("--vpp", "virtual_stages", "the virtual pipeline stages on each stage (--pp)")
 @click.option(
     "--check-outputs",
     is_flag=True,

@@ -412,7 +412,7 @@ class MegatronSource(ChunkedSource):
             or copy.shape != embedding.shape
             or copy.dtype != embedding.dtype
             or len(spans[0]) != len(spans[1])
-            or not all(_same(a, b) for a, b in zip(*spans, strict=True))
+            or not all(self._same(a, b) for a, b in zip(*spans, strict=True))
         ):
             raise FormatError(
                 f"{folder}: the last stage's output_layer.weight differs from the embedding, "
@@ -443,7 +443,7 @@ class MegatronSource(ChunkedSource):
         chunks: list[tuple[tuple[int, ...], tuple[int, ...], tuple[Path, int, int]]] = []
         if name.endswith(SAME) or tp == 1:
             for (_, _, stub, file), span in zip(parts[1:], spans[1:], strict=True):
-                if stub.shape != first.shape or not _same(spans[0], span):
+                if stub.shape != first.shape or not self._same(spans[0], span):
                     raise FormatError(
                         f"{file}: '{name}' differs from rank 0's, though Megatron keeps it the "
                         "same on every tensor-parallel rank",
@@ -507,6 +507,11 @@ class MegatronSource(ChunkedSource):
         check_cover(self.path, tensor)
         return tensor
 
+    def _same(self, a: tuple[Path, int, int], b: tuple[Path, int, int]) -> bool:
+        """Two ranks' copies of a tensor hold the same bytes (read through this source's
+        connections at a URL)."""
+        return _same_bytes(a, b, self._reader)
+
     def _check_replica(
         self, name: str, stub: TensorStub, file: Path, first: tuple[int, str, TensorStub, Path]
     ) -> None:
@@ -516,7 +521,7 @@ class MegatronSource(ChunkedSource):
         ref = first[2]
         if (stub.dtype, tuple(stub.shape)) != (ref.dtype, tuple(ref.shape)) or (
             name.endswith(SAME)
-            and not _same(self._span(stub, file, name), self._span(ref, first[3], name))
+            and not self._same(self._span(stub, file, name), self._span(ref, first[3], name))
         ):
             raise FormatError(
                 f"{file}: '{name}' differs from expert rank 0's, though Megatron keeps it the "
@@ -530,7 +535,7 @@ class MegatronSource(ChunkedSource):
         joined twice."""
         first = self._span(parts[0][2], parts[0][3], name)
         for rank, (_, _, stub, file) in enumerate(parts[1:], 1):
-            if stub.nbytes and _same(first, self._span(stub, file, name)):
+            if stub.nbytes and self._same(first, self._span(stub, file, name)):
                 raise FormatError(
                     f"{file} holds the slice of '{name}' that tensor-parallel rank 0 holds: a "
                     f"copy of another rank's file, not rank {rank}'s",
@@ -824,25 +829,21 @@ def _check_experts(
 _COMPARED = 8 << 20  # bytes of two remote copies compared at a time
 
 
-def _same(a: tuple[Path, int, int], b: tuple[Path, int, int]) -> bool:
+def _same_bytes(a: tuple[Path, int, int], b: tuple[Path, int, int], reader: RangeReader) -> bool:
     """Two ranks' copies of a tensor hold the same bytes (local files compared in place,
-    files at a URL a piece at a time)."""
+    files at a URL a piece at a time through ``reader``'s connections)."""
     if a[2] != b[2]:
         return False
     if is_local(a[0]) and is_local(b[0]):
         with open(a[0], "rb") as fa, open(b[0], "rb") as fb:
             return same_bytes(fa.fileno(), a[1], fb.fileno(), b[1], a[2])
-    reader = RangeReader()
-    try:
-        for at in range(0, a[2], _COMPARED):
-            count = min(_COMPARED, a[2] - at)
-            first, second = bytearray(count), bytearray(count)
-            reader.read([(a[0], a[1] + at, count)], memoryview(first))
-            reader.read([(b[0], b[1] + at, count)], memoryview(second))
-            if first != second:
-                return False
-    finally:
-        reader.close()
+    for at in range(0, a[2], _COMPARED):
+        count = min(_COMPARED, a[2] - at)
+        first, second = bytearray(count), bytearray(count)
+        reader.read([(a[0], a[1] + at, count)], memoryview(first))
+        reader.read([(b[0], b[1] + at, count)], memoryview(second))
+        if first != second:
+            return False
     return True
 
 

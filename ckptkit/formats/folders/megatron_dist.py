@@ -30,20 +30,21 @@ from ckptkit.formats.base.layout import Layout, stack
 from ckptkit.formats.base.source import Source, TensorInfo
 from ckptkit.formats.folders.megatron import EXPERT, EXTRA_STATE, LAYER
 from ckptkit.formats.folders.megatron_ranks import (
-    _CHECKPOINT_VERSION,
-    _iteration,
-    _json_args,
-    _written_args,
+    iteration_names,
+    layer_count,
+    save_args,
+    saved_iteration,
+    saved_root,
+    written_args,
 )
 from ckptkit.storage.location import Location
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MegatronDist", "DIST_FILES", "COMMON", "METADATA_JSON"]
+__all__ = ["MegatronDist", "COMMON", "METADATA_JSON"]
 
 COMMON, METADATA_JSON = "common.pt", "metadata.json"
-DIST_FILES = (COMMON, METADATA_JSON)
 # metadata.json: how megatron-core's dist_checkpointing finds the save's backend.
 _BACKEND = {
     "sharded_backend": "torch_dist",
@@ -69,17 +70,15 @@ class MegatronDist(Source):
         self.made_once = True  # type: ignore[misc]  # made from views, checked by CRC-32
         self.selected, self.selected_reason = inner.selected, inner.selected_reason
         self.extras, self.dropped, self.followed = inner.extras, inner.dropped, inner.followed
-        args = _json_args(inner)
-        self.iteration = _iteration(inner)
-        release = self.iteration is None
-        self.folder_name = "release" if release else f"iter_{self.iteration:07d}"
-        self.tracker = "release" if release else str(self.iteration)
+        args = save_args(inner)
+        self.iteration = saved_iteration(inner)
+        self.folder_name, self.tracker = iteration_names(self.iteration)
         impl = args.get("transformer_impl")
         te_moe = impl == "transformer_engine" and any(EXPERT.fullmatch(k) for k in inner.keys())
         # Each key of the save: the source keys it stacks (one for a tensor not stacked).
         self._members: dict[str, list[str]] = {}
         self._infos: dict[str, TensorInfo] = {}
-        layers = _layer_count(inner, args)
+        layers = layer_count(inner, args)
         stacked: dict[str, dict[int, dict[int | None, str]]] = {}
         for key in inner.keys():
             found = LAYER.fullmatch(key)
@@ -131,7 +130,7 @@ class MegatronDist(Source):
             self._infos[name] = TensorInfo(first.dtype, tuple(shape))
         self._stacked = set(stacked)
         self.extra_objects = _extra_objects(stacked, layers)
-        self.args, _ = _written_args(inner, args, {})
+        self.args, _ = written_args(inner, args, {})
         self.documents = {}
         self._views = SpanViews()
         self._laid: tuple[str, Laid | None] | None = None
@@ -147,14 +146,7 @@ class MegatronDist(Source):
 
     def common(self) -> dict[str, Any]:
         """What ``common.pt`` holds, in megatron-core's order."""
-        root: dict[str, Any] = {
-            "args": self.args,
-            "checkpoint_version": _CHECKPOINT_VERSION,
-            "iteration": self.iteration or 0,
-        }
-        flops = self.inner.extras.get("num_floating_point_operations_so_far")
-        if isinstance(flops, (int, float)) and not isinstance(flops, bool):
-            root["num_floating_point_operations_so_far"] = flops
+        root = saved_root(self.args, self.iteration, self.inner)
         root["content_metadata"] = {
             "singleton_local_shards": False,
             "chained_optim_avoid_prefix": True,
@@ -222,19 +214,6 @@ class MegatronDist(Source):
 
     def close(self) -> None:
         self._views.close()
-
-
-def _layer_count(inner: Source, args: dict[str, Any]) -> int:
-    numbers = {int(f[1]) for k in inner.keys() if (f := LAYER.fullmatch(k)) is not None}
-    if numbers != set(range(len(numbers))):
-        raise FormatError(f"{inner.path} numbers its layers {sorted(numbers)[:8]}, not 0 to N - 1")
-    said = args.get("num_layers")
-    if isinstance(said, int) and not isinstance(said, bool) and said != len(numbers):
-        raise FormatError(
-            f"{inner.path} holds {len(numbers)} layers, but its args say num_layers {said}",
-            "are the args those of these weights?",
-        )
-    return len(numbers)
 
 
 def _dist_name(rest: str, impl: Any, te_moe: bool) -> str:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,11 +57,23 @@ from ckptkit.storage.location import Location
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MegatronRanks", "RANK_FILE", "MOST_PARALLEL", "parallel_sizes"]
+__all__ = [
+    "MegatronRanks",
+    "RANK_FILE",
+    "MOST_PARALLEL",
+    "CHECKPOINT_VERSION",
+    "parallel_sizes",
+    "save_args",
+    "saved_iteration",
+    "written_args",
+    "iteration_names",
+    "saved_root",
+    "layer_count",
+]
 
 RANK_FILE = "model_optim_rng.pt"
 MOST_PARALLEL = 4096  # ranks of either kind, as the reader bounds them
-_CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes (megatron/training/checkpointing.py)
+CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes (megatron/training/checkpointing.py)
 _MOST_DIVISIBLE = 1 << 16  # make_vocab_size_divisible_by: Megatron's default is 128
 _MOST_ARG_VALUES = 100_000  # values in the args written back (a hostile pickle shares lists)
 # Norms under TransformerEngine's names (fused into the next linear) and the local spec's.
@@ -119,10 +132,10 @@ class MegatronRanks(Source):
         self.made_once = True  # type: ignore[misc]
         self.selected, self.extras = inner.selected, inner.extras
         self.dropped, self.followed = inner.dropped, inner.followed
-        args = _json_args(inner)
-        self.iteration = _iteration(inner)
-        folder = "release" if self.iteration is None else f"iter_{self.iteration:07d}"
-        self.documents = {LATEST: "release" if self.iteration is None else str(self.iteration)}
+        args = save_args(inner)
+        self.iteration = saved_iteration(inner)
+        folder, tracker = iteration_names(self.iteration)
+        self.documents = {LATEST: tracker}
         if vp > 1 and pp == 1:
             raise UsageError("--vpp: virtual stages are of pipeline stages", "add --pp 2 or more")
         chunks, per = _stages(inner, args, pp, vp)
@@ -185,7 +198,7 @@ class MegatronRanks(Source):
         for key, size in (("data_parallel_size", ep), ("world_size", tp * pp * ep)):
             if key in args:
                 updates[key] = size
-        self.args, self.args_shown = _written_args(inner, args, updates)
+        self.args, self.args_shown = written_args(inner, args, updates)
         self.selected_reason = inner.selected_reason
         # What the new layout changed in the args (said in the report).
         self.changed = {k: self.args_shown[k] for k, v in updates.items() if args.get(k) != v}
@@ -207,16 +220,7 @@ class MegatronRanks(Source):
 
     def rank_root(self) -> dict[str, Any]:
         """What every rank file holds, in Megatron-LM's order, its model at ``model``."""
-        root: dict[str, Any] = {
-            "args": self.args,
-            "checkpoint_version": _CHECKPOINT_VERSION,
-            "iteration": self.iteration or 0,
-        }
-        root.update(dict.fromkeys(self.rank_models[0]))  # model, or model0, model1...
-        flops = self.inner.extras.get("num_floating_point_operations_so_far")
-        if isinstance(flops, (int, float)) and not isinstance(flops, bool):
-            root["num_floating_point_operations_so_far"] = flops
-        return root
+        return saved_root(self.args, self.iteration, self.inner, list(self.rank_models[0]))
 
     def _padded(self, inner: Source, args: dict[str, Any]) -> int | None:
         """The embedding's rows at the new size: Megatron's ``padded_vocab_size`` for it."""
@@ -340,7 +344,7 @@ class MegatronRanks(Source):
         self._views.close()
 
 
-def _json_args(inner: Source) -> dict[str, Any]:
+def save_args(inner: Source) -> dict[str, Any]:
     """The run's args as plain values: a Megatron source's, or those a mapping made (a pack's
     Megatron side), or those a converted file kept in its metadata."""
     import json
@@ -361,13 +365,56 @@ def _json_args(inner: Source) -> dict[str, Any]:
     return args
 
 
-def _iteration(inner: Source) -> int | None:
+def saved_iteration(inner: Source) -> int | None:
     """The iteration to save as: the source's, or None (a release) for a model from
     elsewhere."""
     found = inner.extras.get("iteration")
     if isinstance(found, bool) or not isinstance(found, int) or not 0 <= found < 10**12:
         return None
     return found
+
+
+def iteration_names(iteration: int | None) -> tuple[str, str]:
+    """The iteration folder's name and what the tracker says (a release without one)."""
+    if iteration is None:
+        return "release", "release"
+    return f"iter_{iteration:07d}", str(iteration)
+
+
+def saved_root(
+    args: Any,
+    iteration: int | None,
+    inner: Source,
+    states: Sequence[str] = (),
+) -> dict[str, Any]:
+    """What a save holds beside its tensors, in Megatron-LM's order (``states``: the model's
+    keys in a rank file, None placeholders): the args, ``checkpoint_version``, the iteration,
+    and the source's FLOP count where it records one."""
+    root: dict[str, Any] = {
+        "args": args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration or 0,
+    }
+    root.update(dict.fromkeys(states))
+    flops = inner.extras.get("num_floating_point_operations_so_far")
+    if isinstance(flops, (int, float)) and not isinstance(flops, bool):
+        root["num_floating_point_operations_so_far"] = flops
+    return root
+
+
+def layer_count(inner: Source, args: dict[str, Any]) -> int:
+    """How many layers ``inner`` holds (``decoder.layers.N``), numbered 0 to N - 1 and as
+    many as the args' ``num_layers``."""
+    numbers = sorted({int(f[1]) for k in inner.keys() if (f := LAYER.fullmatch(k)) is not None})
+    if numbers != list(range(len(numbers))):
+        raise FormatError(f"{inner.path} numbers its layers {numbers[:8]}, not 0 to N - 1")
+    said = args.get("num_layers")
+    if isinstance(said, int) and not isinstance(said, bool) and said != len(numbers):
+        raise FormatError(
+            f"{inner.path} holds {len(numbers)} layers, but its args say num_layers {said}",
+            "are the args those of these weights?",
+        )
+    return len(numbers)
 
 
 def _whole(value: Any, default: int) -> int:
@@ -417,23 +464,15 @@ def _stages(
             )
         placed.append((where, _module_order(_norm_name(key, impl, experts)), index, key))
     placed.sort()
-    layers = sorted({layer for (section, layer), _, _, _ in placed if section == 1})
-    if layers != list(range(len(layers))):
-        raise FormatError(f"{inner.path} numbers its layers {layers[:8]}, not 0 to N - 1")
-    said = args.get("num_layers")
-    if isinstance(said, int) and not isinstance(said, bool) and said != len(layers):
-        raise FormatError(
-            f"{inner.path} holds {len(layers)} layers, but its args say num_layers {said}",
-            "are the args those of these weights?",
-        )
+    layers = layer_count(inner, args)
     chunks = pp * vp
-    if len(layers) % chunks or len(layers) < chunks:
+    if layers % chunks or layers < chunks:
         what = f"{pp} pipeline stages" + (f" x {vp} virtual stages" if vp > 1 else "")
         raise FormatError(
-            f"{inner.path}'s {len(layers)} layers do not share evenly over {what}",
+            f"{inner.path}'s {layers} layers do not share evenly over {what}",
             "choose a --pp (and --vpp) whose product divides the layer count",
         )
-    per = len(layers) // chunks
+    per = layers // chunks
     stages: list[list[tuple[str, str]]] = [[] for _ in range(chunks)]
     for (section, layer), _, _, key in placed:
         local = _norm_name(key, impl, experts)
@@ -672,7 +711,7 @@ def _cut_tensor(tensor: torch.Tensor, cut: _Cut, tp: int) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def _written_args(
+def written_args(
     inner: Source, args: dict[str, Any], updates: dict[str, Any]
 ) -> tuple[New, dict[str, Any]]:
     """The args Namespace to write (as the pickle writer takes it), and what reading it back

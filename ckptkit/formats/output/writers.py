@@ -22,6 +22,7 @@ from ckptkit.formats.base.dtypes import DTYPES
 from ckptkit.formats.base.tensors import with_versions
 from ckptkit.formats.files.safetensors import read_header, write_safetensors
 from ckptkit.formats.folders.dcp import DISTCP, METADATA, SIDECAR
+from ckptkit.formats.folders.megatron_dist import COMMON, METADATA_JSON
 from ckptkit.formats.output.copier import (
     Copier,
     Item,
@@ -409,13 +410,7 @@ class MegatronDistWriter(DCPWriter):
 
     format, to = "megatron-dist", "megatron-dist"
     suffixes: ClassVar[tuple[str, ...]] = ()
-    files: ClassVar[tuple[str, ...]] = (
-        DISTCP,
-        "__0_1.distcp",
-        "common.pt",
-        "metadata.json",
-        METADATA,
-    )
+    files: ClassVar[tuple[str, ...]] = (DISTCP, "__0_1.distcp", COMMON, METADATA_JSON, METADATA)
 
     @classmethod
     def owns(cls, name: str) -> bool:
@@ -442,14 +437,14 @@ class MegatronDistWriter(DCPWriter):
             os.fsync(fd)
         finally:
             os.close(fd)
-        common = os.open(tmp / "common.pt", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        common = os.open(tmp / COMMON, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             begin_archive(common, wrapped_pickle(source.common(), {})[0]).finish()
             os.fsync(common)
         finally:
             os.close(common)
         for name, content in (
-            ("metadata.json", source.backend().encode()),
+            (METADATA_JSON, source.backend().encode()),
             (METADATA, dcp_metadata(layout, objects)),  # last, as dist_checkpointing writes it
         ):
             with open(tmp / name, "xb") as f:
@@ -478,7 +473,7 @@ class MegatronDistWriter(DCPWriter):
             if missing:
                 raise VerificationError(f"{shown} lacks {sorted(missing)[:3]}; nothing was written")
             self.copier.compare(written, items, self.aliases, shown)
-        scan, _, raw, _ = megatron_scan(tmp / "common.pt", ())
+        scan, _, raw, _ = megatron_scan(tmp / COMMON, ())
         raw.close()
         planned = read_pickle(wrapped_pickle(source.common(), {})[0]).root
         if jsonable(scan.root) != jsonable(planned):
