@@ -165,34 +165,33 @@ def _opened(src: Location, read: ReadOptions) -> AbstractContextManager[Source]:
 
 @contextlib.contextmanager
 def _cut(source: Source, output: OutputOptions) -> Iterator[Source]:
-    """The source, cut into a legacy Megatron save's rank files for ``--to megatron``."""
+    """The source, cut into a legacy Megatron save's rank files for ``--to megatron``, or
+    stacked as a torch_dist save's tensors for ``--to megatron-dist``."""
     sizes = (
         output.tensor_parallel,
         output.pipeline_parallel,
         output.expert_parallel,
         output.virtual_stages,
     )
-    if output.to == "megatron-dist" and not any(size is not None for size in sizes):
-        dist = MegatronDist(source)  # parallelism-free: any run loads its own slices
-        try:
-            yield dist
-        finally:
-            dist.close()
-        return
-    if output.to != "megatron":
-        if any(size is not None for size in sizes):
-            raise UsageError(
-                "--tp, --pp, --ep and --vpp say how a legacy Megatron save is cut across ranks "
-                "(a torch_dist save holds whole tensors, which any run loads its slices of)",
-                "add --to megatron, or leave them out",
-            )
+    if output.to != "megatron" and any(size is not None for size in sizes):
+        raise UsageError(
+            "--tp, --pp, --ep and --vpp say how a legacy Megatron save is cut across ranks "
+            "(a torch_dist save holds whole tensors, which any run loads its slices of)",
+            "add --to megatron, or leave them out",
+        )
+    if output.to not in ("megatron", "megatron-dist"):
         yield source
         return
-    ranks = MegatronRanks(source, *parallel_sizes(*sizes))
+    # torch_dist is parallelism-free: any run loads its own slices of it.
+    cut: Source
+    if output.to == "megatron-dist":
+        cut = MegatronDist(source)
+    else:
+        cut = MegatronRanks(source, *parallel_sizes(*sizes))
     try:
-        yield ranks
+        yield cut
     finally:
-        ranks.close()
+        cut.close()
 
 
 def _rank_folder(dst: Path, into: Path | None, ranks: list[str], output: OutputOptions) -> Path:
